@@ -1,0 +1,106 @@
+"""Hugging Face safetensors folders: read only the tensors a (partial) model needs, write a loadable folder.
+
+A checkpoint is either one `model.safetensors` or shards listed by `model.safetensors.index.json`.
+Reading goes tensor by tensor through `safe_open`, so a pipeline stage or an expert shard never
+materialises the rest of the checkpoint. Each recipe's load/save functions map its own parameter
+names onto these readers and writers; nothing here knows about a model.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def read_hf_config(path: str | os.PathLike) -> dict:
+    """config.json of a checkpoint folder, or the file itself."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"no Hugging Face config at {file}; pass a checkpoint folder or its config.json")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); re-download or re-export the config") from None
+
+
+class CheckpointReader:
+    """Lazy access to the tensors of a safetensors checkpoint folder; remembers which names were read."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._handles: dict = {}
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"checkpoint folder {self.path} does not exist")
+        index_file, single_file = self.path / INDEX_NAME, self.path / SINGLE_NAME
+        if index_file.is_file():
+            try:
+                weight_map = json.loads(index_file.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"{index_file} is not a safetensors index ({e!r}); re-export the checkpoint") from None
+        elif single_file.is_file():
+            weight_map = {name: SINGLE_NAME for name in self._open(SINGLE_NAME).keys()}
+        else:
+            raise FileNotFoundError(f"checkpoint folder {self.path} has neither {INDEX_NAME} nor {SINGLE_NAME}")
+        for file in sorted(set(weight_map.values())):
+            if not (self.path / file).is_file():
+                raise FileNotFoundError(f"{index_file} lists {file}, which is missing from {self.path}")
+        self.weight_map: dict[str, str] = weight_map
+        self.names_read: list[str] = []
+
+    def _open(self, file: str):
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(self.path / file, framework="pt", device="cpu")
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{self.path / file} is not a readable safetensors file ({e}); re-download it") from None
+        return self._handles[file]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(self.weight_map[name]).get_slice(name).get_shape())
+
+    def get(self, name: str, expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """One tensor; a missing name or a shape that disagrees with the config is a one-line ValueError."""
+        if name not in self.weight_map:
+            raise ValueError(f"checkpoint {self.path} has no tensor {name}; does its config.json match the model config?")
+        if expected_shape is not None and self.shape(name) != tuple(expected_shape):
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {list(self.shape(name))} but the model config expects "
+                f"{list(expected_shape)}; the config does not match these weights"
+            )
+        self.names_read.append(name)
+        return self._open(self.weight_map[name]).get_tensor(name)
+
+
+def write_hf_folder(path: str | os.PathLike, tensors: dict[str, torch.Tensor], config: dict,
+                    max_shard_bytes: int = 4 << 30) -> None:
+    """Write config.json plus tensors as size-capped shards and an index, the layout transformers loads."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor.detach().contiguous().cpu()
+        shard_bytes += size
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = SINGLE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, path / file, metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (path / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

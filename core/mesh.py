@@ -1,0 +1,109 @@
+"""The 4-D device mesh (pp, dp, cp, ep), built from torchrun's environment.
+
+world = pp * dp * cp * ep. Backend nccl on GPU, gloo on CPU, so every parallel path runs on a CPU-only
+machine. World size 1 builds no process group at all: the same code runs with the collectives skipped
+(every group below is then None and the helpers treat a None group as "nothing to reduce").
+
+Rank order is row-major over (pp, dp, cp, ep): ep is innermost so that the expert all-to-all stays inside
+a node, pp outermost so that pipeline neighbours are the only traffic crossing nodes.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DIMS = ("pp", "dp", "cp", "ep")
+
+
+def resolve_layout(world: int, pp: int = 1, dp: int = -1, cp: int = 1, ep: int = 1) -> tuple[int, int, int, int]:
+    """Check a (pp, dp, cp, ep) layout against the world size; dp=-1 means 'whatever is left'."""
+    for name, size in (("pp", pp), ("cp", cp), ("ep", ep)):
+        if size < 1:
+            raise ValueError(f"--{name} must be >= 1, got {size}")
+    if dp == -1:
+        if world % (pp * cp * ep):
+            raise ValueError(
+                f"world size {world} is not divisible by pp*cp*ep = {pp}*{cp}*{ep} = {pp * cp * ep}; "
+                f"launch a multiple of {pp * cp * ep} ranks or change --pp/--cp/--ep"
+            )
+        dp = world // (pp * cp * ep)
+    if dp < 1:
+        raise ValueError(f"--dp must be >= 1 or -1 (auto), got {dp}")
+    if pp * dp * cp * ep != world:
+        raise ValueError(
+            f"mesh pp*dp*cp*ep = {pp}*{dp}*{cp}*{ep} = {pp * dp * cp * ep} ranks, but the world size is {world}; "
+            f"make the product equal the number of launched processes (or pass --dp -1 to infer dp)"
+        )
+    return pp, dp, cp, ep
+
+
+@dataclass
+class Mesh:
+    pp: int
+    dp: int
+    cp: int
+    ep: int
+    rank: int
+    world: int
+    device: torch.device
+    device_mesh: DeviceMesh | None  # None when world == 1
+
+    def coord(self, dim: str) -> int:
+        """This rank's index along one mesh dimension."""
+        return 0 if self.device_mesh is None else self.device_mesh.get_local_rank(dim)
+
+    def group(self, *dims: str):
+        """Process group spanning the given dims (None when they hold one rank: nothing to communicate)."""
+        size = 1
+        for d in dims:
+            size *= getattr(self, d)
+        if size == 1:
+            return None
+        sub = self.device_mesh[dims] if len(dims) > 1 else self.device_mesh[dims[0]]
+        if len(dims) > 1:
+            sub = sub._flatten()
+        return sub.get_group()
+
+    @property
+    def data_rank(self) -> int:
+        """Index of this rank's slice of the global batch: every (dp, ep) coordinate reads its own."""
+        return self.coord("dp") * self.ep + self.coord("ep")
+
+    @property
+    def data_world(self) -> int:
+        return self.dp * self.ep
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def build_mesh(pp: int = 1, dp: int = -1, cp: int = 1, ep: int = 1, device: str = "auto") -> Mesh:
+    """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    pp, dp, cp, ep = resolve_layout(world, pp, dp, cp, ep)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but no GPU is visible; use --device cpu")
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    device_mesh = None
+    if world > 1:
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
+        device_mesh = init_device_mesh(dev.type, (pp, dp, cp, ep), mesh_dim_names=DIMS)
+    return Mesh(pp=pp, dp=dp, cp=cp, ep=ep, rank=rank, world=world, device=dev, device_mesh=device_mesh)
+
+
+def destroy_mesh() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

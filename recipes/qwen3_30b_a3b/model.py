@@ -1,0 +1,376 @@
+"""Qwen3-MoE (Qwen3-30B-A3B): GQA attention with per-head q/k RMSNorm, rotate-half rope, softmax top-k router.
+
+Numerics follow transformers' `Qwen3MoeForCausalLM` (checked by tests/test_qwen3_parity.py).
+
+Legend: B batch, S sequence, T = B*S tokens, H hidden, N query heads, G key/value heads, D head dim,
+V vocab, E experts (held by this rank), k experts per token, R = T*k routed rows, I expert ffn width,
+J = 2*I (gate and up side by side), F dense ffn width, L layers.
+
+A Model may be partial: `layers` picks which decoder layers it holds (parameter names keep the global
+layer index, `layers.7.…`), `experts` which routed experts (a [lo, hi) range), `embed`/`head` whether it
+holds the embedding and the final norm + LM head. Checkpoint I/O then touches only those tensors.
+"""
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.hf_io import CheckpointReader, read_hf_config, write_hf_folder
+from core.moe import combine, grouped_mm, sort_by_expert
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 151936
+    hidden_size: int = 2048
+    num_hidden_layers: int = 48
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 4
+    head_dim: int = 128
+    num_experts: int = 128
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    norm_topk_prob: bool = True
+    intermediate_size: int = 6144  # only for dense layers (mlp_only_layers / decoder_sparse_step)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    attention_bias: bool = False
+    router_aux_loss_coef: float = 0.001
+    initializer_range: float = 0.02
+    max_position_embeddings: int = 40960
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, path) -> "ModelConfig":
+        """Read a Hugging Face Qwen3-MoE config.json (the file, or a checkpoint folder holding it)."""
+        hf = read_hf_config(path)
+        if hf.get("model_type") != "qwen3_moe":
+            raise ValueError(f"{path}: model_type is {hf.get('model_type')!r}, this recipe reads 'qwen3_moe' configs")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported (Qwen3-MoE uses silu)")
+        if hf.get("use_sliding_window"):
+            raise ValueError(f"{path}: use_sliding_window=true is not supported by this recipe; set it false")
+        if hf.get("tie_word_embeddings"):
+            raise ValueError(f"{path}: tie_word_embeddings=true is not supported by this recipe (Qwen3-MoE is untied)")
+        rope = hf.get("rope_parameters") or {}
+        rope_scaling = hf.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") != "default" or rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default":
+            raise ValueError(f"{path}: only default rope is supported, got {rope or rope_scaling}")
+        names = {f.name for f in cls.__dataclass_fields__.values()}
+        kwargs = {k: v for k, v in hf.items() if k in names}
+        kwargs["num_experts"] = hf.get("num_experts", hf.get("num_local_experts", cls.num_experts))
+        kwargs["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        kwargs["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        kwargs["mlp_only_layers"] = list(hf.get("mlp_only_layers") or [])
+        if isinstance(kwargs.get("eos_token_id"), list):
+            kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
+        return cls(**kwargs)
+
+    def to_hf(self) -> dict:
+        """The config.json that transformers needs to load an exported folder."""
+        hf = asdict(self)
+        hf["rope_parameters"] = {"rope_theta": hf.pop("rope_theta"), "rope_type": "default"}
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
+                "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
+                "attention_dropout": 0.0, "dtype": "float32", **hf}
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
+
+
+# ---------------------------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # normalise in fp32, scale in the input dtype, as transformers does
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rope_cos_sin(position_ids_BS: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, S, D] for rotate-half rope at the given (global) positions."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=position_ids_BS.device) / head_dim))
+    freqs_BSd = position_ids_BS[..., None].float() * inv_freq
+    emb_BSD = torch.cat((freqs_BSd, freqs_BSd), dim=-1)
+    return emb_BSD.cos().to(dtype)[:, None], emb_BSD.sin().to(dtype)[:, None]
+
+
+def apply_rope(x_BNSD, cos, sin):
+    x1, x2 = x_BNSD.chunk(2, dim=-1)
+    return x_BNSD * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        N, G, D, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.N, self.G, self.D = N, G, D
+        self.q_proj = nn.Linear(H, N * D, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(H, G * D, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(H, G * D, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(N * D, H, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)  # per head, before rope
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+
+    def forward(self, x_BSH, cos, sin):
+        B, S, _ = x_BSH.shape
+        q_BNSD = self.q_norm(self.q_proj(x_BSH).view(B, S, self.N, self.D)).transpose(1, 2)
+        k_BGSD = self.k_norm(self.k_proj(x_BSH).view(B, S, self.G, self.D)).transpose(1, 2)
+        v_BGSD = self.v_proj(x_BSH).view(B, S, self.G, self.D).transpose(1, 2)
+        q_BNSD, k_BGSD = apply_rope(q_BNSD, cos, sin), apply_rope(k_BGSD, cos, sin)
+        o_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, is_causal=True, enable_gqa=self.N != self.G)
+        return self.o_proj(o_BNSD.transpose(1, 2).reshape(B, S, self.N * self.D))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    def forward(self, x_TH):
+        logits_TE = F.linear(x_TH, self.weight)
+        probs_TE = logits_TE.softmax(dim=-1, dtype=torch.float32)  # router in fp32
+        weights_Tk, ids_Tk = probs_TE.topk(self.k, dim=-1)
+        if self.norm_topk_prob:
+            weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
+        return logits_TE, weights_Tk.to(x_TH.dtype), ids_Tk
+
+
+class Experts(nn.Module):
+    """Routed experts [lo, hi) stacked for grouped GEMMs: gate_up_proj [E, H, J], down_proj [E, I, H]."""
+
+    def __init__(self, cfg: ModelConfig, lo: int, hi: int):
+        super().__init__()
+        self.lo, self.hi = lo, hi
+        self.gate_up_proj = nn.Parameter(torch.empty(hi - lo, cfg.hidden_size, 2 * cfg.moe_intermediate_size))
+        self.down_proj = nn.Parameter(torch.empty(hi - lo, cfg.moe_intermediate_size, cfg.hidden_size))
+
+    def forward(self, rows_RH, counts_E):
+        gate_RI, up_RI = grouped_mm(rows_RH, self.gate_up_proj, counts_E).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate_RI) * up_RI, self.down_proj, counts_E)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, experts: tuple[int, int]):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg, *experts)
+        self.num_experts, self.k = cfg.num_experts, cfg.num_experts_per_tok
+
+    def forward(self, x_BSH):
+        """Returns the output, the router logits [T, E] (for the aux loss) and tokens per expert [E]."""
+        B, S, H = x_BSH.shape
+        x_TH = x_BSH.reshape(B * S, H)
+        logits_TE, weights_Tk, ids_Tk = self.gate(x_TH)
+        assert self.experts.hi - self.experts.lo == self.num_experts, "a model holding a subset of experts needs expert parallelism"
+        order_R, counts_E = sort_by_expert(ids_Tk, self.num_experts)
+        rows_RH = self.experts(x_TH[order_R // self.k], counts_E)
+        return combine(rows_RH, order_R, weights_Tk, B * S).view(B, S, H), logits_TE, counts_E
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, experts: tuple[int, int]):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg, experts) if cfg.is_moe_layer(layer_id) else DenseMLP(cfg)
+
+    def forward(self, x_BSH, cos, sin):
+        """Returns the new hidden state and, for MoE layers, (router logits, tokens per expert)."""
+        h_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin)
+        if isinstance(self.mlp, MoE):
+            out_BSH, logits_TE, counts_E = self.mlp(self.post_attention_layernorm(h_BSH))
+            return h_BSH + out_BSH, (logits_TE, counts_E)
+        return h_BSH + self.mlp(self.post_attention_layernorm(h_BSH)), None
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+
+@dataclass
+class TrainOutput:
+    loss_sum: torch.Tensor  # summed cross-entropy over non-ignored labels
+    aux_loss: torch.Tensor  # load-balancing loss (unscaled), as transformers' load_balancing_loss_func
+    tokens_per_expert_LE: torch.Tensor  # routed rows per expert, one row per MoE layer (no grad)
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, layers=None, experts: tuple[int, int] | None = None,
+                 embed: bool = True, head: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        layer_ids = range(cfg.num_hidden_layers) if layers is None else layers
+        experts = (0, cfg.num_experts) if experts is None else experts
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, experts) for i in layer_ids})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Normal(0, initializer_range) for every matrix, ones for norms, zeros for biases (transformers' init).
+        Draws from the default generator: seed it the same on every rank for identical replicas."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, self.cfg.initializer_range)
+
+    def trunk(self, input_ids_BS, position_ids_BS=None):
+        """Embedding + decoder layers; returns the last hidden state and per-MoE-layer (logits, counts)."""
+        B, S = input_ids_BS.shape
+        if position_ids_BS is None:
+            position_ids_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
+        x_BSH = self.embed_tokens(input_ids_BS)
+        cos, sin = rope_cos_sin(position_ids_BS, self.cfg.head_dim, self.cfg.rope_theta, x_BSH.dtype)
+        routing = []
+        for layer in self.layers.values():
+            x_BSH, r = layer(x_BSH, cos, sin)
+            if r is not None:
+                routing.append(r)
+        return self.norm(x_BSH), routing
+
+    def forward(self, input_ids_BS, position_ids_BS=None):
+        """Logits [B, S, V] of the whole model."""
+        return self.lm_head(self.trunk(input_ids_BS, position_ids_BS)[0])
+
+    def forward_train(self, input_ids_BS, labels_BS, position_ids_BS=None) -> TrainOutput:
+        h_BSH, routing = self.trunk(input_ids_BS, position_ids_BS)
+        logits_BSV = self.lm_head(h_BSH)
+        loss_sum = F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=-100, reduction="sum")
+        if not routing:
+            return TrainOutput(loss_sum, loss_sum.new_zeros(()), loss_sum.new_zeros(0, self.cfg.num_experts))
+        aux = load_balancing_loss([logits for logits, _ in routing], self.cfg.num_experts_per_tok)
+        return TrainOutput(loss_sum, aux, torch.stack([counts for _, counts in routing]).detach())
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], k: int) -> torch.Tensor:
+    """Switch-style aux loss over all layers' tokens together: E * sum_e f_e * P_e, where f_e is the share of
+    top-k slots routed to e and P_e the mean router probability of e (transformers' load_balancing_loss_func)."""
+    logits_TE = torch.cat(router_logits)
+    E = logits_TE.shape[-1]
+    probs_TE = logits_TE.softmax(dim=-1)
+    ids = probs_TE.topk(k, dim=-1).indices
+    f_E = torch.bincount(ids.flatten(), minlength=E).float() / logits_TE.shape[0]
+    return E * (f_E * probs_TE.float().mean(0)).sum()
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward): 6 x active matmul parameters (the k routed
+    experts, not all E; LM head included, embedding lookup excluded), plus causal attention scores and
+    values, 6 * S * N * D per layer (QK^T and AV, 2 * S/2 * N * D each on average, x3)."""
+    H, N, G, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    attn = H * (N + 2 * G) * D + N * D * H
+    params = cfg.vocab_size * H
+    for i in range(cfg.num_hidden_layers):
+        ffn = cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size + H * cfg.num_experts if cfg.is_moe_layer(i) else 3 * H * cfg.intermediate_size
+        params += attn + ffn
+    return 6 * params + 6 * cfg.num_hidden_layers * seq_len * N * D
+
+
+# ------------------------------------------------------------------------------------ checkpoint I/O
+# Our names are transformers' names without the "model." prefix, except the experts: transformers
+# writes one key per expert (experts.{e}.gate_proj.weight [I, H], ...) while we stack them.
+
+
+def _hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+@torch.no_grad()
+def load_hf_checkpoint(model: Model, path) -> list[str]:
+    """Fill `model` (possibly partial) from a Hugging Face safetensors folder; returns the tensor names read."""
+    reader = CheckpointReader(path)
+    for name, p in model.named_parameters():
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            continue
+        p.copy_(reader.get(_hf_name(name), p.shape))
+    I = model.cfg.moe_intermediate_size
+    for lname, layer in model.layers.items():
+        if not isinstance(layer.mlp, MoE):
+            continue
+        experts, prefix = layer.mlp.experts, f"model.layers.{lname}.mlp.experts"
+        if f"{prefix}.gate_up_proj" in reader:  # fused layout [E, J, H] / [E, H, I] (transformers in memory)
+            E, H = model.cfg.num_experts, model.cfg.hidden_size
+            experts.gate_up_proj.copy_(reader.get(f"{prefix}.gate_up_proj", (E, 2 * I, H))[experts.lo:experts.hi].transpose(1, 2))
+            experts.down_proj.copy_(reader.get(f"{prefix}.down_proj", (E, H, I))[experts.lo:experts.hi].transpose(1, 2))
+            continue
+        H = model.cfg.hidden_size
+        for j, e in enumerate(range(experts.lo, experts.hi)):
+            experts.gate_up_proj[j, :, :I] = reader.get(f"{prefix}.{e}.gate_proj.weight", (I, H)).T
+            experts.gate_up_proj[j, :, I:] = reader.get(f"{prefix}.{e}.up_proj.weight", (I, H)).T
+            experts.down_proj[j] = reader.get(f"{prefix}.{e}.down_proj.weight", (H, I)).T
+    return reader.names_read
+
+
+@torch.no_grad()
+def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
+    """This model's tensors under the names transformers writes (per-expert keys)."""
+    out = {}
+    I = model.cfg.moe_intermediate_size
+    for name, p in model.named_parameters():
+        if name.endswith("experts.gate_up_proj"):
+            prefix, lo = "model." + name.removesuffix(".gate_up_proj"), model.get_submodule(name.rsplit(".", 1)[0]).lo
+            for j in range(p.shape[0]):
+                out[f"{prefix}.{lo + j}.gate_proj.weight"] = p[j, :, :I].T
+                out[f"{prefix}.{lo + j}.up_proj.weight"] = p[j, :, I:].T
+        elif name.endswith("experts.down_proj"):
+            prefix, lo = "model." + name.removesuffix(".down_proj"), model.get_submodule(name.rsplit(".", 1)[0]).lo
+            for j in range(p.shape[0]):
+                out[f"{prefix}.{lo + j}.down_proj.weight"] = p[j].T
+        else:
+            out[_hf_name(name)] = p
+    return out
+
+
+def save_hf_checkpoint(model: Model, path, dtype: torch.dtype | None = None) -> None:
+    """Write `model` as a folder that transformers' Qwen3MoeForCausalLM.from_pretrained loads."""
+    tensors = {k: (v.to(dtype) if dtype else v) for k, v in hf_state_dict(model).items()}
+    config = model.cfg.to_hf()
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
+    write_hf_folder(path, tensors, config)
+
+
+def tiny_config_path() -> Path:
+    return Path(__file__).with_name("config_tiny.json")
+
+
+def real_config_path() -> Path:
+    return Path(__file__).with_name("config.json")
+
+
+if __name__ == "__main__":  # print the parameter count of the released config without allocating it
+    with torch.device("meta"):
+        m = Model(ModelConfig.from_hf(real_config_path()))
+    total = sum(p.numel() for p in m.parameters())
+    print(json.dumps({"parameters": total, "billions": round(total / 1e9, 3), "gflops_per_token_4k": round(flops_per_token(m.cfg, 4096) / 1e9, 2)}))

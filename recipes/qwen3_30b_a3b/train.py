@@ -1,0 +1,209 @@
+"""Train Qwen3-MoE: args -> mesh -> model -> load -> optimizer -> data -> resume -> loop (log, checkpoint) -> export.
+
+    torchrun --nproc-per-node 2 -m recipes.qwen3_30b_a3b.train --steps 300      (or: bash launch.sh)
+
+The loss of a step is the cross-entropy summed over every non-ignored label of the global batch, divided by
+their number (counted across all data-parallel ranks before the forward), plus aux_loss_coef x the mean
+per-micro-batch load-balancing loss. Each micro-batch's backward adds its share, and gradients are *summed*
+over the data-parallel ranks, so any layout equals one process running the same global batch and split.
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from core.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from core.data import TokenLoader, load_tokenizer
+from core.mesh import build_mesh, destroy_mesh, resolve_layout
+from core.metrics import MetricsLogger, peak_flops, peak_memory_gib
+from core.training import all_reduce_grads, build_adamw, clip_grad_norm_, lr_factor, parse_args
+
+from .model import Model, ModelConfig, flops_per_token, load_hf_checkpoint, save_hf_checkpoint, tiny_config_path
+
+
+@dataclass
+class Args:
+    """Train Qwen3-30B-A3B (or the tiny CPU config) with data parallelism."""
+
+    config: str = str(tiny_config_path())  # HF config.json; ignored when --hf-checkpoint is given
+    hf_checkpoint: str = ""  # start from these Hugging Face weights (its config.json is used)
+    data: str = "data/stdlib"  # token shards from tools/prepare_data.py
+    out: str = "runs/qwen3_30b_a3b"  # tensorboard/ and checkpoints/ go here
+    pp: int = 1
+    dp: int = -1  # -1: world size / (pp * cp * ep)
+    cp: int = 1
+    ep: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    steps: int = 300
+    seq_len: int = 256
+    global_batch: int = 16  # sequences per optimizer step, all ranks together
+    micro_batch: int = 4  # sequences per forward/backward on one rank
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    lr_schedule: str = "cosine"  # cosine | wsd
+    decay_fraction: float = 0.2  # wsd: share of the steps spent decaying
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    aux_loss_coef: float = -1.0  # < 0: the config's router_aux_loss_coef
+    seed: int = 0
+    ckpt_every: int = 100  # also saves after the last step; 0 disables checkpoints
+    keep_checkpoints: int = 2
+    resume: str = ""  # '' | auto (newest in <out>/checkpoints) | a step_* folder
+    export_hf: str = ""  # write the trained model here as a Hugging Face folder
+    sample_tokens: int = 0  # print a sample of this many tokens at the end
+    sample_prompt: str = "def "
+
+
+def main(argv=None):
+    args = parse_args(Args, argv)
+
+    # ---- mesh: validate the layout before any process group or model exists
+    resolve_layout(int(os.environ.get("WORLD_SIZE", "1")), args.pp, args.dp, args.cp, args.ep)
+    if (args.pp, args.cp, args.ep) != (1, 1, 1):
+        raise ValueError("this recipe trains with data parallelism only so far; use --pp 1 --cp 1 --ep 1")
+    mesh = build_mesh(args.pp, args.dp, args.cp, args.ep, args.device)
+    data_group = mesh.group("dp", "ep")  # ranks that replicate every parameter and split the batch
+    device = mesh.device
+    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
+    local_batch = args.global_batch // mesh.data_world
+    if args.global_batch % (mesh.data_world * args.micro_batch):
+        raise ValueError(f"--global-batch {args.global_batch} must be divisible by data ranks ({mesh.data_world}) "
+                         f"x --micro-batch {args.micro_batch}")
+    n_micro = local_batch // args.micro_batch
+    torch.manual_seed(args.seed)  # same seed everywhere: identical replicas at init
+
+    # ---- model (weights from a Hugging Face folder, or random init)
+    cfg = ModelConfig.from_hf(args.hf_checkpoint or args.config)
+    if args.hf_checkpoint:
+        with torch.device("meta"):
+            model = Model(cfg)
+        model.to_empty(device=device)
+        load_hf_checkpoint(model, args.hf_checkpoint)
+    else:
+        with torch.device(device):
+            model = Model(cfg)
+    aux_coef = cfg.router_aux_loss_coef if args.aux_loss_coef < 0 else args.aux_loss_coef
+    n_params = sum(p.numel() for p in model.parameters())
+
+    # ---- optimizer and lr schedule
+    optimizer = build_adamw(model, args.lr, args.weight_decay, (args.beta1, args.beta2), args.adam_eps)
+    schedule = dict(schedule=args.lr_schedule, warmup=args.warmup_steps, total=args.steps,
+                    min_ratio=args.min_lr_ratio, decay_fraction=args.decay_fraction)
+    lr_factor(0, **schedule)  # a wrong --lr-schedule fails here, not after the first step
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, **schedule))
+
+    # ---- data
+    loader = TokenLoader(args.data, args.seq_len, args.global_batch, mesh.data_rank, mesh.data_world, args.seed)
+    if loader.meta["vocab_size"] > cfg.vocab_size:
+        raise ValueError(f"dataset {args.data} has vocab {loader.meta['vocab_size']} but the model only "
+                         f"{cfg.vocab_size}; tokenize with a matching tokenizer or use a bigger config")
+
+    # ---- resume
+    ckpt_dir = Path(args.out) / "checkpoints"
+    start_step = 0
+    resume_from = resolve_resume(args.resume, ckpt_dir)
+    if resume_from is not None:
+        extra = load_checkpoint(resume_from, model, optimizer,
+                                {"scheduler": scheduler.state_dict(), "data": loader.state_dict()}, mesh.rank)
+        scheduler.load_state_dict(extra["scheduler"])
+        loader.load_state_dict(extra["data"])
+        start_step = extra["step"]
+    if mesh.is_main:
+        print(f"model {n_params / 1e6:.1f}M params | mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} on "
+              f"{device.type} | {n_micro} micro-batches of {args.micro_batch} x {args.seq_len} per rank | "
+              + (f"resumed from {resume_from} at step {start_step}" if resume_from else "fresh start"), flush=True)
+
+    # ---- training loop
+    logger = MetricsLogger(Path(args.out) / "tensorboard", mesh.is_main, args.steps,
+                           flops_per_token(cfg, args.seq_len), peak_flops(device) * mesh.world)
+    history = []
+    model.train()
+    for step in range(start_step + 1, args.steps + 1):
+        start = time.perf_counter()
+        input_ids, labels = (t.to(device) for t in loader.next_batch())
+        num_labels = (labels != -100).sum().float()
+        if data_group is not None:
+            dist.all_reduce(num_labels, group=data_group)
+        num_labels = num_labels.clamp(min=1)
+
+        stats = torch.zeros(2, device=device)  # summed cross-entropy, summed aux loss
+        tokens_per_expert = 0
+        for mb in range(n_micro):
+            rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                out = model.forward_train(input_ids[rows], labels[rows])
+            loss = out.loss_sum / num_labels + aux_coef * out.aux_loss / (n_micro * mesh.data_world)
+            loss.backward()
+            stats += torch.stack([out.loss_sum.detach(), out.aux_loss.detach()])
+            tokens_per_expert = tokens_per_expert + out.tokens_per_expert_LE
+
+        params = list(model.parameters())
+        all_reduce_grads(params, data_group)
+        grad_norm = clip_grad_norm_(params, args.grad_clip)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        load_LE = tokens_per_expert.float()
+        if data_group is not None:
+            dist.all_reduce(stats, group=data_group)
+            dist.all_reduce(load_LE, group=data_group)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        load_per_layer = (load_LE.max(-1).values / load_LE.mean(-1)).tolist() if load_LE.numel() else []
+        scalars = {"loss": (stats[0] / num_labels).item(), "aux_loss": (stats[1] / (n_micro * mesh.data_world)).item(),
+                   "lr": lr, "grad_norm": grad_norm.item(), "expert_load": max(load_per_layer, default=0.0),
+                   "peak_mem_gib": peak_memory_gib(device)}
+        history.append(logger.log(step, time.perf_counter() - start, args.global_batch * args.seq_len, scalars,
+                                  {"expert_load_max_over_mean": load_per_layer}))
+
+        # ---- checkpoint (every ckpt_every steps and after the last one)
+        if args.ckpt_every > 0 and (step % args.ckpt_every == 0 or step == args.steps):
+            path = save_checkpoint(ckpt_dir, step, model, optimizer,
+                                   {"scheduler": scheduler.state_dict(), "data": loader.state_dict()},
+                                   mesh.rank, args.keep_checkpoints)
+            if mesh.is_main:
+                print(f"saved checkpoint {path}", flush=True)
+    logger.close()
+
+    # ---- export and sample (main rank: every rank holds the whole model under data parallelism)
+    if mesh.is_main and args.export_hf:
+        save_hf_checkpoint(model, args.export_hf)
+        print(f"exported Hugging Face folder {args.export_hf}", flush=True)
+    if mesh.is_main and args.sample_tokens > 0:
+        print(f"sample: {sample(model, loader.meta, args, device)!r}", flush=True)
+    if mesh.is_main:
+        print(f"tensorboard logs: {Path(args.out) / 'tensorboard'}  (tensorboard --logdir {args.out})\n"
+              f"checkpoints: {ckpt_dir}", flush=True)
+    destroy_mesh()
+    return history, model
+
+
+@torch.no_grad()
+def sample(model, meta, args, device) -> str:
+    """Temperature-0.8 top-40 sampling without a KV cache (the tiny demo model only)."""
+    tokenizer = load_tokenizer(meta)
+    ids = torch.tensor([tokenizer.encode(args.sample_prompt)], device=device)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    model.eval()
+    for _ in range(args.sample_tokens):
+        logits_V = model(ids[:, -args.seq_len:])[0, -1].float() / 0.8
+        top = logits_V.topk(40)
+        next_id = top.indices[torch.multinomial(top.values.softmax(-1), 1, generator=gen)]
+        ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+    model.train()
+    return tokenizer.decode(ids[0].tolist())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Tokenize text / jsonl files into the token shards that core.data.TokenLoader reads.
+
+  python -m tools.prepare_data --default       # demo corpus: this Python's stdlib sources, own 4096-piece tokenizer
+  python -m tools.prepare_data --input corpus/ --hf-tokenizer /models/Qwen3-30B-A3B --out data/corpus
+  python -m tools.prepare_data --input a.jsonl notes/ --train-sp 32000 --out data/mine
+
+A .jsonl line is one document (its --jsonl-key field); any other file is one document. Everything runs
+offline: Hugging Face tokenizers are read from a local folder, sentencepiece models from a file or trained here.
+"""
+
+import argparse
+import io
+import json
+import os
+import sysconfig
+import time
+from fnmatch import fnmatch
+from pathlib import Path
+
+from core.data import load_tokenizer, write_shards
+
+# stdlib folders that are tests, demos, generated tables or third-party code rather than ordinary library source
+STDLIB_SKIP = {"test", "tests", "idlelib", "turtledemo", "encodings", "pydoc_data", "site-packages", "dist-packages",
+               "__pycache__"}
+
+
+def find_files(inputs: list[str], globs: list[str]) -> list[Path]:
+    files = []
+    for inp in map(Path, inputs):
+        if inp.is_file():
+            files.append(inp)  # named explicitly: taken whatever its extension
+        elif inp.is_dir():
+            # hidden folders (.git, .venv) are never corpus
+            files += sorted(p for p in inp.rglob("*") if p.is_file() and any(fnmatch(p.name, g) for g in globs)
+                            and not any(part.startswith(".") for part in p.relative_to(inp).parts))
+        else:
+            raise FileNotFoundError(f"input {inp} does not exist")
+    return list(dict.fromkeys(files))  # a file given twice is read once
+
+
+def stdlib_files(max_bytes: int) -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted((p for p in root.rglob("*.py") if not STDLIB_SKIP & set(p.relative_to(root).parts[:-1])),
+                   key=lambda p: p.relative_to(root).as_posix())  # sorted so every machine builds the same corpus
+    files, total = [], 0
+    for p in paths:
+        total += p.stat().st_size
+        if total > max_bytes and files:
+            break
+        files.append(p)
+    return files
+
+
+def read_documents(files: list[Path], jsonl_key: str):
+    """Yield (text, bytes consumed); bytes drive the progress bar."""
+    for path in files:
+        if path.suffix == ".jsonl":
+            with open(path, "rb") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        doc = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{lineno} is not valid JSON ({e.msg}); one JSON object per line") from None
+                    if not isinstance(doc, dict) or not isinstance(doc.get(jsonl_key), str):
+                        raise ValueError(f"{path}:{lineno} has no string field {jsonl_key!r}; name the text field with --jsonl-key")
+                    yield doc[jsonl_key], len(line)
+        else:
+            yield path.read_text(encoding="utf-8", errors="replace"), path.stat().st_size
+
+
+def train_sentencepiece(files: list[Path], jsonl_key: str, vocab_size: int, model_path: Path) -> None:
+    import sentencepiece as spm
+
+    # sentencepiece learns from lines; it keeps a random sample of them, so training time stays bounded
+    lines = (line for text, _ in read_documents(files, jsonl_key) for line in text.split("\n") if line.strip())
+    model = io.BytesIO()
+    spm.set_random_generator_seed(0)  # the line sample (large inputs) is otherwise different every run
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=lines, model_writer=model, vocab_size=vocab_size, model_type="bpe",  # bpe: ~10x faster to train than unigram here
+            input_sentence_size=300_000, shuffle_input_sentence=True, num_threads=os.cpu_count(), minloglevel=2,
+            byte_fallback=True,  # any byte sequence encodes, nothing becomes <unk>
+            # keep text verbatim (code indentation, newlines) so decode(encode(text)) == text
+            normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True, user_defined_symbols=["\n"],  # lines never contain \n: add it as one piece
+            unk_id=0, bos_id=1, eos_id=2, pad_id=-1)  # eos must exist: it separates packed documents
+    except RuntimeError as e:  # e.g. "Vocabulary size too high (N). Please set it to a value <= M."
+        raise ValueError(f"sentencepiece cannot train a {vocab_size}-piece vocabulary on this text: "
+                         f"{str(e).split('] ')[-1].strip()} (change --train-sp)") from None
+    tmp = model_path.with_suffix(".tmp")
+    tmp.write_bytes(model.getvalue())
+    os.replace(tmp, model_path)
+
+
+class Progress:
+    """tqdm if available, else a line every few seconds."""
+
+    def __init__(self, total: int):
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing")
+        except ImportError:
+            self.bar, self.total, self.done, self.last = None, total, 0, time.time()
+
+    def update(self, n: int):
+        if self.bar is not None:
+            return self.bar.update(n)
+        self.done += n
+        if time.time() - self.last > 5:
+            print(f"tokenizing: {self.done / 1e6:.1f} / {self.total / 1e6:.1f} MB", flush=True)
+            self.last = time.time()
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m tools.prepare_data", description=__doc__.split("\n")[0])
+    p.add_argument("--input", nargs="+", help="text/jsonl files or folders (searched recursively for --glob)")
+    p.add_argument("--default", action="store_true", help="demo corpus: the .py files of this Python's standard library")
+    p.add_argument("--out", help="output folder (default data/stdlib with --default)")
+    p.add_argument("--glob", default="*.txt,*.jsonl,*.md,*.py", help="comma-separated file patterns for folders")
+    p.add_argument("--jsonl-key", default="text", help="field of each .jsonl line that holds the text")
+    tok_group = p.add_mutually_exclusive_group()
+    tok_group.add_argument("--hf-tokenizer", metavar="DIR", help="local Hugging Face tokenizer folder")
+    tok_group.add_argument("--sp-model", metavar="FILE", help="sentencepiece .model file")
+    tok_group.add_argument("--train-sp", metavar="VOCAB", type=int, help="train a sentencepiece model of this vocab size")
+    p.add_argument("--max-bytes", type=int, default=8_000_000, help="size cap of the --default corpus")
+    p.add_argument("--shard-tokens", type=int, default=2**26, help="tokens per shard file")
+    p.add_argument("--force", action="store_true", help="rebuild even if --out already holds this dataset")
+    args = p.parse_args(argv)
+    if args.default == bool(args.input):
+        p.error("give either --input PATH ... or --default")
+    if args.default:
+        args.out = args.out or "data/stdlib"
+        if not (args.hf_tokenizer or args.sp_model or args.train_sp):
+            args.train_sp = 4096
+    elif not args.out:
+        p.error("--out DIR is required with --input")
+    elif not (args.hf_tokenizer or args.sp_model or args.train_sp):
+        p.error("choose a tokenizer: --hf-tokenizer DIR, --sp-model FILE or --train-sp VOCAB")
+
+    out = Path(args.out).resolve()
+    sp_path = out / "tokenizer.model"
+    if args.hf_tokenizer:
+        tok_meta = {"kind": "hf", "path": str(Path(args.hf_tokenizer).resolve())}
+    else:
+        tok_meta = {"kind": "sentencepiece", "path": str(sp_path if args.train_sp else Path(args.sp_model).resolve())}
+    if not Path(tok_meta["path"]).exists() and not args.train_sp:
+        raise FileNotFoundError(f"tokenizer {tok_meta['path']} does not exist")
+
+    meta_path = out / "meta.json"
+    if args.default and not args.force and meta_path.exists() and Path(tok_meta["path"]).exists():
+        meta = json.loads(meta_path.read_text())
+        if meta["tokenizer"] == tok_meta and (not args.train_sp or meta["vocab_size"] == args.train_sp):
+            print(f"{out} is ready: {meta['num_tokens']:,} tokens (use --force to rebuild)")
+            return meta
+
+    t0 = time.time()
+    files = stdlib_files(args.max_bytes) if args.default else find_files(args.input, args.glob.split(","))
+    if not files:
+        raise ValueError(f"no input files found in {' '.join(args.input or [])} matching --glob {args.glob}")
+    out.mkdir(parents=True, exist_ok=True)
+    if args.train_sp:
+        print(f"training a {args.train_sp}-piece sentencepiece model on {len(files)} files -> {sp_path}")
+        train_sentencepiece(files, args.jsonl_key, args.train_sp, sp_path)
+    tok = load_tokenizer({"tokenizer": tok_meta})
+
+    bar = Progress(sum(f.stat().st_size for f in files))
+
+    def token_docs():
+        for text, nbytes in read_documents(files, args.jsonl_key):
+            bar.update(nbytes)
+            if text:  # an empty document would be a lone eos
+                yield tok.encode(text)
+
+    meta = write_shards(token_docs(), out, tok.vocab_size, tok.eos_id, tok_meta, args.shard_tokens)
+    bar.close()
+    print(f"{meta['num_documents']:,} documents, {meta['num_tokens']:,} tokens ({meta['dtype']}, "
+          f"{len(meta['shards'])} shards) -> {out} in {time.time() - t0:.1f}s")
+    return meta
+
+
+if __name__ == "__main__":
+    main()
