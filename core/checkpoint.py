@@ -52,7 +52,7 @@ def save_checkpoint(ckpt_dir, step: int, model, optimizer, extra: dict, rank: in
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "step": step, **extra, f"rng_rank{rank}": _rng_state()}
-    dcp.save(state, checkpoint_id=tmp)
+    dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
     _barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -89,7 +89,7 @@ def load_checkpoint(path, model, optimizer, extra: dict, rank: int) -> dict:
     if has_rng:
         state[rng_key] = _rng_state()
     try:
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     except Exception as e:  # DCP raises CheckpointException wrapping per-rank errors
         raise ValueError(f"checkpoint {path} could not be loaded into this model/optimizer ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''}); was it written with the same config?") from e

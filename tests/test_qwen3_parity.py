@@ -1,0 +1,91 @@
+"""Qwen3-MoE recipe against transformers' Qwen3MoeForCausalLM (tiny random models, fp32, CPU)."""
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from recipes.qwen3_30b_a3b.model import Model, ModelConfig, load_hf_checkpoint, real_config_path
+from tools.hf_parity import check_recipe, format_table
+
+BASE = dict(vocab_size=96, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2,
+            max_position_embeddings=256, rope_theta=10000.0)
+
+CONFIGS = {
+    # head_dim 16 != hidden/heads 12, top-k 2, renormalised
+    "topk2_norm": dict(norm_topk_prob=True),
+    # top-1 without renormalisation, 3 layers with a dense MLP layer in the middle
+    "top1_dense_layer": dict(num_experts_per_tok=1, norm_topk_prob=False, num_hidden_layers=3, mlp_only_layers=[1]),
+    # k = E, MHA (no GQA), attention biases, decoder_sparse_step 2 (odd layers dense)
+    "topk_all_bias_sparse_step": dict(num_experts_per_tok=6, num_key_value_heads=4, attention_bias=True,
+                                      decoder_sparse_step=2, num_hidden_layers=4),
+}
+
+
+def save_tiny(tmp_path, seed=0, **overrides) -> str:
+    torch.manual_seed(seed)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**BASE, **overrides})).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_logits_grads_and_export_match_transformers(tmp_path, name):
+    rows = check_recipe("qwen3_30b_a3b", save_tiny(tmp_path, **CONFIGS[name]))
+    assert all(r.ok for r in rows), "\n" + format_table(rows)
+
+
+def test_aux_loss_and_its_gradient_match_transformers(tmp_path):
+    path = save_tiny(tmp_path, num_hidden_layers=3, norm_topk_prob=True)
+    ref = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = Model(ModelConfig.from_hf(path))
+    load_hf_checkpoint(model, path)
+    ids = torch.randint(0, BASE["vocab_size"], (2, 20))
+    ref_aux = ref(input_ids=ids, output_router_logits=True).aux_loss
+    aux = model.forward_train(ids, ids).aux_loss
+    torch.testing.assert_close(aux, ref_aux, rtol=1e-6, atol=0)
+    ref_aux.backward()
+    aux.backward()
+    for i in range(3):
+        grad, ref_grad = model.layers[str(i)].mlp.gate.weight.grad, ref.model.layers[i].mlp.gate.weight.grad
+        assert ((grad - ref_grad).norm() / ref_grad.norm()).item() <= 1e-5
+
+
+def test_partial_model_reads_only_its_tensors(tmp_path):
+    path = save_tiny(tmp_path, num_hidden_layers=3)
+    cfg = ModelConfig.from_hf(path)
+    full = Model(cfg)
+    load_hf_checkpoint(full, path)
+    part = Model(cfg, layers=[1], experts=(2, 4), embed=False, head=False)
+    names = load_hf_checkpoint(part, path)
+    assert all(n.startswith("model.layers.1.") for n in names)
+    experts_read = {int(n.split(".")[5]) for n in names if ".experts." in n}
+    assert experts_read == {2, 3}
+    assert len(names) == len(set(names)) == 9 + 3 * 2  # attention(4 proj + 2 norms) + 2 layer norms + router, 2 experts
+    full_sd = full.state_dict()
+    for key, value in part.state_dict().items():
+        ref = full_sd[key][2:4] if "experts" in key else full_sd[key]
+        assert torch.equal(value, ref), key
+
+
+def test_released_config_parameter_count():
+    with torch.device("meta"):
+        model = Model(ModelConfig.from_hf(real_config_path()))
+    assert sum(p.numel() for p in model.parameters()) == 30_532_122_624
+
+
+def test_checkpoint_errors(tmp_path):
+    path = save_tiny(tmp_path / "ckpt")
+    wrong = ModelConfig.from_hf(path)
+    wrong.moe_intermediate_size = 32
+    with pytest.raises(ValueError, match=r"has shape \[24, 48\] but the model config expects \[32, 48\]"):
+        load_hf_checkpoint(Model(wrong), path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_hf_checkpoint(Model(ModelConfig.from_hf(path)), tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="neither"):
+        load_hf_checkpoint(Model(ModelConfig.from_hf(path)), tmp_path / "empty")
+    (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load_hf_checkpoint(Model(ModelConfig.from_hf(path)), path)
+    with pytest.raises(FileNotFoundError, match="no Hugging Face config"):
+        ModelConfig.from_hf(tmp_path / "empty")

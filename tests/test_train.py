@@ -1,0 +1,90 @@
+"""Training-script behaviour: data-parallel parity with one process, exact resume, clear errors."""
+
+import pytest
+import torch
+
+from core.checkpoint import resolve_resume
+from core.mesh import resolve_layout
+from recipes.qwen3_30b_a3b import train
+from tests.multiproc import run_ranks
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def train_args(config, data, out, steps=5, **extra):
+    args = ["--config", str(config), "--data", str(data), "--out", str(out), "--steps", str(steps),
+            "--seq-len", "32", "--global-batch", "8", "--micro-batch", "2", "--lr", "1e-2",
+            "--warmup-steps", "2", "--grad-clip", "0.05", "--ckpt-every", "0"]
+    for key, value in extra.items():
+        args += ["--" + key.replace("_", "-"), str(value)]
+    return args
+
+
+def run_train(argv):
+    history, model = train.main(argv)
+    return [h["loss"] for h in history], [h["grad_norm"] for h in history], {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_dp2_equals_single_process(tiny_train_setup, tmp_path):
+    config, data = tiny_train_setup
+    single_losses, single_norms, single_weights = run_train(train_args(config, data, tmp_path / "single"))
+    results = run_ranks(2, run_train, train_args(config, data, tmp_path / "dp2"))
+    assert max(single_norms) > 0.05, "clipping should be active so that the global norm is exercised"
+    for losses, norms, weights in results:  # both replicas
+        assert rel_err(torch.tensor(losses), torch.tensor(single_losses)) <= 1e-5
+        assert rel_err(torch.tensor(norms), torch.tensor(single_norms)) <= 1e-5
+        for name, w in single_weights.items():
+            assert rel_err(weights[name], w) <= 1e-5, name
+    assert single_losses[-1] < single_losses[0]
+
+
+def test_resume_gives_the_same_losses(tiny_train_setup, tmp_path):
+    config, data = tiny_train_setup
+    full, _, full_weights = run_train(train_args(config, data, tmp_path / "a", steps=6, ckpt_every=3))
+    checkpoint = tmp_path / "a" / "checkpoints" / "step_00000003"
+    assert (checkpoint / ".metadata").is_file()
+    resumed, _, resumed_weights = run_train(train_args(config, data, tmp_path / "b", steps=6, resume=checkpoint))
+    assert resumed == full[3:]
+    for name, w in full_weights.items():
+        assert torch.equal(resumed_weights[name], w), name
+
+
+def test_resume_at_dp2(tiny_train_setup, tmp_path):
+    config, data = tiny_train_setup
+    full = run_ranks(2, run_train, train_args(config, data, tmp_path / "a", steps=4, ckpt_every=2))
+    resumed = run_ranks(2, run_train, train_args(config, data, tmp_path / "b", steps=4,
+                                                 resume=tmp_path / "a" / "checkpoints" / "step_00000002"))
+    assert resumed[0][0] == full[0][0][2:]
+
+
+def test_interrupted_save_keeps_last_good_checkpoint(tiny_train_setup, tmp_path):
+    config, data = tiny_train_setup
+    run_train(train_args(config, data, tmp_path, steps=2, ckpt_every=1))
+    ckpts = tmp_path / "checkpoints"
+    (ckpts / "step_00000003.tmp").mkdir()  # what a crash in the middle of a save leaves behind
+    (ckpts / "step_00000003.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    assert resolve_resume("auto", ckpts).name == "step_00000002"
+    resumed, _, _ = run_train(train_args(config, data, tmp_path, steps=3, resume="auto"))
+    assert len(resumed) == 1  # continued from step 2
+
+
+def test_mesh_must_match_world_size():
+    with pytest.raises(ValueError, match=r"= 6 ranks, but the world size is 4"):
+        resolve_layout(4, pp=1, dp=3, cp=2, ep=1)
+    with pytest.raises(ValueError, match="not divisible by pp\\*cp\\*ep"):
+        resolve_layout(4, pp=3)
+    assert resolve_layout(8, pp=2, cp=2) == (2, 2, 2, 1)
+
+
+def test_clear_errors(tiny_train_setup, tmp_path):
+    config, data = tiny_train_setup
+    with pytest.raises(ValueError, match="world size is 1"):
+        train.main(train_args(config, data, tmp_path, dp=2))
+    with pytest.raises(FileNotFoundError, match="no DCP checkpoint"):
+        train.main(train_args(config, data, tmp_path, resume=tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="prepare_data"):
+        train.main(train_args(config, tmp_path / "no_data", tmp_path))
+    with pytest.raises(ValueError, match="divisible"):
+        train.main(train_args(config, data, tmp_path, micro_batch=3))
