@@ -10,6 +10,7 @@ state by parameter name, so sharded layouts (FSDP2, expert shards) resolve throu
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -23,6 +24,14 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 def _barrier():
     if dist.is_initialized():
         dist.barrier()
+
+
+def _dcp(fn, state, path):
+    """dcp.save / dcp.load; without a process group (world size 1) DCP runs in-process, which is intended
+    here, so its warning about that is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        fn(state, checkpoint_id=path, no_dist=not dist.is_initialized())
 
 
 def _rng_state() -> dict:
@@ -52,7 +61,7 @@ def save_checkpoint(ckpt_dir, step: int, model, optimizer, extra: dict, rank: in
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "step": step, **extra, f"rng_rank{rank}": _rng_state()}
-    dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    _dcp(dcp.save, state, tmp)
     _barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -89,7 +98,7 @@ def load_checkpoint(path, model, optimizer, extra: dict, rank: int) -> dict:
     if has_rng:
         state[rng_key] = _rng_state()
     try:
-        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        _dcp(dcp.load, state, path)
     except Exception as e:  # DCP raises CheckpointException wrapping per-rank errors
         raise ValueError(f"checkpoint {path} could not be loaded into this model/optimizer ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''}); was it written with the same config?") from e

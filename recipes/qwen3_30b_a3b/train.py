@@ -182,6 +182,9 @@ def main(argv=None):
         print(f"exported Hugging Face folder {args.export_hf}", flush=True)
     if mesh.is_main and args.sample_tokens > 0:
         print(f"sample: {sample(model, loader.meta, args, device)!r}", flush=True)
+    if mesh.is_main and history:
+        print(f"trained steps {history[0]['step']}-{history[-1]['step']} in {sum(h['step_time'] for h in history):.0f}s: "
+              f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}", flush=True)
     if mesh.is_main:
         print(f"tensorboard logs: {Path(args.out) / 'tensorboard'}  (tensorboard --logdir {args.out})\n"
               f"checkpoints: {ckpt_dir}", flush=True)

@@ -1,0 +1,38 @@
+"""launch.sh end to end on CPU (data preparation, torchrun with 2 gloo ranks, checkpoint, sample), and a copied
+recipe folder running unchanged under its new name."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--steps", "4", "--seq-len", "64", "--ckpt-every", "2", "--sample-tokens", "8"]
+
+
+def launch(script: Path, env: dict, *args: str) -> str:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **env}
+    proc = subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def test_launch_sh_and_a_copied_recipe(tmp_path):
+    data = tmp_path / "data"
+    out = launch(ROOT / "recipes/qwen3_30b_a3b/launch.sh", {"DATA": str(data), "OUT": str(tmp_path / "run")},
+                 *FAST, "--export-hf", str(tmp_path / "hf"))
+    assert (data / "meta.json").is_file() and (data / "tokenizer.model").is_file()
+    assert "mesh pp=1 dp=2" in out and "trained steps 1-4" in out and "sample: " in out
+    assert (tmp_path / "run/checkpoints/step_00000004/.metadata").is_file()
+    assert (tmp_path / "hf/config.json").is_file()
+
+    # cp -r recipes/qwen3_30b_a3b recipes/my_arch gives a runnable recipe with no edits
+    repo = tmp_path / "repo"
+    (repo / "recipes").mkdir(parents=True)
+    for name in ("core", "tools"):
+        (repo / name).symlink_to(ROOT / name)
+    shutil.copy(ROOT / "recipes/__init__.py", repo / "recipes/__init__.py")
+    shutil.copytree(ROOT / "recipes/qwen3_30b_a3b", repo / "recipes/my_arch", ignore=shutil.ignore_patterns("__pycache__"))
+    out = launch(repo / "recipes/my_arch/launch.sh", {"DATA": str(data), "OUT": str(tmp_path / "run_copy")}, *FAST)
+    assert "-m recipes.my_arch.train" in out and "trained steps 1-4" in out
+    assert (tmp_path / "run_copy/checkpoints/step_00000004/.metadata").is_file()
