@@ -88,3 +88,40 @@ def test_clear_errors(tiny_train_setup, tmp_path):
         train.main(train_args(config, tmp_path / "no_data", tmp_path))
     with pytest.raises(ValueError, match="divisible"):
         train.main(train_args(config, data, tmp_path, micro_batch=3))
+
+
+def test_hf_checkpoint_in_export_out(tiny_train_setup, tmp_path):
+    """--hf-checkpoint loads released-format weights; with lr 0 the exported folder holds exactly them."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tests.conftest import TINY_TRAIN_CONFIG
+    from tools.hf_parity import folder_tensors
+
+    _, data = tiny_train_setup
+    fields = {k: v for k, v in TINY_TRAIN_CONFIG.items() if k != "model_type"}
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**fields)).save_pretrained(tmp_path / "hf_in")
+    train.main(train_args("unused", data, tmp_path / "run", steps=1, lr=0.0, hf_checkpoint=tmp_path / "hf_in",
+                          export_hf=tmp_path / "hf_out"))
+    before, after = folder_tensors(tmp_path / "hf_in"), folder_tensors(tmp_path / "hf_out")
+    assert before.keys() == after.keys()
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+
+
+def test_bf16_autocast_path_trains(tiny_train_setup, tmp_path):
+    """The GPU precision path (bf16 autocast, fp32 master weights and router softmax) runs on CPU too."""
+    config, data = tiny_train_setup
+    losses, _, _ = run_train(train_args(config, data, tmp_path, steps=8, dtype="bf16", grad_clip=1.0))
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_lr_schedules(schedule):
+    from core.training import lr_factor
+
+    f = [lr_factor(s, schedule, warmup=10, total=100, min_ratio=0.1, decay_fraction=0.2) for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)  # linear warmup
+    assert f[-1] == pytest.approx(0.1, abs=0.02) and min(f) >= 0.1 - 1e-9
+    assert all(a >= b - 1e-12 for a, b in zip(f[9:], f[10:]))  # never rises after warmup
+    if schedule == "wsd":
+        assert f[10:80] == [1.0] * 70  # stable until the last 20%
