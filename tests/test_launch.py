@@ -25,6 +25,7 @@ def test_launch_sh_and_a_copied_recipe(tmp_path):
     assert "mesh pp=1 dp=2" in out and "trained steps 1-4" in out and "sample: " in out
     assert (tmp_path / "run/checkpoints/step_00000004/.metadata").is_file()
     assert (tmp_path / "hf/config.json").is_file()
+    assert list((tmp_path / "run/tensorboard").glob("events.out.tfevents.*"))
 
     # cp -r recipes/qwen3_30b_a3b recipes/my_arch gives a runnable recipe with no edits
     repo = tmp_path / "repo"

@@ -89,3 +89,22 @@ def test_checkpoint_errors(tmp_path):
         load_hf_checkpoint(Model(ModelConfig.from_hf(path)), path)
     with pytest.raises(FileNotFoundError, match="no Hugging Face config"):
         ModelConfig.from_hf(tmp_path / "empty")
+
+
+def test_sharded_index_round_trip(tmp_path):
+    """A multi-file checkpoint with model.safetensors.index.json: transformers and our loader both read it."""
+    from core.hf_io import INDEX_NAME, write_hf_folder
+    from recipes.qwen3_30b_a3b.model import hf_state_dict
+
+    path = save_tiny(tmp_path / "single")
+    model = Model(ModelConfig.from_hf(path))
+    load_hf_checkpoint(model, path)
+    write_hf_folder(tmp_path / "sharded", hf_state_dict(model), model.cfg.to_hf(), max_shard_bytes=20_000)
+    assert (tmp_path / "sharded" / INDEX_NAME).is_file() and len(list((tmp_path / "sharded").glob("*.safetensors"))) > 3
+    reloaded = Model(ModelConfig.from_hf(tmp_path / "sharded"))
+    load_hf_checkpoint(reloaded, tmp_path / "sharded")
+    ids = torch.randint(0, BASE["vocab_size"], (1, 10))
+    ref = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "sharded", dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids), model(ids))
+        assert (ref(input_ids=ids).logits - model(ids)).abs().max() <= 1e-4

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+
+from core.hf_io import CheckpointReader
 
 
 @dataclass
@@ -45,10 +46,8 @@ def compare(check: str, ours: torch.Tensor, ref: torch.Tensor, tol: float, metri
 
 def folder_tensors(path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors folder (small test models only)."""
-    out = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
-        out.update(load_file(file))
-    return out
+    reader = CheckpointReader(path)
+    return {name: reader.get(name) for name in reader.weight_map}
 
 
 def grads_by_checkpoint_name(model: torch.nn.Module, save) -> dict[str, torch.Tensor]:

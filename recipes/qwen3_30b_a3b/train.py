@@ -8,7 +8,6 @@ per-micro-batch load-balancing loss. Each micro-batch's backward adds its share,
 over the data-parallel ranks, so any layout equals one process running the same global batch and split.
 """
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch.distributed as dist
 
 from core.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from core.data import TokenLoader, load_tokenizer
-from core.mesh import build_mesh, destroy_mesh, resolve_layout
+from core.mesh import build_mesh, destroy_mesh
 from core.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from core.training import all_reduce_grads, build_adamw, clip_grad_norm_, lr_factor, parse_args
 
@@ -66,8 +65,7 @@ class Args:
 def main(argv=None):
     args = parse_args(Args, argv)
 
-    # ---- mesh: validate the layout before any process group or model exists
-    resolve_layout(int(os.environ.get("WORLD_SIZE", "1")), args.pp, args.dp, args.cp, args.ep)
+    # ---- mesh (the layout is checked against the world size before any process group exists)
     if (args.pp, args.cp, args.ep) != (1, 1, 1):
         raise ValueError("this recipe trains with data parallelism only so far; use --pp 1 --cp 1 --ep 1")
     mesh = build_mesh(args.pp, args.dp, args.cp, args.ep, args.device)
