@@ -1,4 +1,4 @@
-"""Train Qwen3-MoE: args -> mesh -> model -> load -> optimizer -> data -> resume -> loop (log, checkpoint) -> export.
+"""Train Qwen3-MoE: args -> mesh -> data -> model -> load -> optimizer -> resume -> loop (log, checkpoint) -> export.
 
     torchrun --nproc-per-node 2 -m recipes.qwen3_30b_a3b.train --steps 300      (or: bash launch.sh)
 
@@ -79,8 +79,14 @@ def main(argv=None):
     n_micro = local_batch // args.micro_batch
     torch.manual_seed(args.seed)  # same seed everywhere: identical replicas at init
 
-    # ---- model (weights from a Hugging Face folder, or random init)
+    # ---- data (before the model, so that a missing or mismatched dataset fails in seconds)
     cfg = ModelConfig.from_hf(args.hf_checkpoint or args.config)
+    loader = TokenLoader(args.data, args.seq_len, args.global_batch, mesh.data_rank, mesh.data_world, args.seed)
+    if loader.meta["vocab_size"] > cfg.vocab_size:
+        raise ValueError(f"dataset {args.data} has vocab {loader.meta['vocab_size']} but the model only "
+                         f"{cfg.vocab_size}; tokenize with a matching tokenizer or use a bigger config")
+
+    # ---- model (weights from a Hugging Face folder, or random init)
     if args.hf_checkpoint:
         with torch.device("meta"):
             model = Model(cfg)
@@ -98,12 +104,6 @@ def main(argv=None):
                     min_ratio=args.min_lr_ratio, decay_fraction=args.decay_fraction)
     lr_factor(0, **schedule)  # a wrong --lr-schedule fails here, not after the first step
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, **schedule))
-
-    # ---- data
-    loader = TokenLoader(args.data, args.seq_len, args.global_batch, mesh.data_rank, mesh.data_world, args.seed)
-    if loader.meta["vocab_size"] > cfg.vocab_size:
-        raise ValueError(f"dataset {args.data} has vocab {loader.meta['vocab_size']} but the model only "
-                         f"{cfg.vocab_size}; tokenize with a matching tokenizer or use a bigger config")
 
     # ---- resume
     ckpt_dir = Path(args.out) / "checkpoints"
