@@ -68,8 +68,9 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(self.weight_map[name]).get_slice(name).get_shape())
 
-    def get(self, name: str, expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """One tensor; a missing name or a shape that disagrees with the config is a one-line ValueError."""
+    def get(self, name: str, expected_shape: tuple[int, ...] | None = None, rows: slice | None = None) -> torch.Tensor:
+        """One tensor, or only `rows` of its first dimension (read from disk alone, e.g. a shard of stacked
+        experts); a missing name or a shape that disagrees with the config is a one-line ValueError."""
         if name not in self.weight_map:
             raise ValueError(f"checkpoint {self.path} has no tensor {name}; does its config.json match the model config?")
         if expected_shape is not None and self.shape(name) != tuple(expected_shape):
@@ -78,7 +79,8 @@ class CheckpointReader:
                 f"{list(expected_shape)}; the config does not match these weights"
             )
         self.names_read.append(name)
-        return self._open(self.weight_map[name]).get_tensor(name)
+        handle = self._open(self.weight_map[name])
+        return handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows]
 
 
 def write_hf_folder(path: str | os.PathLike, tensors: dict[str, torch.Tensor], config: dict,

@@ -108,3 +108,22 @@ def test_sharded_index_round_trip(tmp_path):
     with torch.no_grad():
         assert torch.equal(reloaded(ids), model(ids))
         assert (ref(input_ids=ids).logits - model(ids)).abs().max() <= 1e-4
+
+
+def test_fused_expert_layout_loads_a_slice(tmp_path):
+    """Checkpoints with fused experts ([E, 2I, H] gate_up_proj, transformers' in-memory layout) load too, and an
+    expert shard reads only its rows."""
+    from core.hf_io import write_hf_folder
+
+    path = save_tiny(tmp_path / "per_expert")
+    ref = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in ref.state_dict()
+    write_hf_folder(tmp_path / "fused", dict(ref.state_dict()), ModelConfig.from_hf(path).to_hf())
+    full, fused = Model(ModelConfig.from_hf(path)), Model(ModelConfig.from_hf(path))
+    load_hf_checkpoint(full, path)
+    load_hf_checkpoint(fused, tmp_path / "fused")
+    for key, value in full.state_dict().items():
+        assert torch.equal(fused.state_dict()[key], value), key
+    shard = Model(ModelConfig.from_hf(path), layers=[0], experts=(4, 6), embed=False, head=False)
+    load_hf_checkpoint(shard, tmp_path / "fused")
+    assert torch.equal(shard.layers["0"].mlp.experts.down_proj, full.layers["0"].mlp.experts.down_proj[4:6])

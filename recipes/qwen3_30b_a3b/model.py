@@ -45,7 +45,7 @@ class ModelConfig:
     initializer_range: float = 0.02
     max_position_embeddings: int = 40960
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None  # kept only to write config.json back
 
     @classmethod
     def from_hf(cls, path) -> "ModelConfig":
@@ -69,8 +69,6 @@ class ModelConfig:
         kwargs["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         kwargs["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         kwargs["mlp_only_layers"] = list(hf.get("mlp_only_layers") or [])
-        if isinstance(kwargs.get("eos_token_id"), list):
-            kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
         return cls(**kwargs)
 
     def to_hf(self) -> dict:
@@ -321,8 +319,9 @@ def load_hf_checkpoint(model: Model, path) -> list[str]:
         experts, prefix = layer.mlp.experts, f"model.layers.{lname}.mlp.experts"
         if f"{prefix}.gate_up_proj" in reader:  # fused layout [E, J, H] / [E, H, I] (transformers in memory)
             E, H = model.cfg.num_experts, model.cfg.hidden_size
-            experts.gate_up_proj.copy_(reader.get(f"{prefix}.gate_up_proj", (E, 2 * I, H))[experts.lo:experts.hi].transpose(1, 2))
-            experts.down_proj.copy_(reader.get(f"{prefix}.down_proj", (E, H, I))[experts.lo:experts.hi].transpose(1, 2))
+            rows = slice(experts.lo, experts.hi)  # read only this model's experts
+            experts.gate_up_proj.copy_(reader.get(f"{prefix}.gate_up_proj", (E, 2 * I, H), rows).transpose(1, 2))
+            experts.down_proj.copy_(reader.get(f"{prefix}.down_proj", (E, H, I), rows).transpose(1, 2))
             continue
         H = model.cfg.hidden_size
         for j, e in enumerate(range(experts.lo, experts.hi)):
