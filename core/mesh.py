@@ -8,6 +8,7 @@ Rank order is row-major over (pp, dp, cp, ep): ep is innermost so that the exper
 a node, pp outermost so that pipeline neighbours are the only traffic crossing nodes.
 """
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -57,15 +58,11 @@ class Mesh:
 
     def group(self, *dims: str):
         """Process group spanning the given dims (None when they hold one rank: nothing to communicate)."""
-        size = 1
-        for d in dims:
-            size *= getattr(self, d)
-        if size == 1:
+        if math.prod(getattr(self, d) for d in dims) == 1:
             return None
-        sub = self.device_mesh[dims] if len(dims) > 1 else self.device_mesh[dims[0]]
-        if len(dims) > 1:
-            sub = sub._flatten()
-        return sub.get_group()
+        if len(dims) == 1:
+            return self.device_mesh.get_group(dims[0])
+        return self.device_mesh[dims]._flatten().get_group()
 
     @property
     def data_rank(self) -> int:

@@ -14,12 +14,10 @@ def parse_args(cls, argv=None):
     parser = argparse.ArgumentParser(description=cls.__doc__)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
-        if f.type in (bool, "bool"):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        if f.type is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
-            kind = {"int": int, "float": float, "str": str}.get(f.type, f.type) if isinstance(f.type, str) else f.type
-            parser.add_argument(flag, type=kind, default=f.default, help=f"{help_text} (default: {f.default})")
+            parser.add_argument(flag, type=f.type, default=f.default, help=f"default: {f.default}")
     return cls(**vars(parser.parse_args(argv)))
 
 
