@@ -74,8 +74,8 @@ def main(argv=None):
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     local_batch = args.global_batch // mesh.data_world
     if args.micro_batch < 1 or args.global_batch < 1 or args.global_batch % (mesh.data_world * args.micro_batch):
-        raise ValueError(f"--global-batch {args.global_batch} must be a positive multiple of data ranks ({mesh.data_world}) "
-                         f"x --micro-batch {args.micro_batch} (>= 1)")
+        raise ValueError(f"--global-batch {args.global_batch} must be divisible by data ranks ({mesh.data_world}) "
+                         f"x --micro-batch {args.micro_batch} (both >= 1)")
     n_micro = local_batch // args.micro_batch
     torch.manual_seed(args.seed)  # same seed everywhere: identical replicas at init
 
