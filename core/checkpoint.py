@@ -3,8 +3,9 @@
 Layout: <dir>/step_00000100/ holds one DCP checkpoint (model, optimizer, scheduler, data position, RNG of
 every rank, step). It is written as step_00000100.tmp/ and renamed only after every rank has finished, so
 a crash during a save leaves the previous step_* folder as the newest complete one; a leftover .tmp folder
-is ignored and overwritten. Model and optimizer go through DCP's get/set_state_dict, which names optimizer
-state by parameter name, so sharded layouts (FSDP2, expert shards) resolve through the same code.
+is ignored and overwritten. The model and optimizer state comes from `ShardedAdamW.checkpoint_state`:
+tensors named by parameter, sharded ones as DTensors with their global shapes, so DCP reshards a checkpoint
+onto another (dp, ep) layout at load.
 """
 
 import os
@@ -16,7 +17,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -50,18 +50,17 @@ def complete_checkpoints(ckpt_dir) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def save_checkpoint(ckpt_dir, step: int, model, optimizer, extra: dict, rank: int, keep: int = 2) -> Path:
-    """Collective: every rank calls it. `extra` holds small picklable state shared by all ranks (scheduler,
-    data position); each rank's RNG goes under its own key. Keeps the newest `keep` checkpoints."""
+def save_checkpoint(ckpt_dir, step: int, state: dict, extra: dict, rank: int, keep: int = 2) -> Path:
+    """Collective: every rank calls it. `state` holds model and optimizer tensors; `extra` small picklable
+    state shared by all ranks (scheduler, data position); each rank's RNG goes under its own key. Keeps the
+    newest `keep` checkpoints."""
     ckpt_dir = Path(ckpt_dir)
     final, tmp = ckpt_dir / f"step_{step:08d}", ckpt_dir / f"step_{step:08d}.tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "step": step, **extra, f"rng_rank{rank}": _rng_state()}
-    _dcp(dcp.save, state, tmp)
+    _dcp(dcp.save, {**state, "step": step, **extra, f"rng_rank{rank}": _rng_state()}, tmp)
     _barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -86,12 +85,11 @@ def resolve_resume(resume: str, ckpt_dir) -> Path | None:
     return path
 
 
-def load_checkpoint(path, model, optimizer, extra: dict, rank: int) -> dict:
-    """Collective. Restores model and optimizer in place and returns `extra` (same keys as at save) filled
-    from the checkpoint, plus 'step'. Restores this rank's RNG when the checkpoint has it."""
+def load_checkpoint(path, state: dict, extra: dict, rank: int) -> dict:
+    """Collective. Fills the tensors of `state` in place and returns it updated with `extra` (same keys as at
+    save) and 'step' from the checkpoint. Restores this rank's RNG when the checkpoint has it."""
     path = Path(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "step": 0, **extra}
+    state = {**state, "step": 0, **extra}
     reader = dcp.FileSystemReader(path)
     rng_key = f"rng_rank{rank}"
     has_rng = any(k.startswith(rng_key + ".") for k in reader.read_metadata().state_dict_metadata)
@@ -102,9 +100,8 @@ def load_checkpoint(path, model, optimizer, extra: dict, rank: int) -> dict:
     except Exception as e:  # DCP raises CheckpointException wrapping per-rank errors
         raise ValueError(f"checkpoint {path} could not be loaded into this model/optimizer ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''}); was it written with the same config?") from e
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if has_rng:
         torch.set_rng_state(state[rng_key]["cpu"])
         if "cuda" in state[rng_key] and torch.cuda.is_available():
             torch.cuda.set_rng_state(state[rng_key]["cuda"])
-    return {k: state[k] for k in [*extra, "step"]}
+    return state

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -85,7 +86,11 @@ class CheckpointReader:
 
 def write_hf_folder(path: str | os.PathLike, tensors: dict[str, torch.Tensor], config: dict,
                     max_shard_bytes: int = 4 << 30) -> None:
-    """Write config.json plus tensors as size-capped shards and an index, the layout transformers loads."""
+    """Write config.json plus tensors as size-capped shards and an index, the layout transformers loads.
+
+    Collective when torch.distributed is initialised: every rank passes the tensors it owns (a sharded model
+    writes each tensor from exactly one rank), writes them to its own files, and rank 0 writes the index
+    that joins them, so no rank ever holds the whole model."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -97,12 +102,27 @@ def write_hf_folder(path: str | os.PathLike, tensors: dict[str, torch.Tensor], c
             shard_bytes = 0
         shards[-1][name] = tensor.detach().contiguous().cpu()
         shard_bytes += size
-    weight_map = {}
+    distributed = dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    weight_map, total = {}, sum(t.numel() * t.element_size() for t in tensors.values())
     for i, shard in enumerate(shards):
-        file = SINGLE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        if not shard:
+            continue
+        if distributed:
+            file = f"model-rank{rank:05d}-{i + 1:05d}.safetensors"
+        else:
+            file = SINGLE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, path / file, metadata={"format": "pt"})
         weight_map.update({name: file for name in shard})
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        (path / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if distributed:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (weight_map, total))
+        weight_map = {name: file for part, _ in gathered for name, file in part.items()}
+        total = sum(size for _, size in gathered)
+    if rank == 0:
+        if len(set(weight_map.values())) > 1 or distributed:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (path / INDEX_NAME).write_text(json.dumps(index, indent=2))
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if distributed:
+        dist.barrier()

@@ -61,10 +61,12 @@ class MetricsLogger:
             return record
         recent = self.step_times[-20:]
         eta = (self.total_steps - step) * sum(recent) / len(recent)
+        load = (per_layer or {}).get("expert_load_max_over_mean", [])
+        a2a = f" | a2a rows {100 * record['a2a_rows_vs_naive']:.0f}% of naive" if "a2a_rows_vs_naive" in record else ""
         print(f"step {step:>5}/{self.total_steps} | loss {record['loss']:.4f} | aux {record['aux_loss']:.4f} | "
-              f"lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} | load max/mean {record.get('expert_load', 0):.2f} | "
-              f"{tokens_per_s:,.0f} tok/s | MFU {100 * record['mfu']:.2f}% | {1000 * step_time:.0f} ms | "
-              f"mem {record['peak_mem_gib']:.2f} GiB | eta {_fmt_duration(eta)}", flush=True)
+              f"lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} | load max/mean per layer "
+              f"{' '.join(f'{x:.2f}' for x in load) or '-'}{a2a} | {tokens_per_s:,.0f} tok/s | MFU {100 * record['mfu']:.2f}% | "
+              f"{1000 * step_time:.0f} ms | mem {record['peak_mem_gib']:.2f} GiB | eta {_fmt_duration(eta)}", flush=True)
         for name, value in record.items():
             if name != "step":
                 self.writer.add_scalar(f"train/{name}", value, step)

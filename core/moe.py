@@ -1,24 +1,38 @@
-"""Routed-expert plumbing every recipe shares: group (token, expert) rows by expert, grouped GEMM, combine.
+"""Routed experts across the expert-parallel (ep) group: deduplicated all-to-all dispatch and combine,
+grouping rows by expert, grouped GEMM, and the aux-loss-free expert-bias update.
 
-Legend: T tokens, H hidden, E experts (local to this rank), k top-k, R = T*k routed rows,
-K/N the two sides of a GEMM.
+Legend: T tokens on this rank, H hidden, k experts per token, E experts in the model, n ranks in the ep group,
+L = E / n experts per rank (rank d holds experts [d*L, (d+1)*L)), P (token, destination rank) pairs this
+rank sends, Q pairs it receives, R (received row, local expert) pairs = rows of the grouped GEMM,
+X = H + k (a dispatched row carries the token and its k routing weights for that rank).
 
-A model's MoE layer does:  order, counts = sort_by_expert(topk_ids)
-                            rows = x[order // k]            (one row per (token, expert), grouped by expert)
-                            rows = its expert MLP, built from grouped_mm(rows, w_EKN, counts)
-                            out  = combine(rows, order, topk_weights, T)
+Deduplication: a token travels to a rank once, however many of its k experts live there; the receiver
+expands it into one row per local expert, and sums its local experts' weighted outputs per received row
+before sending back, so the combine also moves one row per (token, rank). Dropless: nothing is capped.
+
+One MoE layer on one micro-batch, in the five steps a pipeline schedule can interleave (2 and 4 are the
+all-to-alls; `start_*` returns at once and `.wait()` gives the result with autograd attached):
+
+    plan = DispatchPlan(topk_ids_Tk, E, ep_group)              # routing exchange (small, blocking)
+    x_QX = plan.start_dispatch(x_TH, topk_weights_Tk).wait()    # (2)
+    y_QH = plan.run_experts(x_QX, experts_fn)                   # (3) experts_fn(rows_RH, counts_L) -> [R, H]
+    y_PH = plan.start_combine(y_QH).wait()                      # (4)
+    out_TH = plan.unpermute(y_PH)                               # (5) before the residual add
+
+With ep_group None (one rank holds every expert) the same code runs with the all-to-alls skipped.
 """
 
 import torch
+import torch.distributed as dist
 
 
-def sort_by_expert(topk_ids_Tk: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row order that groups the T*k (token, slot) pairs by expert (stable: tokens keep their order inside an
-    expert), and how many rows each expert gets. Row r of the grouped layout is token order[r] // k."""
-    flat_R = topk_ids_Tk.reshape(-1)
-    order_R = torch.argsort(flat_R, stable=True)
-    counts_E = torch.bincount(flat_R, minlength=num_experts)
-    return order_R, counts_E
+def sort_by_expert(ids_Xk: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable order of the (row, slot) pairs grouped by expert, skipping slots marked -1, and rows per expert.
+    Grouped row r comes from row order[r] // k."""
+    flat = ids_Xk.reshape(-1)
+    keep = flat >= 0
+    order_R = torch.argsort(torch.where(keep, flat, num_experts), stable=True)[: int(keep.sum())]
+    return order_R, torch.bincount(flat[keep], minlength=num_experts)
 
 
 def grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -31,9 +45,128 @@ def grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) 
     return torch.cat([x_e @ w_EKN[e] for e, x_e in enumerate(x_RK.split(sizes))])
 
 
-def combine(rows_RH: torch.Tensor, order_R: torch.Tensor, topk_weights_Tk: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """out[t] = sum over t's k experts of weight * expert output; rows_RH is in the grouped order."""
-    k = topk_weights_Tk.shape[1]
-    weighted_RH = rows_RH * topk_weights_Tk.reshape(-1)[order_R].unsqueeze(-1).to(rows_RH.dtype)
-    out_TH = rows_RH.new_zeros(num_tokens, rows_RH.shape[1])
-    return out_TH.index_add(0, order_R // k, weighted_RH)
+# ------------------------------------------------------------------------ asynchronous all-to-all
+
+
+class _Transfer:
+    """State shared by the start and wait nodes of one all-to-all (forward and reverse)."""
+
+    def __init__(self, send_splits, recv_splits, group):
+        self.send_splits, self.recv_splits, self.group = send_splits, recv_splits, group
+        self.work = self.grad_work = self.grad_in = None
+
+
+class _StartAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, transfer):
+        ctx.transfer = transfer
+        out = x.new_empty(sum(transfer.recv_splits), *x.shape[1:])
+        transfer.work = dist.all_to_all_single(out, x.contiguous(), transfer.recv_splits, transfer.send_splits,
+                                               group=transfer.group, async_op=True)
+        return out
+
+    @staticmethod
+    def backward(ctx, _grad_placeholder):
+        t = ctx.transfer  # the reverse all-to-all was started by _WaitAllToAll.backward
+        t.grad_work.wait()
+        grad, t.grad_in = t.grad_in, None
+        return grad, None
+
+
+class _WaitAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, transfer):
+        ctx.transfer = transfer
+        transfer.work.wait()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        t = ctx.transfer  # start the reverse all-to-all now; _StartAllToAll.backward waits for it
+        t.grad_in = grad_out.new_empty(sum(t.send_splits), *grad_out.shape[1:])
+        t.grad_work = dist.all_to_all_single(t.grad_in, grad_out.contiguous(), t.send_splits, t.recv_splits,
+                                             group=t.group, async_op=True)
+        return grad_out, None
+
+
+class AllToAll:
+    """An all-to-all in flight: rows [sum(send_splits), ...] go out, `wait()` returns [sum(recv_splits), ...].
+    Differentiable; its backward is the reverse all-to-all, likewise started before it is waited on."""
+
+    def __init__(self, x, send_splits: list[int], recv_splits: list[int], group):
+        self.transfer = None if group is None else _Transfer(send_splits, recv_splits, group)
+        self.out = x if group is None else _StartAllToAll.apply(x, self.transfer)
+
+    def wait(self) -> torch.Tensor:
+        return self.out if self.transfer is None else _WaitAllToAll.apply(self.out, self.transfer)
+
+
+# ------------------------------------------------------------------------------------ dispatch plan
+
+
+class DispatchPlan:
+    """Where one micro-batch's tokens go in the ep group, and how received rows map onto local experts."""
+
+    def __init__(self, topk_ids_Tk: torch.Tensor, num_experts: int, group):
+        n = 1 if group is None else dist.get_world_size(group)
+        me = 0 if group is None else dist.get_rank(group)
+        assert num_experts % n == 0, f"{num_experts} experts cannot be split over {n} ep ranks"
+        T, k = topk_ids_Tk.shape
+        L = num_experts // n
+        self.group, self.num_tokens, self.k = group, T, k
+        dest_Tk = topk_ids_Tk // L
+        goes_TN = torch.zeros(T, n, dtype=torch.bool, device=topk_ids_Tk.device).scatter_(1, dest_Tk, True)
+        dest_P, self.token_P = goes_TN.T.nonzero(as_tuple=True)  # grouped by destination, tokens in order
+        self.here_Pk = dest_Tk[self.token_P] == dest_P[:, None]  # which of the token's slots live at that rank
+        local_ids_Pk = torch.where(self.here_Pk, topk_ids_Tk[self.token_P] - dest_P[:, None] * L, -1)
+        send_counts_N = goes_TN.sum(0)
+        # rows crossing ranks: deduplicated (this plan) vs one row per (token, slot) (a naive dispatch)
+        self.rows_moved = torch.stack([send_counts_N.sum() - send_counts_N[me], (dest_Tk != me).sum()])
+        if group is None:
+            local_ids_Qk = local_ids_Pk
+            self.send_splits = self.recv_splits = [T]
+        else:  # exchange the split sizes, then the local expert ids of every row (small, blocking)
+            recv_counts_N = torch.empty_like(send_counts_N)
+            dist.all_to_all_single(recv_counts_N, send_counts_N, group=group)
+            self.send_splits, self.recv_splits = send_counts_N.tolist(), recv_counts_N.tolist()
+            local_ids_Qk = local_ids_Pk.new_empty(sum(self.recv_splits), k)
+            dist.all_to_all_single(local_ids_Qk, local_ids_Pk, self.recv_splits, self.send_splits, group=group)
+        self.order_R, self.counts_L = sort_by_expert(local_ids_Qk, L)
+
+    def start_dispatch(self, x_TH: torch.Tensor, topk_weights_Tk: torch.Tensor) -> AllToAll:
+        """(2) Send each token once per destination rank, with its routing weights for that rank's experts."""
+        w_Pk = torch.where(self.here_Pk, topk_weights_Tk[self.token_P], 0).to(x_TH.dtype)
+        return AllToAll(torch.cat([x_TH[self.token_P], w_Pk], dim=-1), self.send_splits, self.recv_splits, self.group)
+
+    def run_experts(self, x_QX: torch.Tensor, experts_fn) -> torch.Tensor:
+        """(3) Expand received rows to one row per local expert (grouped by expert), run the experts, and sum
+        each received row's weighted expert outputs: [Q, H]."""
+        x_QH, w_Qk = x_QX[:, : -self.k], x_QX[:, -self.k :]
+        row_R = self.order_R // self.k
+        y_RH = experts_fn(x_QH[row_R], self.counts_L)
+        y_RH = y_RH * w_Qk.reshape(-1)[self.order_R].unsqueeze(-1)
+        return y_RH.new_zeros(x_QH.shape[0], y_RH.shape[-1]).index_add(0, row_R, y_RH)
+
+    def start_combine(self, y_QH: torch.Tensor) -> AllToAll:
+        """(4) Send each received row's result back to the rank it came from."""
+        return AllToAll(y_QH, self.recv_splits, self.send_splits, self.group)
+
+    def unpermute(self, y_PH: torch.Tensor) -> torch.Tensor:
+        """(5) Sum the results of a token's destination ranks: [T, H]."""
+        return y_PH.new_zeros(self.num_tokens, y_PH.shape[-1]).index_add(0, self.token_P, y_PH)
+
+
+def moe_forward(x_TH, topk_ids_Tk, topk_weights_Tk, num_experts: int, group, experts_fn):
+    """The five steps back to back (no overlap): routed-expert output [T, H] and rows moved [2]."""
+    plan = DispatchPlan(topk_ids_Tk, num_experts, group)
+    x_QX = plan.start_dispatch(x_TH, topk_weights_Tk).wait()
+    y_PH = plan.start_combine(plan.run_experts(x_QX, experts_fn)).wait()
+    return plan.unpermute(y_PH), plan.rows_moved
+
+
+@torch.no_grad()
+def update_expert_bias(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3): after each optimizer step, raise the selection bias of experts
+    that got fewer tokens than the mean and lower it for those that got more: bias += rate * sign(mean - load).
+    `load_E` must be the global count (same on every rank), so that the bias stays identical everywhere."""
+    bias_E += rate * torch.sign(load_E.float().mean() - load_E.float()).to(bias_E.dtype)

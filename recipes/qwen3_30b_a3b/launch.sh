@@ -4,9 +4,11 @@
 #   bash recipes/qwen3_30b_a3b/launch.sh [train.py flags ...]
 #
 # No GPU:       prepares the demo data if missing (the Python standard library's sources, with a
-#               sentencepiece tokenizer trained locally), trains the tiny config on 2 CPU ranks (dp=2) for
-#               300 steps, then prints where the TensorBoard logs and checkpoints are and a text sample.
-# GPUs (1 node): one process per GPU with the released config.json. Set HF_CHECKPOINT=/path/to/Qwen3-30B-A3B
+#               sentencepiece tokenizer trained locally), trains the tiny config on 2 CPU ranks with its 8
+#               experts split over them (ep=2) for 300 steps, then prints where the TensorBoard logs and
+#               checkpoints are and a text sample.
+# GPUs (1 node): one process per GPU with the released config.json, experts split over the node's GPUs
+#               (ep = GPUs per node, at most 8; dp over the nodes). Set HF_CHECKPOINT=/path/to/Qwen3-30B-A3B
 #               to start from the released weights (the demo data is then tokenized with its tokenizer), or
 #               DATA=/path/to/shards for data made by `python -m tools.prepare_data`.
 # Multi-node:   run the same command on every node (torchrun c10d rendezvous on node 0):
@@ -16,8 +18,8 @@
 #                 sbatch --nodes=4 --gpus-per-node=8 --wrap "bash recipes/qwen3_30b_a3b/launch.sh --steps 1000"
 #                 salloc --nodes=2 --gpus-per-node=8  then  bash recipes/qwen3_30b_a3b/launch.sh
 #
-# Environment: NPROC (processes per node; default: GPUs, or 2 on CPU), NNODES, NODE_RANK, MASTER_ADDR,
-# MASTER_PORT, HF_CHECKPOINT, DATA, OUT (default runs/<recipe>).
+# Environment: NPROC (processes per node; default: GPUs, or 2 on CPU), EP (expert-parallel ranks; default
+# NPROC up to 8), NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, HF_CHECKPOINT, DATA, OUT (default runs/<recipe>).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -44,7 +46,8 @@ OUT="${OUT:-runs/$RECIPE}"
 
 if [[ "$GPUS" -gt 0 ]]; then
   NPROC="${NPROC:-$GPUS}"
-  DEFAULTS=(--config "$HERE/config.json" --seq-len 4096 --micro-batch 1 --global-batch $((NPROC * NNODES * 8))
+  EP="${EP:-$((NPROC < 8 ? NPROC : 8))}"
+  DEFAULTS=(--config "$HERE/config.json" --ep "$EP" --seq-len 4096 --micro-batch 1 --global-batch $((NPROC * NNODES * 8))
             --lr 3e-4 --warmup-steps 100 --steps 1000 --ckpt-every 200)
   if [[ -n "${HF_CHECKPOINT:-}" ]]; then
     DEFAULTS+=(--hf-checkpoint "$HF_CHECKPOINT")
@@ -53,8 +56,9 @@ if [[ "$GPUS" -gt 0 ]]; then
   fi
 else
   NPROC="${NPROC:-2}"
+  EP="${EP:-$NPROC}"
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one core per rank
-  DEFAULTS=(--seq-len 256 --global-batch 8 --micro-batch 4 --lr 3e-3 --warmup-steps 20 --steps 300
+  DEFAULTS=(--ep "$EP" --seq-len 256 --global-batch 8 --micro-batch 4 --lr 3e-3 --warmup-steps 20 --steps 300
             --ckpt-every 100 --sample-tokens 64)
 fi
 DATA="${DATA:-data/stdlib}"

@@ -7,20 +7,23 @@ V vocab, E experts (held by this rank), k experts per token, R = T*k routed rows
 J = 2*I (gate and up side by side), F dense ffn width, L layers.
 
 A Model may be partial: `layers` picks which decoder layers it holds (parameter names keep the global
-layer index, `layers.7.…`), `experts` which routed experts (a [lo, hi) range), `embed`/`head` whether it
+layer index, `layers.7.…`), `experts` which routed experts (a [lo, hi) range; with `ep_group` given, this
+rank's 1/ep of them, and tokens reach them through core/moe.py's all-to-all), `embed`/`head` whether it
 holds the embedding and the final norm + LM head. Checkpoint I/O then touches only those tensors.
 """
 
 import json
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from core.hf_io import CheckpointReader, read_hf_config, write_hf_folder
-from core.moe import combine, grouped_mm, sort_by_expert
+from core.moe import grouped_mm, moe_forward
 
 
 @dataclass
@@ -148,12 +151,15 @@ class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        # aux-loss-free balancing (core.moe.update_expert_bias): shifts which experts are chosen, not their weights
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
         self.k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
     def forward(self, x_TH):
         logits_TE = F.linear(x_TH, self.weight)
         probs_TE = logits_TE.softmax(dim=-1, dtype=torch.float32)  # router in fp32
-        weights_Tk, ids_Tk = probs_TE.topk(self.k, dim=-1)
+        ids_Tk = (probs_TE + self.expert_bias).topk(self.k, dim=-1).indices
+        weights_Tk = probs_TE.gather(1, ids_Tk)
         if self.norm_topk_prob:
             weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
         return logits_TE, weights_Tk.to(x_TH.dtype), ids_Tk
@@ -174,37 +180,37 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, experts: tuple[int, int]):
+    def __init__(self, cfg: ModelConfig, experts: tuple[int, int], ep_group):
         super().__init__()
         self.gate = Router(cfg)
         self.experts = Experts(cfg, *experts)
-        self.num_experts, self.k = cfg.num_experts, cfg.num_experts_per_tok
+        self.num_experts, self.ep_group = cfg.num_experts, ep_group
 
     def forward(self, x_BSH):
-        """Returns the output, the router logits [T, E] (for the aux loss) and tokens per expert [E]."""
+        """Returns the output, the router logits [T, E] (for the aux loss), tokens per expert [E] of this rank's
+        tokens, and the all-to-all rows moved [deduplicated, naive]."""
         B, S, H = x_BSH.shape
         x_TH = x_BSH.reshape(B * S, H)
         logits_TE, weights_Tk, ids_Tk = self.gate(x_TH)
-        assert self.experts.hi - self.experts.lo == self.num_experts, "a model holding a subset of experts needs expert parallelism"
-        order_R, counts_E = sort_by_expert(ids_Tk, self.num_experts)
-        rows_RH = self.experts(x_TH[order_R // self.k], counts_E)
-        return combine(rows_RH, order_R, weights_Tk, B * S).view(B, S, H), logits_TE, counts_E
+        out_TH, rows_moved = moe_forward(x_TH, ids_Tk, weights_Tk, self.num_experts, self.ep_group, self.experts)
+        counts_E = torch.bincount(ids_Tk.reshape(-1), minlength=self.num_experts)
+        return out_TH.view(B, S, H), logits_TE, counts_E, rows_moved
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, experts: tuple[int, int]):
+    def __init__(self, cfg: ModelConfig, layer_id: int, experts: tuple[int, int], ep_group):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg, experts) if cfg.is_moe_layer(layer_id) else DenseMLP(cfg)
+        self.mlp = MoE(cfg, experts, ep_group) if cfg.is_moe_layer(layer_id) else DenseMLP(cfg)
 
     def forward(self, x_BSH, cos, sin):
-        """Returns the new hidden state and, for MoE layers, (router logits, tokens per expert)."""
+        """Returns the new hidden state and, for MoE layers, (router logits, tokens per expert, rows moved)."""
         h_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin)
         if isinstance(self.mlp, MoE):
-            out_BSH, logits_TE, counts_E = self.mlp(self.post_attention_layernorm(h_BSH))
-            return h_BSH + out_BSH, (logits_TE, counts_E)
+            out_BSH, *routing = self.mlp(self.post_attention_layernorm(h_BSH))
+            return h_BSH + out_BSH, routing
         return h_BSH + self.mlp(self.post_attention_layernorm(h_BSH)), None
 
 
@@ -215,18 +221,25 @@ class DecoderLayer(nn.Module):
 class TrainOutput:
     loss_sum: torch.Tensor  # summed cross-entropy over non-ignored labels
     aux_loss: torch.Tensor  # load-balancing loss (unscaled), as transformers' load_balancing_loss_func
-    tokens_per_expert_LE: torch.Tensor  # routed rows per expert, one row per MoE layer (no grad)
+    tokens_per_expert_LE: torch.Tensor  # this rank's (token, slot) pairs per expert, one row per MoE layer
+    a2a_rows: torch.Tensor  # rows the dispatch all-to-alls sent to other ranks: [deduplicated, naive]
 
 
 class Model(nn.Module):
     def __init__(self, cfg: ModelConfig, layers=None, experts: tuple[int, int] | None = None,
-                 embed: bool = True, head: bool = True):
+                 embed: bool = True, head: bool = True, ep_group=None):
         super().__init__()
         self.cfg = cfg
         layer_ids = range(cfg.num_hidden_layers) if layers is None else layers
+        if ep_group is not None:
+            ep, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+            if cfg.num_experts % ep:
+                raise ValueError(f"{cfg.num_experts} experts cannot be split evenly over --ep {ep}; "
+                                 f"choose an ep that divides {cfg.num_experts}")
+            experts = (ep_rank * cfg.num_experts // ep, (ep_rank + 1) * cfg.num_experts // ep)
         experts = (0, cfg.num_experts) if experts is None else experts
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, experts) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, experts, ep_group) for i in layer_ids})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
         self.init_weights()
@@ -234,14 +247,23 @@ class Model(nn.Module):
     @torch.no_grad()
     def init_weights(self):
         """Normal(0, initializer_range) for every matrix, ones for norms, zeros for biases (transformers' init).
-        Draws from the default generator: seed it the same on every rank for identical replicas."""
+        Each tensor (each expert of a stacked tensor) draws from a generator seeded by the default generator and
+        its name, so a partial model (pipeline stage, expert shard) gets exactly its slice of the full model's
+        weights. Seed the default generator the same on every rank."""
+        base_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
             else:
-                p.normal_(0.0, self.cfg.initializer_range)
+                lo = self.get_submodule(name.rsplit(".", 1)[0]).lo if ".experts." in name else None
+                for j, block in enumerate(p if lo is not None else [p]):
+                    key = name if lo is None else f"{name}.{lo + j}"
+                    gen = torch.Generator(p.device).manual_seed(base_seed ^ zlib.crc32(key.encode()))
+                    block.normal_(0.0, self.cfg.initializer_range, generator=gen)
 
     def trunk(self, input_ids_BS, position_ids_BS=None):
         """Embedding + decoder layers; returns the last hidden state and per-MoE-layer (logits, counts)."""
@@ -266,9 +288,11 @@ class Model(nn.Module):
         logits_BSV = self.lm_head(h_BSH)
         loss_sum = F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=-100, reduction="sum")
         if not routing:
-            return TrainOutput(loss_sum, loss_sum.new_zeros(()), loss_sum.new_zeros(0, self.cfg.num_experts))
-        aux = load_balancing_loss([logits for logits, _ in routing], self.cfg.num_experts_per_tok)
-        return TrainOutput(loss_sum, aux, torch.stack([counts for _, counts in routing]).detach())
+            zeros = loss_sum.new_zeros
+            return TrainOutput(loss_sum, zeros(()), zeros(0, self.cfg.num_experts), zeros(2))
+        logits, counts, rows_moved = zip(*routing)
+        aux = load_balancing_loss(list(logits), self.cfg.num_experts_per_tok)
+        return TrainOutput(loss_sum, aux, torch.stack(counts), torch.stack(rows_moved).sum(0))
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor], k: int) -> torch.Tensor:
@@ -351,9 +375,12 @@ def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_hf_checkpoint(model: Model, path, dtype: torch.dtype | None = None) -> None:
-    """Write `model` as a folder that transformers' Qwen3MoeForCausalLM.from_pretrained loads."""
-    tensors = {k: (v.to(dtype) if dtype else v) for k, v in hf_state_dict(model).items()}
+def save_hf_checkpoint(model: Model, path, dtype: torch.dtype | None = None, dense: bool = True, experts: bool = True) -> None:
+    """Write `model` as a folder that transformers' Qwen3MoeForCausalLM.from_pretrained loads. In a distributed
+    run every rank calls it (see core.hf_io.write_hf_folder) and writes what it owns: `dense` / `experts` say
+    whether this rank is the first replica of its dense / routed-expert tensors."""
+    tensors = {k: (v.to(dtype) if dtype else v) for k, v in hf_state_dict(model).items()
+               if (experts if ".mlp.experts." in k else dense)}
     config = model.cfg.to_hf()
     if dtype is not None:
         config["dtype"] = str(dtype).removeprefix("torch.")

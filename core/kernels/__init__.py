@@ -1,0 +1,1 @@
+"""Triton kernels, each with its PyTorch reference in the same file (used off-GPU and by the tests)."""

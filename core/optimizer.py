@@ -1,0 +1,192 @@
+"""ZeRO-1 AdamW: gradients reduce-scattered and optimizer state sharded over the ranks that replicate a
+parameter, weights all-gathered after the step.
+
+Why ZeRO-1 rather than FSDP2 `fully_shard`: every rank keeps its full (fp32) weights, so nothing is gathered
+per micro-batch and the pipeline schedule can run forwards, backwards and delayed weight gradients in any
+order without per-module hooks; all sharding work happens once per optimizer step, in three visible calls
+(`reduce_gradients`, `clip_grad_norm_`, `step`). Adam's two moments (8 bytes per parameter) shrink by the
+replica count; the cost is one reduce-scatter and one all-gather per step, the same traffic as an
+all-reduce.
+
+A `ReplicaSet` is a set of parameters replicated over the same ranks: dense parameters over (dp, cp, ep),
+routed experts over (dp, cp) (each ep rank holds different experts). Rank i of a set's n ranks owns
+elements [i*c, (i+1)*c) of each flattened parameter, c = ceil(numel / n) (the last shards are shorter or
+empty: DTensor's Shard(0) split). The shard is a view into the parameter, so AdamW updates the weights in
+place. Checkpoints describe every tensor as a DTensor over the set's mesh (see `checkpoint_state`), so a
+checkpoint written at one (dp, ep) layout loads at another.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+@dataclass
+class ReplicaSet:
+    params: dict[str, torch.nn.Parameter]
+    group: object  # ProcessGroup of the replicas, or None when this rank is the only copy
+    mesh: DeviceMesh | None  # checkpoint layout: leading dims split dim 0 of the parameter, the last dim = replicas
+
+
+@dataclass
+class _Entry:
+    name: str
+    param: torch.nn.Parameter
+    replicas: ReplicaSet
+    n: int  # ranks in the replica group
+    chunk: int  # c: elements per shard before truncation
+    shard: torch.Tensor  # this rank's slice of the flattened parameter (a view)
+
+
+def _split(numel: int, n: int, i: int) -> tuple[int, int]:
+    chunk = math.ceil(numel / n)
+    lo = min(i * chunk, numel)
+    return lo, min(lo + chunk, numel)
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+
+
+class ShardedAdamW:
+    def __init__(self, replica_sets: list[ReplicaSet], lr: float, weight_decay: float, betas, eps: float,
+                 norm_group=None, bucket_bytes: int = 256 << 20):
+        """norm_group spans every rank (all pipeline stages): the gradient norm sums all ranks' shards."""
+        self.norm_group, self.bucket_bytes = norm_group, bucket_bytes
+        self.entries: list[_Entry] = []
+        for rs in replica_sets:
+            n = 1 if rs.group is None else dist.get_world_size(rs.group)
+            rank = 0 if rs.group is None else dist.get_rank(rs.group)
+            for name, p in rs.params.items():
+                assert p.is_contiguous(), name
+                lo, hi = _split(p.numel(), n, rank)
+                self.entries.append(_Entry(name, p, rs, n, math.ceil(p.numel() / n), p.detach().view(-1)[lo:hi]))
+        self.by_name = {e.name: e for e in self.entries}
+        on_gpu = self.entries[0].param.device.type == "cuda"
+        # weight decay on matrices only (norm weights and biases are not decayed, as in Megatron)
+        groups = [{"params": [e.shard for e in self.entries if e.param.ndim >= 2], "weight_decay": weight_decay},
+                  {"params": [e.shard for e in self.entries if e.param.ndim < 2], "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=on_gpu, foreach=not on_gpu)
+
+    def _buckets(self):
+        """Entries of one replica set, in flat buckets of at most bucket_bytes, to issue few collectives."""
+        buckets = []
+        for e in self.entries:
+            nbytes = e.n * e.chunk * e.param.element_size()
+            last = buckets[-1] if buckets else None
+            if last is None or last[0].replicas is not e.replicas or last[0].param.dtype != e.param.dtype or \
+                    sum(x.n * x.chunk * x.param.element_size() for x in last) + nbytes > self.bucket_bytes:
+                buckets.append([])
+            buckets[-1].append(e)
+        return buckets
+
+    def reduce_gradients(self) -> None:
+        """Sum each parameter's gradient over its replicas; this rank keeps only its shard's part (reduce-scatter),
+        and the full gradient is freed. Losses are pre-divided by the global token count, so a sum is right."""
+        for bucket in self._buckets():
+            grads = [e.param.grad if e.param.grad is not None else torch.zeros_like(e.param) for e in bucket]
+            group, n = bucket[0].replicas.group, bucket[0].n
+            if group is None:
+                for e, g in zip(bucket, grads):
+                    e.shard.grad = g.view(-1)
+            else:  # [n, sum of chunks]: row i holds every parameter's shard i, so shard i lands on rank i
+                send = torch.cat([torch.nn.functional.pad(g.reshape(-1), (0, n * e.chunk - g.numel())).view(n, e.chunk)
+                                  for e, g in zip(bucket, grads)], dim=1)
+                mine = send.new_empty(send.shape[1])
+                dist.reduce_scatter_tensor(mine, send.reshape(-1), group=group)
+                for e, g in zip(bucket, mine.split([e.chunk for e in bucket])):
+                    e.shard.grad = g[: e.shard.numel()]
+            for e in bucket:
+                e.param.grad = None
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the (reduced) gradients so that their global L2 norm is at most max_norm (0: no clipping);
+        returns the norm before clipping. Shards partition every parameter, so each element counts once."""
+        grads = [e.shard.grad for e in self.entries]
+        sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+        if self.norm_group is not None:
+            dist.all_reduce(sq, group=self.norm_group)
+        norm = sq.sqrt()
+        if max_norm > 0:
+            torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
+        return norm
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on this rank's shards, then all-gather so that every replica holds the updated weights."""
+        self.optimizer.step()
+        for bucket in self._buckets():
+            group, n = bucket[0].replicas.group, bucket[0].n
+            if group is None:
+                continue
+            mine = torch.cat([torch.nn.functional.pad(e.shard, (0, e.chunk - e.shard.numel())) for e in bucket])
+            full = mine.new_empty(n * mine.numel())
+            dist.all_gather_into_tensor(full, mine, group=group)
+            offset = 0
+            for e in bucket:
+                e.param.view(-1).copy_(full.view(n, -1)[:, offset: offset + e.chunk].reshape(-1)[: e.param.numel()])
+                offset += e.chunk
+
+    def zero_grad(self) -> None:
+        for e in self.entries:
+            e.param.grad = e.shard.grad = None
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def state_bytes(self) -> tuple[int, int]:
+        """(bytes of Adam state on this rank, bytes it would take unsharded): the memory ZeRO-1 saves."""
+        self._init_state()
+        held = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values() if t.ndim)
+        return held, sum(2 * e.param.numel() * e.param.element_size() for e in self.entries)
+
+    # ----------------------------------------------------------------------------------- checkpoints
+
+    def _init_state(self) -> None:
+        """Adam state as torch creates it at the first step, so that a checkpoint can be loaded into it."""
+        fused = self.optimizer.defaults["fused"]
+        for e in self.entries:
+            if e.shard not in self.optimizer.state:
+                step = torch.zeros((), device=e.shard.device) if fused else torch.tensor(0.0)
+                self.optimizer.state[e.shard] = {"step": step, "exp_avg": torch.zeros_like(e.shard),
+                                                 "exp_avg_sq": torch.zeros_like(e.shard)}
+
+    def checkpoint_state(self, model: torch.nn.Module) -> dict:
+        """{'model', 'optim'} for torch.distributed.checkpoint, sharing storage with the live tensors (a load
+        fills them in place). A parameter of a set with a mesh is a DTensor: its global shape multiplies dim 0
+        by the mesh's leading dims (the expert shards), replicated over the last dim; its Adam moments are
+        DTensors over the flattened global parameter, split like the weights and then over the replicas."""
+        self._init_state()
+        model_sd = {}
+        for name, t in model.state_dict().items():
+            e = self.by_name.get(name)
+            mesh = None if e is None else e.replicas.mesh
+            if mesh is None:
+                model_sd[name] = t
+                continue
+            outer = math.prod(mesh.shape[:-1])
+            shape = (t.shape[0] * outer, *t.shape[1:])
+            model_sd[name] = DTensor.from_local(t, mesh, [Shard(0)] * (mesh.ndim - 1) + [Replicate()], run_check=False,
+                                                shape=torch.Size(shape), stride=_contiguous_stride(shape))
+        optim_sd = {"lr": torch.tensor([g["lr"] for g in self.param_groups], dtype=torch.float64)}
+        for e in self.entries:
+            state, mesh = self.optimizer.state[e.shard], e.replicas.mesh
+            optim_sd[e.name] = {"step": state["step"]}
+            for key in ("exp_avg", "exp_avg_sq"):
+                if mesh is None:
+                    optim_sd[e.name][key] = state[key]
+                else:
+                    numel = e.param.numel() * math.prod(mesh.shape[:-1])
+                    optim_sd[e.name][key] = DTensor.from_local(state[key], mesh, [Shard(0)] * mesh.ndim, run_check=False,
+                                                               shape=torch.Size([numel]), stride=(1,))
+        return {"model": model_sd, "optim": optim_sd}
+
+    def after_load(self, state: dict) -> None:
+        """Apply what torch.distributed.checkpoint cannot load in place (the learning rates)."""
+        for g, lr in zip(self.param_groups, state["optim"]["lr"].tolist()):
+            g["lr"] = lr

@@ -1,0 +1,201 @@
+"""Expert parallelism: the deduplicated all-to-all dispatch/combine against a single-process computation, the
+rows it moves, the Qwen3 model's gradients at ep=2/4 and dp2 x ep2, training parity, resharding checkpoints,
+export from a sharded run, ZeRO-1 memory and the aux-loss-free bias."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from core.mesh import build_mesh, destroy_mesh
+from core.moe import grouped_mm, moe_forward, update_expert_bias
+from core.optimizer import ReplicaSet, ShardedAdamW
+from recipes.qwen3_30b_a3b import train
+from recipes.qwen3_30b_a3b.model import Model, ModelConfig
+from tests.multiproc import run_ranks
+from tests.test_train import rel_err, run_train, train_args
+
+H, I, E = 8, 6, 4  # hidden, expert ffn, experts for the core-level checks
+
+
+def expert_mlp(w1, w2):
+    return lambda rows_RH, counts: grouped_mm(F.silu(grouped_mm(rows_RH, w1, counts)), w2, counts)
+
+
+def routings(tokens: int, k_max: int):
+    """(name, topk_ids, k) routings of `tokens` tokens, extreme ones included."""
+    g = torch.Generator().manual_seed(1)
+    rand2 = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])
+    yield "top2", rand2
+    yield "top1", rand2[:, :1]
+    yield "topk=E", torch.stack([torch.randperm(E, generator=g) for _ in range(tokens)])
+    yield "all to expert 0", torch.stack([torch.tensor([0, 1 + t % (E - 1)]) for t in range(tokens)])[:, :1]
+    yield "all to the last rank's experts", torch.full((tokens, 1), E - 1)
+
+
+def dispatch_worker(tokens_per_rank: int):
+    """Every rank builds the same global problem, runs its token slice through its experts with the ep group,
+    and returns errors against the single-process computation plus rows moved vs the analytic count."""
+    mesh = build_mesh(dp=1, ep=int(os.environ["WORLD_SIZE"]))
+    group, n, me = mesh.group("ep"), mesh.ep, mesh.coord("ep")
+    L = E // n
+    results = []
+    for name, ids_all in routings(n * tokens_per_rank, E):
+        k = ids_all.shape[1]
+        g = torch.Generator().manual_seed(2)
+        x_all = torch.randn(n * tokens_per_rank, H, generator=g, requires_grad=True)
+        w_all = torch.rand(n * tokens_per_rank, k, generator=g, requires_grad=True)
+        w1 = torch.randn(E, H, I, generator=g, requires_grad=True)
+        w2 = torch.randn(E, I, H, generator=g, requires_grad=True)
+        probe = torch.randn(n * tokens_per_rank, H, generator=g)
+        ref, _ = moe_forward(x_all, ids_all, w_all, E, None, expert_mlp(w1, w2))
+        (ref * probe).sum().backward()
+
+        mine = slice(me * tokens_per_rank, (me + 1) * tokens_per_rank)
+        x = x_all.detach()[mine].clone().requires_grad_(True)
+        w = w_all.detach()[mine].clone().requires_grad_(True)
+        w1_local = w1.detach()[me * L:(me + 1) * L].clone().requires_grad_(True)
+        w2_local = w2.detach()[me * L:(me + 1) * L].clone().requires_grad_(True)
+        out, rows = moe_forward(x, ids_all[mine], w, E, group, expert_mlp(w1_local, w2_local))
+        (out * probe[mine]).sum().backward()
+        errors = {"out": rel_err(out, ref[mine]), "dx": rel_err(x.grad, x_all.grad[mine]),
+                  "dweights": rel_err(w.grad, w_all.grad[mine]),
+                  "dw1": rel_err(w1_local.grad, w1.grad[me * L:(me + 1) * L]),
+                  "dw2": rel_err(w2_local.grad, w2.grad[me * L:(me + 1) * L])}
+        dest = (ids_all[mine] // L).tolist()  # analytic: one row per (token, other rank) vs one per (token, slot)
+        expected = [sum(len(set(d) - {me}) for d in dest), sum(r != me for d in dest for r in d)]
+        results.append((name, errors, rows.tolist(), expected))
+    destroy_mesh()
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dispatch_combine_equals_single_process(world):
+    for rank_results in run_ranks(world, dispatch_worker, 6):
+        for name, errors, rows, expected in rank_results:
+            assert max(errors.values()) <= 1e-5, (world, name, errors)
+            assert rows == expected, (world, name, rows, expected)
+            if name == "topk=E":  # a token goes to each other rank once, not once per expert there
+                assert rows == [6 * (world - 1), 6 * (world - 1) * (E // world)]
+
+
+# ----------------------------------------------------------------------------- model-level gradients
+
+
+def model_grads_worker(config_path, dp: int, ep: int):
+    """Gradients of the ep-sharded Qwen3 model, each rank on its own 2 sequences, against one process running
+    the same per-rank micro-batches over the full model: losses and every parameter's gradient."""
+    mesh = build_mesh(dp=dp, ep=ep)
+    cfg = ModelConfig.from_hf(config_path)
+    torch.manual_seed(0)
+    model = Model(cfg, ep_group=mesh.group("ep"))
+    torch.manual_seed(0)
+    full = Model(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (mesh.world * 2, 16), generator=torch.Generator().manual_seed(3))
+    ref_losses = []
+    for r in range(mesh.world):  # one process, the same micro-batches
+        out = full.forward_train(ids[2 * r:2 * r + 2], ids[2 * r:2 * r + 2])
+        ref_losses.append(out.loss_sum / ids.numel() + 0.01 * out.aux_loss)
+        ref_losses[-1].backward()
+    r = mesh.data_rank
+    out = model.forward_train(ids[2 * r:2 * r + 2], ids[2 * r:2 * r + 2])
+    loss = out.loss_sum / ids.numel() + 0.01 * out.aux_loss
+    loss.backward()
+    errors = {"loss": rel_err(loss.detach(), ref_losses[r].detach())}
+    experts = {n: p for n, p in model.named_parameters() if ".experts." in n}
+    dense = {n: p for n, p in model.named_parameters() if n not in experts}
+    optimizer = ShardedAdamW([ReplicaSet(dense, mesh.group("dp", "cp", "ep"), None),
+                              ReplicaSet(experts, mesh.group("dp", "cp"), None)], 1e-3, 0.0, (0.9, 0.95), 1e-8)
+    state_bytes = optimizer.state_bytes()
+    full_params = dict(full.named_parameters())
+    for name, p in model.named_parameters():
+        experts = ".mlp.experts." in name
+        grad = p.grad.clone()
+        group = mesh.group("dp") if experts else mesh.group("dp", "ep")
+        if group is not None:
+            dist.all_reduce(grad, group=group)
+        ref = full_params[name].grad
+        if experts:
+            lo = model.get_submodule(name.rsplit(".", 1)[0]).lo
+            ref = ref[lo:lo + p.shape[0]]
+            errors["init " + name] = rel_err(p.detach(), full_params[name].detach()[lo:lo + p.shape[0]])
+        errors[name] = rel_err(grad, ref)
+    destroy_mesh()
+    return errors, state_bytes
+
+
+@pytest.mark.parametrize("dp,ep", [(1, 2), (1, 4), (2, 2)])
+def test_model_gradients_equal_single_process(tiny_train_setup, dp, ep):
+    """...and ZeRO-1 Adam state per rank falls as 1/(dp*ep) (dense state sharded over dp*ep, experts split
+    over ep and their state over dp)."""
+    config, _ = tiny_train_setup
+    one_process = 8 * sum(p.numel() for p in Model(ModelConfig.from_hf(config)).parameters())  # fp32 exp_avg(_sq)
+    for errors, (held, _) in run_ranks(dp * ep, model_grads_worker, config, dp, ep):
+        assert max(errors.values()) <= 1e-5, {k: v for k, v in errors.items() if v > 1e-5}
+        assert held <= one_process / (dp * ep) * 1.02, (dp, ep, held, one_process)  # padding of last shards only
+
+
+# ------------------------------------------------------------------------------------- training runs
+
+
+def test_training_at_ep2_and_dp2_ep2_equals_single_process(tiny_train_setup, tmp_path):
+    config, data = tiny_train_setup
+    single_losses, single_norms, single_weights = run_train(train_args(config, data, tmp_path / "single"))
+    assert max(single_norms) > 0.05, "clipping should be active so that the global norm is exercised"
+    for world, extra in ((2, {"ep": 2}), (4, {"ep": 2, "dp": 2})):
+        results = run_ranks(world, run_train, train_args(config, data, tmp_path / f"w{world}", **extra))
+        for rank, (losses, norms, weights) in enumerate(results):
+            assert rel_err(torch.tensor(losses), torch.tensor(single_losses)) <= 1e-5, (world, rank)
+            assert rel_err(torch.tensor(norms), torch.tensor(single_norms)) <= 1e-5, (world, rank)
+            for name, w in weights.items():
+                ref = single_weights[name]
+                if ".mlp.experts." in name:
+                    ref = ref.chunk(2)[rank % 2]  # ep rank = rank % ep
+                assert rel_err(w, ref) <= 1e-5, (world, rank, name)
+
+
+def test_checkpoint_reshards_across_dp_and_ep(tiny_train_setup, tmp_path):
+    """Saved at ep=2, resumed at dp=2 (ep=1) and at one process: the same losses as the uninterrupted run."""
+    config, data = tiny_train_setup
+    full = run_ranks(2, run_train, train_args(config, data, tmp_path / "a", steps=4, ckpt_every=2, ep=2))
+    checkpoint = tmp_path / "a" / "checkpoints" / "step_00000002"
+    at_dp2 = run_ranks(2, run_train, train_args(config, data, tmp_path / "b", steps=4, resume=checkpoint))
+    at_one, _, _ = run_train(train_args(config, data, tmp_path / "c", steps=4, resume=checkpoint))
+    for losses in (at_dp2[0][0], at_one):
+        assert rel_err(torch.tensor(losses), torch.tensor(full[0][0][2:])) <= 1e-5
+
+
+def test_export_from_expert_sharded_run(tiny_train_setup, tmp_path):
+    """--hf-checkpoint in at ep=2 (each rank reads only its experts), export out: the complete model, identical."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tests.conftest import TINY_TRAIN_CONFIG
+    from tools.hf_parity import folder_tensors
+
+    _, data = tiny_train_setup
+    fields = {k: v for k, v in TINY_TRAIN_CONFIG.items() if k != "model_type"}
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**fields)).save_pretrained(tmp_path / "hf_in")
+    run_ranks(2, run_train, train_args("unused", data, tmp_path / "run", steps=1, lr=0.0, ep=2,
+                                       hf_checkpoint=tmp_path / "hf_in", export_hf=tmp_path / "hf_out"))
+    before, after = folder_tensors(tmp_path / "hf_in"), folder_tensors(tmp_path / "hf_out")
+    assert before.keys() == after.keys()
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    files = set(json.loads((tmp_path / "hf_out" / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(files) == 2  # each ep rank wrote its own experts
+    Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf_out")  # transformers loads it
+
+
+def test_experts_not_divisible_by_ep_is_a_clear_error(tiny_train_setup, tmp_path):
+    config, data = tiny_train_setup
+    with pytest.raises(ValueError, match="4 experts cannot be split evenly over --ep 3"):
+        train.main(train_args(config, data, tmp_path, ep=3))
+
+
+def test_expert_bias_balances_load():
+    bias = torch.zeros(4)
+    update_expert_bias(bias, torch.tensor([10.0, 2.0, 4.0, 0.0]), rate=0.1)
+    assert bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 0.1])  # mean 4: above goes down, below up
