@@ -25,24 +25,36 @@ With ep_group None (one rank holds every expert) the same code runs with the all
 import torch
 import torch.distributed as dist
 
-
-def sort_by_expert(ids_Xk: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stable order of the (row, slot) pairs grouped by expert, skipping slots marked -1, and rows per expert.
-    Grouped row r comes from row order[r] // k."""
-    flat = ids_Xk.reshape(-1)
-    keep = flat >= 0
-    order_R = torch.argsort(torch.where(keep, flat, num_experts), stable=True)[: int(keep.sum())]
-    return order_R, torch.bincount(flat[keep], minlength=num_experts)
+from core.kernels.dispatch_index import group_by_expert
 
 
-def grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """y[rows of expert e] = x[rows of expert e] @ w[e]; rows are contiguous per expert, counts_E long.
+# torch._grouped_mm (public as F.grouped_mm from torch 2.10 on); None in versions that have neither
+GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
-    Reference path: one matmul per expert (a host sync on counts). Autograd flows to x and w; an expert
-    with no rows gets a zero weight gradient."""
+
+def grouped_mm_ref(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Reference path: one matmul per expert (a host sync on counts). An expert with no rows gets a zero
+    weight gradient."""
     sizes = counts_E.tolist()
     assert sum(sizes) == x_RK.shape[0] and len(sizes) == w_EKN.shape[0], (sizes, x_RK.shape, w_EKN.shape)
     return torch.cat([x_e @ w_EKN[e] for e, x_e in enumerate(x_RK.split(sizes))])
+
+
+def grouped_mm_fused(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """One torch._grouped_mm over all experts: no host sync, one launch. Offsets are the int32 ends of each
+    expert's rows (cumsum of counts, last = R, so no uninitialised tail rows). Runs on CPU too (tested there)."""
+    return GROUPED_MM(x_RK, w_EKN, offs=counts_E.cumsum(0, dtype=torch.int32))
+
+
+def grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """y[rows of expert e] = x[rows of expert e] @ w[e]; rows are contiguous per expert, counts_E [E] int.
+    Autograd flows to x and w. On CUDA in bf16 (or under bf16 autocast) the fused grouped GEMM runs; elsewhere
+    the per-expert loop (the reference: exact fp32 on CPU, and any torch version)."""
+    cuda_bf16 = x_RK.is_cuda and (torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda")
+                                  else x_RK.dtype) == torch.bfloat16
+    if cuda_bf16 and GROUPED_MM is not None:
+        return grouped_mm_fused(x_RK.to(torch.bfloat16), w_EKN.to(torch.bfloat16), counts_E)
+    return grouped_mm_ref(x_RK, w_EKN, counts_E)
 
 
 # ------------------------------------------------------------------------ asynchronous all-to-all
@@ -69,7 +81,7 @@ class _StartAllToAll(torch.autograd.Function):
     def backward(ctx, _grad_placeholder):
         t = ctx.transfer  # the reverse all-to-all was started by _WaitAllToAll.backward
         t.grad_work.wait()
-        grad, t.grad_in = t.grad_in, None
+        grad, t.grad_in, t.grad_work = t.grad_in, None, None  # drop the references: no cycle through the graph
         return grad, None
 
 
@@ -78,6 +90,7 @@ class _WaitAllToAll(torch.autograd.Function):
     def forward(ctx, out, transfer):
         ctx.transfer = transfer
         transfer.work.wait()
+        transfer.work = None  # the work holds `out`, whose graph holds `transfer`: break the cycle
         return out.view_as(out)
 
     @staticmethod
@@ -97,8 +110,11 @@ class AllToAll:
         self.transfer = None if group is None else _Transfer(send_splits, recv_splits, group)
         self.out = x if group is None else _StartAllToAll.apply(x, self.transfer)
 
-    def wait(self) -> torch.Tensor:
-        return self.out if self.transfer is None else _WaitAllToAll.apply(self.out, self.transfer)
+    def wait(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The received rows. `out`: a detached alias of `self.out` (core/pipeline.py cuts autograd there, so
+        that the reverse all-to-all's start and wait can be run apart)."""
+        out = self.out if out is None else out
+        return out if self.transfer is None else _WaitAllToAll.apply(out, self.transfer)
 
 
 # ------------------------------------------------------------------------------------ dispatch plan
@@ -131,12 +147,16 @@ class DispatchPlan:
             self.send_splits, self.recv_splits = send_counts_N.tolist(), recv_counts_N.tolist()
             local_ids_Qk = local_ids_Pk.new_empty(sum(self.recv_splits), k)
             dist.all_to_all_single(local_ids_Qk, local_ids_Pk, self.recv_splits, self.send_splits, group=group)
-        self.order_R, self.counts_L = sort_by_expert(local_ids_Qk, L)
+        self.order_R, self.counts_L = group_by_expert(local_ids_Qk, L)  # Triton on GPU
+
+    def dispatch_payload(self, x_TH: torch.Tensor, topk_weights_Tk: torch.Tensor) -> torch.Tensor:
+        """Each token once per destination rank, with its routing weights for that rank's experts: [P, X]."""
+        w_Pk = torch.where(self.here_Pk, topk_weights_Tk[self.token_P], 0).to(x_TH.dtype)
+        return torch.cat([x_TH[self.token_P], w_Pk], dim=-1)
 
     def start_dispatch(self, x_TH: torch.Tensor, topk_weights_Tk: torch.Tensor) -> AllToAll:
-        """(2) Send each token once per destination rank, with its routing weights for that rank's experts."""
-        w_Pk = torch.where(self.here_Pk, topk_weights_Tk[self.token_P], 0).to(x_TH.dtype)
-        return AllToAll(torch.cat([x_TH[self.token_P], w_Pk], dim=-1), self.send_splits, self.recv_splits, self.group)
+        """(2) Send the dispatch payload."""
+        return AllToAll(self.dispatch_payload(x_TH, topk_weights_Tk), self.send_splits, self.recv_splits, self.group)
 
     def run_experts(self, x_QX: torch.Tensor, experts_fn) -> torch.Tensor:
         """(3) Expand received rows to one row per local expert (grouped by expert), run the experts, and sum
@@ -170,3 +190,69 @@ def update_expert_bias(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float) 
     that got fewer tokens than the mean and lower it for those that got more: bias += rate * sign(mean - load).
     `load_E` must be the global count (same on every rank), so that the bias stays identical everywhere."""
     bias_E += rate * torch.sign(load_E.float().mean() - load_E.float()).to(bias_E.dtype)
+
+
+# ------------------------------------------------------------------ expert GEMM with delayed weight gradient
+
+
+class WeightGradQueue:
+    """Zero-bubble weight-gradient delay. While `enabled`, expert GEMMs compute their input gradient at once and
+    queue their weight gradient here; `flush()` closes one backward chunk's entry and `pop()` runs the oldest."""
+
+    def __init__(self):
+        self.enabled = False
+        self.pending, self.chunks = [], []
+
+    def put(self, fn) -> None:
+        self.pending.append(fn)
+
+    def flush(self) -> None:
+        self.chunks.append(self.pending)
+        self.pending = []
+
+    def pop(self) -> None:
+        for fn in self.chunks.pop(0) if self.chunks else []:
+            fn()
+
+    def empty(self) -> bool:
+        return not self.chunks and not self.pending
+
+
+weight_grads = WeightGradQueue()
+
+
+class _ExpertMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RK, w_EKN, counts_E):
+        ctx.save_for_backward(x_RK, counts_E)
+        ctx.weight = w_EKN  # the parameter itself (an input, so no reference cycle): its .grad may be filled later
+        return grouped_mm(x_RK, w_EKN.to(x_RK.dtype), counts_E)
+
+    @staticmethod
+    def backward(ctx, dy_RN):
+        x_RK, counts_E = ctx.saved_tensors
+        w = ctx.weight
+        dx_RK = grouped_mm(dy_RN, w.to(dy_RN.dtype).transpose(1, 2), counts_E)
+
+        def weight_grad():  # dW[e] = x_e^T dy_e, accumulated in the parameter's dtype
+            sizes = counts_E.tolist()
+            return torch.stack([x_e.T.to(w.dtype) @ dy_e.to(w.dtype) if x_e.shape[0] else torch.zeros_like(w[e])
+                                for e, (x_e, dy_e) in enumerate(zip(x_RK.split(sizes), dy_RN.split(sizes)))])
+
+        if not weight_grads.enabled:
+            return dx_RK, weight_grad(), None
+
+        def accumulate():
+            dw = weight_grad()
+            if w.grad is None:
+                w.grad = dw
+            else:
+                w.grad += dw
+
+        weight_grads.put(accumulate)
+        return dx_RK, None, None
+
+
+def expert_matmul(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """grouped_mm for expert weights (parameters), whose weight gradient can be delayed (weight_grads)."""
+    return _ExpertMatmul.apply(x_RK, w_EKN, counts_E)

@@ -1,0 +1,361 @@
+"""DualPipeV: pipeline parallelism over 2*pp stages laid out in a V, the forward of one micro-batch overlapped
+with the backward of another, and delayed weight gradients (zero bubble). After DeepSeek's DualPipeV schedule.
+
+Layout: rank r of the pp group holds stage r (phase 0, the way down, ranks 0 -> pp-1) and stage 2*pp-1-r
+(phase 1, the way back, pp-1 -> 0). Rank 0 therefore holds the embedding (stage 0) and the head with the loss
+(stage 2*pp-1); on the last rank stage pp-1 hands its output to stage pp without communication. Point-to-point
+transfers between neighbours are batched with batch_isend_irecv. "Chunk" = one micro-batch on one stage.
+
+Contract with a model.py (plain attributes, no registry). A stage object provides
+    stage.pre(inputs, mb) -> state                 stage 0: [] -> embedding output; other stages: the inputs
+    stage.layers                                   decoder layers, run in order
+    stage.post(state, mb) -> outputs               last stage: [loss]; others: the state to send on
+`state` is a list of tensors (the hidden state, plus what the model carries along, e.g. aux-loss statistics);
+what crosses ranks has the shapes and dtypes of `p2p_specs`. A layer with `layer.moe` False exposes
+`layer.dense(state) -> state`. A layer with routed experts exposes the three compute steps of the overlap,
+and this file runs the two all-to-alls between them (core/moe.py):
+    (1) layer.attention(state) -> (state, x_TH, topk_ids_Tk, topk_weights_Tk)   norms, attention, router
+    (2) dispatch all-to-all                          [here]
+    (3) layer.experts(rows_RH, counts_L) -> [R, H]  routed experts; GEMMs via core.moe.expert_matmul
+    (4) combine all-to-all                           [here]
+    (5) layer.finish(state, out_TH) -> state         residual add (the weighted sum happened in the combine)
+plus `layer.num_experts` and `layer.ep_group`.
+
+Overlap: a chunk's forward runs as a generator that yields right after starting an all-to-all; its backward
+runs segment by segment (the forward is cut into autograd segments at the all-to-alls) and yields right after
+starting a reverse all-to-all. In the steady phase the engine alternates one forward and one backward
+generator, so each waits on a transfer only when it needs the result, with the other's compute in between.
+
+Weight-gradient delay: during zero-bubble backward chunks, expert GEMMs compute the input gradient at once and
+queue the weight gradient (core.moe.weight_grads); the schedule's W steps run the queue, oldest chunk first.
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from core.moe import AllToAll, DispatchPlan, weight_grads
+
+
+def split_layers(num_layers: int, pp: int) -> list[list[int]]:
+    """Layer ids of the 2*pp stages, balanced with the embedding and the head each counted as one layer, so the
+    first and last stages get fewer layers."""
+    stages = 2 * pp
+    units = num_layers + 2
+    sizes = [units // stages + (1 if 0 < s < stages - 1 and s - 1 < units % stages else 0) for s in range(stages)]
+    sizes[0] -= 1
+    sizes[-1] -= 1
+    extra = num_layers - sum(sizes)  # remainder beyond the middle stages
+    sizes[0] += extra // 2
+    sizes[-1] += extra - extra // 2
+    if min(sizes[1:-1], default=1) < 1 or min(sizes) < 0:
+        raise ValueError(f"{num_layers} layers cannot fill 2*pp = {stages} pipeline stages (each middle stage needs "
+                         f"a layer); use a smaller --pp or a model with at least {stages - 2} layers")
+    starts = [sum(sizes[:s]) for s in range(stages)]
+    return [list(range(starts[s], starts[s] + sizes[s])) for s in range(stages)]
+
+
+class _Tape:
+    """The forward of one chunk, cut into autograd segments so that its backward can be run piece by piece."""
+
+    def __init__(self, record: bool):
+        self.record = record
+        self.segments = []  # (outputs, leaves made from them, whether the backward starts a reverse all-to-all)
+        self.has_wait = False
+
+    def cut(self, tensors: list) -> list:
+        """End the current segment: later code reads leaves detached from `tensors`."""
+        if not self.record:
+            return list(tensors)
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+        self.segments.append((list(tensors), leaves, self.has_wait))
+        self.has_wait = False
+        return leaves
+
+
+def _forward_steps(stage, inputs: list, mb: int, tape: _Tape, out: list):
+    """Generator: the chunk's forward, yielding after each all-to-all start; the stage outputs land in `out`."""
+    state = stage.pre(inputs, mb)
+    for layer in stage.layers:
+        if not layer.moe:
+            state = layer.dense(state)
+            continue
+        state, x_TH, ids_Tk, weights_Tk = layer.attention(state)  # (1)
+        plan = DispatchPlan(ids_Tk, layer.num_experts, layer.ep_group)
+        *state, payload = tape.cut([*state, plan.dispatch_payload(x_TH, weights_Tk)])
+        dispatch = AllToAll(payload, plan.send_splits, plan.recv_splits, layer.ep_group)  # (2)
+        [buffer] = tape.cut([dispatch.out])
+        yield
+        tape.has_wait |= dispatch.transfer is not None
+        y_QH = plan.run_experts(dispatch.wait(buffer), layer.experts)  # (3)
+        combine = AllToAll(y_QH, plan.recv_splits, plan.send_splits, layer.ep_group)  # (4)
+        [buffer] = tape.cut([combine.out])
+        yield
+        tape.has_wait |= combine.transfer is not None
+        state = layer.finish(state, plan.unpermute(combine.wait(buffer)))  # (5)
+    out.extend(stage.post(state, mb))
+
+
+def _backward_steps(tape: _Tape, outputs: list, grads: list):
+    """Generator: backward of a recorded chunk, segment by segment from the last, yielding after each segment
+    whose backward started a reverse all-to-all (so that the other chunk computes while it is in flight)."""
+    segments = [(outputs, None, tape.has_wait)] + list(reversed(tape.segments))
+    for i, (outs, leaves, has_wait) in enumerate(segments):
+        outs_grads = zip(outs, grads if i == 0 else [leaf.grad for leaf in leaves])  # read after later segments ran
+        pairs = [(o, g) for o, g in outs_grads if o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if has_wait:
+            yield
+
+
+class DualPipeV:
+    def __init__(self, stages, pp_rank: int, pp: int, prev_rank: int | None, next_rank: int | None, group,
+                 p2p_specs: list[tuple[tuple[int, ...], torch.dtype]], device, overlap: bool = True,
+                 delay_weight_grads: bool = True):
+        """stages: (stage r, stage 2*pp-1-r); prev/next_rank: global ranks of the pp neighbours."""
+        self.stages, self.rank, self.pp, self.group = stages, pp_rank, pp, group
+        self.prev_rank, self.next_rank = prev_rank, next_rank
+        self.p2p_specs, self.device = p2p_specs, device
+        self.overlap, self.delay_weight_grads = overlap, delay_weight_grads
+        self.first, self.last = pp_rank == 0, pp_rank == pp - 1
+        self.timeline: list[tuple[str, float, float]] = []  # (op, start, end) of the last run, seconds
+        self.peak_live_chunks = 0
+
+    # -------------------------------------------------------------------------------- compute of one chunk
+
+    def _timed(self, name: str, fn):
+        start = time.perf_counter()
+        fn()
+        self.timeline.append((name, start - self.t0, time.perf_counter() - self.t0))
+
+    def _start_forward(self, phase: int):
+        chunk = self.f_chunk[phase]
+        self.f_chunk[phase] += 1
+        tape = _Tape(record=not self.forward_only)
+        out = []
+        self.tapes[phase].append(tape)
+        self.outputs[phase].append(out)
+        return chunk, _forward_steps(self.stages[phase], self.inputs[phase][chunk], chunk, tape, out)
+
+    def _end_forward(self, phase: int, chunk: int):
+        out = self.outputs[phase][chunk]
+        if self.first and phase == 1:
+            self.losses.append(out[0].detach())
+        if self.last and phase == 0:  # the bottom of the V: stage pp-1 feeds stage pp on this rank
+            self.inputs[1].append([t.detach().requires_grad_(t.requires_grad) for t in out])
+        self.live += 1
+        self.peak_live_chunks = max(self.peak_live_chunks, self.live)
+
+    def _start_backward(self, phase: int):
+        chunk = self.b_chunk[phase]
+        self.b_chunk[phase] += 1
+        outputs = self.outputs[phase][chunk]
+        if self.first and phase == 1:
+            grads = [torch.ones_like(outputs[0])]
+        else:
+            grads = self.output_grads[phase][chunk]
+        return chunk, _backward_steps(self.tapes[phase][chunk], outputs, grads)
+
+    def _end_backward(self, phase: int, chunk: int):
+        inputs = self.inputs[phase][chunk]
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
+        self.inputs[phase][chunk] = self.outputs[phase][chunk] = self.tapes[phase][chunk] = None  # free the chunk
+        if not (self.first and phase == 1):  # the loss stage receives no gradients
+            self.output_grads[phase][chunk] = None
+        if self.last and phase == 1:
+            self.output_grads[0].append(grads)
+        else:
+            self.input_grads[phase].append(grads)
+        self.live -= 1
+
+    def _forward_compute(self, phase: int):
+        chunk, steps = self._start_forward(phase)
+        with torch.set_grad_enabled(not self.forward_only):
+            self._timed(f"F{phase}", lambda: [None for _ in steps])
+        self._end_forward(phase, chunk)
+
+    def _backward_compute(self, phase: int, zero_bubble: bool = False):
+        if self.forward_only:
+            return
+        chunk, steps = self._start_backward(phase)
+        weight_grads.enabled = zero_bubble and self.delay_weight_grads
+        self._timed(f"B{phase}", lambda: [None for _ in steps])
+        weight_grads.enabled = False
+        if zero_bubble and self.delay_weight_grads:
+            weight_grads.flush()
+        self._end_backward(phase, chunk)
+
+    def _forward_backward_compute(self, phase_f: int, phase_b: int):
+        if self.forward_only or not self.overlap:
+            self._forward_compute(phase_f)
+            self._backward_compute(phase_b)
+            return
+        chunk_f, forward = self._start_forward(phase_f)
+        chunk_b, backward = self._start_backward(phase_b)
+
+        def interleave():  # one forward step, then one backward step, each up to its next all-to-all start
+            running = [forward, backward]
+            while running:
+                for gen in list(running):
+                    with torch.enable_grad():
+                        if next(gen, StopIteration) is StopIteration:
+                            running.remove(gen)
+
+        self._timed(f"F{phase_f}&B{phase_b}", interleave)
+        self._end_forward(phase_f, chunk_f)
+        self._end_backward(phase_b, chunk_b)
+
+    def _weight_compute(self):
+        if self.forward_only or not self.delay_weight_grads:
+            return
+        self._commit()
+        with torch.no_grad():
+            self._timed("W", weight_grads.pop)
+
+    # ---------------------------------------------------------------------- point-to-point communication
+
+    def _buffers(self, requires_grad: bool):
+        return [torch.empty(shape, dtype=dtype, device=self.device).requires_grad_(requires_grad and dtype.is_floating_point)
+                for shape, dtype in self.p2p_specs]
+
+    def _recv_forward(self, phase: int):
+        if (self.first and phase == 0) or (self.last and phase == 1):
+            return
+        bufs = self._buffers(requires_grad=not self.forward_only)
+        peer = self.prev_rank if phase == 0 else self.next_rank
+        self.ops += [dist.P2POp(dist.irecv, b, peer, self.group) for b in bufs]
+        self.inputs[phase].append(bufs)
+
+    def _send_forward(self, phase: int):
+        if (self.first and phase == 1) or (self.last and phase == 0):
+            return
+        tensors = self.outputs[phase][self.sent_f[phase]]
+        self.sent_f[phase] += 1
+        peer = self.next_rank if phase == 0 else self.prev_rank
+        self.ops += [dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group) for t in tensors]
+
+    def _recv_backward(self, phase: int):
+        if self.forward_only or (self.first and phase == 1) or (self.last and phase == 0):
+            return
+        bufs = self._buffers(requires_grad=False)
+        peer = self.next_rank if phase == 0 else self.prev_rank
+        self.ops += [dist.P2POp(dist.irecv, b, peer, self.group) for b in bufs]
+        self.output_grads[phase].append(bufs)
+
+    def _send_backward(self, phase: int):
+        if self.forward_only or (self.first and phase == 0) or (self.last and phase == 1):
+            return
+        grads = self.input_grads[phase][self.sent_b[phase]]
+        self.input_grads[phase][self.sent_b[phase]] = None
+        self.sent_b[phase] += 1
+        peer = self.prev_rank if phase == 0 else self.next_rank
+        self.ops += [dist.P2POp(dist.isend, g.contiguous(), peer, self.group) for g in grads]
+
+    def _commit(self):
+        if self.ops:
+            for req in dist.batch_isend_irecv(self.ops):
+                req.wait()
+            self.ops = []
+
+    # ------------------------------------------------------------------ a chunk with its communication
+
+    def _forward(self, phase: int, recv: bool = True, send: bool = True):
+        if recv:
+            self._recv_forward(phase)
+        self._commit()
+        self._forward_compute(phase)
+        if send:
+            self._send_forward(phase)
+
+    def _backward(self, phase: int, zero_bubble: bool = False, recv: bool = True, send: bool = True):
+        if recv:
+            self._recv_backward(phase)
+        self._commit()
+        self._backward_compute(phase, zero_bubble)
+        if send:
+            self._send_backward(phase)
+
+    def _forward_backward(self, phase_f: int, phase_b: int, recv_f: bool = True):
+        if recv_f:
+            self._recv_forward(phase_f)
+        self._recv_backward(phase_b)
+        self._commit()
+        self._forward_backward_compute(phase_f, phase_b)
+        self._send_forward(phase_f)
+        self._send_backward(phase_b)
+
+    # --------------------------------------------------------------------------------------- the schedule
+
+    def run(self, num_chunks: int, forward_only: bool = False) -> list[torch.Tensor]:
+        """One pass over `num_chunks` micro-batches (collective over the pp group). Returns the per-micro-batch
+        losses on pp rank 0 (the others return []). Gradients accumulate into the parameters' .grad."""
+        n, r = self.pp, self.rank
+        if num_chunks < 2 * n:
+            raise ValueError(f"DualPipeV needs at least 2*pp = {2 * n} micro-batches per step, got {num_chunks}; "
+                             f"raise --global-batch or lower --micro-batch")
+        self.forward_only = forward_only
+        self.inputs = ([[] for _ in range(num_chunks)] if self.first else [], [])
+        self.outputs, self.tapes, self.output_grads, self.input_grads = ([], []), ([], []), ([], []), ([], [])
+        self.f_chunk, self.b_chunk, self.sent_f, self.sent_b = [0, 0], [0, 0], [0, 0], [0, 0]
+        self.ops, self.losses, self.timeline, self.live, self.peak_live_chunks = [], [], [], 0, 0
+        self.t0 = time.perf_counter()
+
+        # phase 1: warm-up on the way down, forwards of stage r only
+        for _ in range((n - r - 1) * 2):
+            self._forward(0)
+
+        # phase 2: forwards of both stages
+        self._recv_forward(0)
+        for i in range(r + 1):
+            self._forward(0, recv=False, send=False)
+            self._recv_forward(0)
+            self._forward(1, send=not self.last or i < r)
+            self._send_forward(0)
+
+        # phase 3: backward of stage B (weight gradients delayed), its W, next forward of stage B
+        for _ in range(n - r - 1):
+            self._backward(1, zero_bubble=True)
+            self._recv_forward(1)
+            self._weight_compute()
+            self._forward(1, recv=False)
+
+        # phase 4: steady state, forward of one chunk overlapped with the backward of another
+        for i in range(num_chunks - 2 * n + r + 1):
+            if i == 0 and self.last:  # the bottom of the V: not overlapped, to start the way back sooner
+                self._forward(0, recv=False, send=False)
+                self._send_forward(1)
+                self._backward(1, send=False)
+                self._send_forward(0)
+                self._send_backward(1)
+            else:
+                self._forward_backward(0, 1, recv_f=i > 0)
+            self._forward_backward(1, 0)
+
+        # phase 5: backward of stage B, then forward of stage B overlapped with backward of stage A
+        for _ in range(n - r - 1):
+            self._backward(1)
+            self._forward_backward(1, 0)
+
+        # phase 6: backwards of both stages; the second half delays weight gradients
+        zero_bubble = False
+        for i in range(r + 1):
+            if i == (r + 1) // 2 and r % 2 == 1:
+                zero_bubble = True
+            self._backward(1, zero_bubble)
+            if i == (r + 1) // 2 and r % 2 == 0:
+                zero_bubble = True
+            self._backward(0, zero_bubble)
+
+        # phase 7: delayed weight gradients interleaved with the last backwards of stage A
+        for _ in range(n - r - 1):
+            self._weight_compute()
+            self._backward(0, zero_bubble=True)
+
+        # phase 8: the remaining weight gradients
+        for _ in range(r + 1):
+            self._weight_compute()
+        self._commit()
+        assert forward_only or not self.delay_weight_grads or weight_grads.empty(), "weight gradients left queued"
+        return self.losses

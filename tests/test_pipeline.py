@@ -1,0 +1,149 @@
+"""DualPipeV engine (core/pipeline.py) on a small MoE stand-in that follows the layer contract: pp=2, pp=4 and
+pp=2 x ep=2 against one process running the same micro-batches, with and without overlap and weight-gradient
+delay; forward-only; the activation bound; the errors. The Qwen3 recipe's --pp runs are in test_train_pp.py."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.mesh import build_mesh, destroy_mesh
+from core.moe import expert_matmul, moe_forward
+from core.pipeline import DualPipeV, split_layers
+from tests.multiproc import run_ranks
+
+H, E, K, S, MB = 16, 4, 2, 8, 2  # hidden, experts, top-k, sequence, sequences per micro-batch
+VOCAB, LAYERS = 32, 8
+
+
+class ToyLayer(nn.Module):
+    """A decoder layer reduced to the contract: (1) mixing + router, (3) experts, (5) residual."""
+
+    moe = True
+
+    def __init__(self, ep_group, lo, hi):
+        super().__init__()
+        self.mix = nn.Linear(H, H)
+        self.router = nn.Linear(H, E, bias=False)
+        self.w1 = nn.Parameter(torch.randn(E, H, 2 * H)[lo:hi].clone() * 0.1)
+        self.w2 = nn.Parameter(torch.randn(E, 2 * H, H)[lo:hi].clone() * 0.1)
+        self.num_experts, self.ep_group = E, ep_group
+
+    def attention(self, state):
+        h = state[0] + torch.tanh(self.mix(state[0]))
+        x_TH = h.flatten(0, 1)
+        weights, ids = self.router(x_TH).softmax(-1).topk(K, dim=-1)
+        return [h], x_TH, ids, weights
+
+    def experts(self, rows_RH, counts):
+        return expert_matmul(F.silu(expert_matmul(rows_RH, self.w1, counts)), self.w2, counts)
+
+    def finish(self, state, out_TH):
+        return [state[0] + out_TH.view_as(state[0])]
+
+
+class ToyModel(nn.Module):
+    def __init__(self, ep_group=None, ep_rank=0, ep=1):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, H)
+        self.layers = nn.ModuleList([ToyLayer(ep_group, ep_rank * E // ep, (ep_rank + 1) * E // ep) for _ in range(LAYERS)])
+        self.head = nn.Linear(H, VOCAB)
+
+
+class ToyStage:
+    def __init__(self, model, layer_ids, first, last, ids, num_labels):
+        self.model, self.layers, self.first, self.last = model, [model.layers[i] for i in layer_ids], first, last
+        self.ids, self.num_labels = ids, num_labels
+
+    def pre(self, inputs, mb):
+        return [self.model.embed(self.ids[mb])] if self.first else inputs
+
+    def post(self, state, mb):
+        if not self.last:
+            return state
+        logits = self.model.head(state[0])
+        return [F.cross_entropy(logits.flatten(0, 1), self.ids[mb].roll(-1, 1).flatten(), reduction="sum") / self.num_labels]
+
+
+def batches(num_micro):
+    return torch.randint(0, VOCAB, (num_micro, MB, S), generator=torch.Generator().manual_seed(1))
+
+
+def reference(num_micro):
+    """One process: every micro-batch through all layers in order, backward per micro-batch."""
+    model, ids = ToyModel(), batches(num_micro)
+    stage = ToyStage(model, range(LAYERS), True, True, ids, ids.numel())
+    losses = []
+    for mb in range(num_micro):
+        state = stage.pre([], mb)
+        for layer in stage.layers:
+            state, x_TH, top_ids, weights = layer.attention(state)
+            out, _ = moe_forward(x_TH, top_ids, weights, E, None, layer.experts)
+            state = layer.finish(state, out)
+        loss = stage.post(state, mb)[0]
+        loss.backward()
+        losses.append(loss.detach())
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return torch.stack(losses), grads
+
+
+def pipeline_worker(pp, ep, num_micro, overlap, delay, forward_only=False):
+    mesh = build_mesh(pp=pp, ep=ep, dp=1)
+    r, ep_rank = mesh.coord("pp"), mesh.coord("ep")
+    model, ids = ToyModel(mesh.group("ep"), ep_rank, ep), batches(num_micro)
+    stages_layers = split_layers(LAYERS, pp)
+    stages = [ToyStage(model, stages_layers[s], s == 0, s == 2 * pp - 1, ids, ids.numel()) for s in (r, 2 * pp - 1 - r)]
+    step = mesh.world // pp  # global rank distance between pp neighbours
+    engine = DualPipeV(stages, r, pp, mesh.rank - step if r > 0 else None, mesh.rank + step if r < pp - 1 else None,
+                       mesh.group("pp"), [((MB, S, H), torch.float32)], torch.device("cpu"), overlap, delay)
+    if forward_only:
+        with torch.no_grad():
+            losses = engine.run(num_micro, forward_only=True)
+    else:
+        losses = engine.run(num_micro)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    result = (losses, grads, engine.peak_live_chunks, [name for name, *_ in engine.timeline], ep_rank)
+    destroy_mesh()
+    return result
+
+
+def check(results, num_micro, ep):
+    ref_losses, ref_grads = reference(num_micro)
+    seen = set()
+    for losses, grads, peak, ops, ep_rank in results:
+        if losses:
+            assert torch.allclose(torch.stack(losses), ref_losses, rtol=1e-5, atol=0)
+        for name, g in grads.items():
+            ref = ref_grads[name]
+            if name.endswith((".w1", ".w2")):  # both ep ranks feed the same micro-batches: their experts see them twice
+                ref = ep * ref.chunk(ep)[ep_rank]
+            seen.add(name)
+            assert ((g - ref).norm() / ref.norm().clamp(min=1e-30)) <= 1e-5, name
+    assert seen == set(ref_grads), set(ref_grads) - seen  # every parameter's gradient checked on some rank
+
+
+@pytest.mark.parametrize("pp,ep,num_micro,overlap,delay", [(2, 1, 5, True, True), (2, 1, 4, False, False),
+                                                           (4, 1, 9, True, True), (2, 2, 6, True, True)])
+def test_dualpipev_equals_one_process(pp, ep, num_micro, overlap, delay):
+    results = run_ranks(pp * ep, pipeline_worker, pp, ep, num_micro, overlap, delay)
+    check(results, num_micro, ep)
+    for *_, peak, ops, _ in results:
+        assert peak / 2 <= pp + 1  # live micro-batch activations per rank, in units of a rank's two stages
+        assert ("W" in ops) == delay and any("&" in op for op in ops) == overlap
+
+
+def test_forward_only_equals_plain_forward():
+    ref_losses, _ = reference(4)
+    for losses, *_ in run_ranks(2, pipeline_worker, 2, 1, 4, True, True, True):
+        if losses:
+            assert torch.allclose(torch.stack(losses), ref_losses, rtol=1e-6, atol=0)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="cannot fill 2\\*pp = 8 pipeline stages"):
+        split_layers(4, 4)
+    assert split_layers(48, 2) == [list(range(0, 11)), list(range(11, 24)), list(range(24, 37)), list(range(37, 48))]
+    engine = DualPipeV([None, None], 0, 2, None, 1, None, [], torch.device("cpu"))
+    with pytest.raises(ValueError, match="at least 2\\*pp = 4 micro-batches"):
+        engine.run(3)
