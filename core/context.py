@@ -107,7 +107,7 @@ def attention_mask(q_pos_S, k_pos_K, window: int | None = None, q_doc_BS=None, k
 
 
 def cp_attention_mask(seq_len: int, cp_rank: int = 0, cp_size: int = 1, window: int | None = None,
-                      doc_ids_BK=None) -> torch.Tensor | None:
+                      doc_ids_BK=None, device=None) -> torch.Tensor | None:
     """The mask of this rank's queries over the whole (gathered) sequence of length seq_len.
 
     doc_ids_BK are the document ids of the WHOLE sequence: every cp rank reads the whole sequence before it
@@ -116,7 +116,7 @@ def cp_attention_mask(seq_len: int, cp_rank: int = 0, cp_size: int = 1, window: 
     Returns None for plain causal attention without cp: attend then takes SDPA's is_causal path."""
     if cp_size == 1 and window is None and doc_ids_BK is None:
         return None
-    device = None if doc_ids_BK is None else doc_ids_BK.device
+    device = device if doc_ids_BK is None else doc_ids_BK.device
     q_pos_S, k_pos_K = cp_positions(seq_len, cp_rank, cp_size, device), torch.arange(seq_len, device=device)
     q_doc_BS = None if doc_ids_BK is None else split_for_cp(doc_ids_BK, cp_rank, cp_size, dim=1)
     return attention_mask(q_pos_S, k_pos_K, window, q_doc_BS, doc_ids_BK)

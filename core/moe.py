@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from core.kernels.dispatch_index import group_by_expert
 
-
 # torch._grouped_mm (public as F.grouped_mm from torch 2.10 on); None in versions that have neither
 GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -120,6 +119,20 @@ class AllToAll:
 # ------------------------------------------------------------------------------------ dispatch plan
 
 
+class _Traffic:
+    """Rows all dispatches sent to other ranks since the last `take()`: [deduplicated, naive] (for the log)."""
+
+    def __init__(self):
+        self.rows = 0
+
+    def take(self):
+        rows, self.rows = self.rows, 0
+        return rows
+
+
+traffic = _Traffic()
+
+
 class DispatchPlan:
     """Where one micro-batch's tokens go in the ep group, and how received rows map onto local experts."""
 
@@ -138,6 +151,7 @@ class DispatchPlan:
         send_counts_N = goes_TN.sum(0)
         # rows crossing ranks: deduplicated (this plan) vs one row per (token, slot) (a naive dispatch)
         self.rows_moved = torch.stack([send_counts_N.sum() - send_counts_N[me], (dest_Tk != me).sum()])
+        traffic.rows = traffic.rows + self.rows_moved
         if group is None:
             local_ids_Qk = local_ids_Pk
             self.send_splits = self.recv_splits = [T]

@@ -16,7 +16,7 @@ what crosses ranks has the shapes and dtypes of `p2p_specs`. A layer with `layer
 and this file runs the two all-to-alls between them (core/moe.py):
     (1) layer.attention(state) -> (state, x_TH, topk_ids_Tk, topk_weights_Tk)   norms, attention, router
     (2) dispatch all-to-all                          [here]
-    (3) layer.experts(rows_RH, counts_L) -> [R, H]  routed experts; GEMMs via core.moe.expert_matmul
+    (3) layer.routed_experts(rows_RH, counts_L) -> [R, H]   routed experts (GEMMs: core.moe.expert_matmul)
     (4) combine all-to-all                           [here]
     (5) layer.finish(state, out_TH) -> state         residual add (the weighted sum happened in the combine)
 plus `layer.num_experts` and `layer.ep_group`.
@@ -88,7 +88,7 @@ def _forward_steps(stage, inputs: list, mb: int, tape: _Tape, out: list):
         [buffer] = tape.cut([dispatch.out])
         yield
         tape.has_wait |= dispatch.transfer is not None
-        y_QH = plan.run_experts(dispatch.wait(buffer), layer.experts)  # (3)
+        y_QH = plan.run_experts(dispatch.wait(buffer), layer.routed_experts)  # (3)
         combine = AllToAll(y_QH, plan.recv_splits, plan.send_splits, layer.ep_group)  # (4)
         [buffer] = tape.cut([combine.out])
         yield

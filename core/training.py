@@ -11,7 +11,7 @@ def parse_args(cls, argv=None):
     parser = argparse.ArgumentParser(description=cls.__doc__)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        if f.type is bool:
+        if f.type in (bool, bool | None):  # --flag / --no-flag (None: not given, the script decides)
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
             parser.add_argument(flag, type=f.type, default=f.default, help=f"default: {f.default}")

@@ -2,6 +2,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from core.data import write_shards
 
@@ -11,6 +12,14 @@ TINY_TRAIN_CONFIG = {
     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True, "intermediate_size": 64,
     "rope_theta": 10000.0, "router_aux_loss_coef": 0.01,
 }
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` are skipped on a machine without CUDA."""
+    if not torch.cuda.is_available():
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
 @pytest.fixture

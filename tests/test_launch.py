@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["--steps", "4", "--seq-len", "64", "--ckpt-every", "2", "--sample-tokens", "8"]
+FAST = ["--steps", "4", "--seq-len", "64", "--ckpt-every", "2"]
 
 
 def launch(script: Path, env: dict, *args: str) -> str:
@@ -22,7 +22,7 @@ def test_launch_sh_and_a_copied_recipe(tmp_path):
     out = launch(ROOT / "recipes/qwen3_30b_a3b/launch.sh", {"DATA": str(data), "OUT": str(tmp_path / "run")},
                  *FAST, "--export-hf", str(tmp_path / "hf"))
     assert (data / "meta.json").is_file() and (data / "tokenizer.model").is_file()
-    assert "mesh pp=1 dp=1 cp=1 ep=2" in out and "a2a rows" in out and "trained steps 1-4" in out and "sample: " in out
+    assert "mesh pp=2 dp=1 cp=1 ep=2" in out and "a2a rows" in out and "trained steps 1-4" in out
     assert (tmp_path / "run/checkpoints/step_00000004/.metadata").is_file()
     assert (tmp_path / "hf/config.json").is_file()
     assert list((tmp_path / "run/tensorboard").glob("events.out.tfevents.*"))

@@ -35,7 +35,7 @@ class ToyLayer(nn.Module):
         weights, ids = self.router(x_TH).softmax(-1).topk(K, dim=-1)
         return [h], x_TH, ids, weights
 
-    def experts(self, rows_RH, counts):
+    def routed_experts(self, rows_RH, counts):
         return expert_matmul(F.silu(expert_matmul(rows_RH, self.w1, counts)), self.w2, counts)
 
     def finish(self, state, out_TH):
@@ -79,7 +79,7 @@ def reference(num_micro):
         state = stage.pre([], mb)
         for layer in stage.layers:
             state, x_TH, top_ids, weights = layer.attention(state)
-            out, _ = moe_forward(x_TH, top_ids, weights, E, None, layer.experts)
+            out, _ = moe_forward(x_TH, top_ids, weights, E, None, layer.routed_experts)
             state = layer.finish(state, out)
         loss = stage.post(state, mb)[0]
         loss.backward()
@@ -111,7 +111,7 @@ def pipeline_worker(pp, ep, num_micro, overlap, delay, forward_only=False):
 def check(results, num_micro, ep):
     ref_losses, ref_grads = reference(num_micro)
     seen = set()
-    for losses, grads, peak, ops, ep_rank in results:
+    for losses, grads, _peak, _ops, ep_rank in results:
         if losses:
             assert torch.allclose(torch.stack(losses), ref_losses, rtol=1e-5, atol=0)
         for name, g in grads.items():

@@ -17,8 +17,8 @@ def train_args(config, data, out, steps=5, **extra):
     args = ["--config", str(config), "--data", str(data), "--out", str(out), "--steps", str(steps),
             "--seq-len", "32", "--global-batch", "8", "--micro-batch", "2", "--lr", "1e-2",
             "--warmup-steps", "2", "--grad-clip", "0.05", "--ckpt-every", "0"]
-    for key, value in extra.items():
-        args += ["--" + key.replace("_", "-"), str(value)]
+    for key, value in extra.items():  # value True: a bare flag (--no-overlap)
+        args += ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
     return args
 
 

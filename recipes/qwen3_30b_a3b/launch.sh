@@ -4,9 +4,9 @@
 #   bash recipes/qwen3_30b_a3b/launch.sh [train.py flags ...]
 #
 # No GPU:       prepares the demo data if missing (the Python standard library's sources, with a
-#               sentencepiece tokenizer trained locally), trains the tiny config on 2 CPU ranks with its 8
-#               experts split over them (ep=2) for 300 steps, then prints where the TensorBoard logs and
-#               checkpoints are and a text sample.
+#               sentencepiece tokenizer trained locally), trains the tiny config on 4 CPU ranks for 300 steps:
+#               DualPipeV over 2 pipeline ranks (pp=2), its 8 experts split over 2 (ep=2); then prints where the
+#               TensorBoard logs and checkpoints are.
 # GPUs (1 node): one process per GPU with the released config.json, experts split over the node's GPUs
 #               (ep = GPUs per node, at most 8; dp over the nodes). Set HF_CHECKPOINT=/path/to/Qwen3-30B-A3B
 #               to start from the released weights (the demo data is then tokenized with its tokenizer), or
@@ -18,8 +18,8 @@
 #                 sbatch --nodes=4 --gpus-per-node=8 --wrap "bash recipes/qwen3_30b_a3b/launch.sh --steps 1000"
 #                 salloc --nodes=2 --gpus-per-node=8  then  bash recipes/qwen3_30b_a3b/launch.sh
 #
-# Environment: NPROC (processes per node; default: GPUs, or 2 on CPU), EP (expert-parallel ranks; default
-# NPROC up to 8), NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, HF_CHECKPOINT, DATA, OUT (default runs/<recipe>).
+# Environment: NPROC (processes per node; default: GPUs, or 4 on CPU), EP (expert-parallel ranks; default
+# NPROC up to 8 on GPU, 2 on CPU), PP (pipeline ranks; default 1 on GPU, 2 on CPU), NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, HF_CHECKPOINT, DATA, OUT (default runs/<recipe>).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -47,7 +47,7 @@ OUT="${OUT:-runs/$RECIPE}"
 if [[ "$GPUS" -gt 0 ]]; then
   NPROC="${NPROC:-$GPUS}"
   EP="${EP:-$((NPROC < 8 ? NPROC : 8))}"
-  DEFAULTS=(--config "$HERE/config.json" --ep "$EP" --seq-len 4096 --micro-batch 1 --global-batch $((NPROC * NNODES * 8))
+  DEFAULTS=(--config "$HERE/config.json" --pp "${PP:-1}" --ep "$EP" --seq-len 4096 --micro-batch 1 --global-batch $((NPROC * NNODES * 8))
             --lr 3e-4 --warmup-steps 100 --steps 1000 --ckpt-every 200)
   if [[ -n "${HF_CHECKPOINT:-}" ]]; then
     DEFAULTS+=(--hf-checkpoint "$HF_CHECKPOINT")
@@ -55,11 +55,10 @@ if [[ "$GPUS" -gt 0 ]]; then
     TOKENIZE=(--hf-tokenizer "$HF_CHECKPOINT")
   fi
 else
-  NPROC="${NPROC:-2}"
-  EP="${EP:-$NPROC}"
+  NPROC="${NPROC:-4}"
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one core per rank
-  DEFAULTS=(--ep "$EP" --seq-len 256 --global-batch 8 --micro-batch 4 --lr 3e-3 --warmup-steps 20 --steps 300
-            --ckpt-every 100 --sample-tokens 64)
+  DEFAULTS=(--pp "${PP:-2}" --ep "${EP:-2}" --seq-len 256 --global-batch 8 --micro-batch 1 --lr 3e-3 --warmup-steps 20 --steps 300
+            --ckpt-every 100)
 fi
 DATA="${DATA:-data/stdlib}"
 

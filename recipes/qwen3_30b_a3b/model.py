@@ -22,8 +22,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from core.context import cp_attention, cp_attention_mask, cp_positions
+from core.fp8 import convert_linears, fp8_grouped_mm
 from core.hf_io import CheckpointReader, read_hf_config, write_hf_folder
-from core.moe import grouped_mm, moe_forward
+from core.kernels.cross_entropy import linear_cross_entropy
+from core.kernels.swiglu import swiglu
+from core.moe import expert_matmul, moe_forward
 
 
 @dataclass
@@ -115,10 +119,10 @@ def apply_rope(x_BNSD, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, cp_group=None):
         super().__init__()
         N, G, D, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
-        self.N, self.G, self.D = N, G, D
+        self.N, self.G, self.D, self.cp_group = N, G, D, cp_group
         self.q_proj = nn.Linear(H, N * D, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(H, G * D, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(H, G * D, bias=cfg.attention_bias)
@@ -126,13 +130,19 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps)  # per head, before rope
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
 
-    def forward(self, x_BSH, cos, sin):
+    def forward(self, x_BSH, cos, sin, mask_BSK=None):
+        """mask_BSK None: plain causal over these S tokens (SDPA's causal fast path). Otherwise x holds this rank's
+        split_for_cp part of each sequence: K and V of the whole sequence (K = S * cp) are gathered over the cp
+        group and this rank's queries attend to them under mask_BSK (core.context.cp_attention_mask)."""
         B, S, _ = x_BSH.shape
         q_BNSD = self.q_norm(self.q_proj(x_BSH).view(B, S, self.N, self.D)).transpose(1, 2)
         k_BGSD = self.k_norm(self.k_proj(x_BSH).view(B, S, self.G, self.D)).transpose(1, 2)
         v_BGSD = self.v_proj(x_BSH).view(B, S, self.G, self.D).transpose(1, 2)
         q_BNSD, k_BGSD = apply_rope(q_BNSD, cos, sin), apply_rope(k_BGSD, cos, sin)
-        o_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, is_causal=True, enable_gqa=self.N != self.G)
+        if mask_BSK is None:
+            o_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, is_causal=True, enable_gqa=self.N != self.G)
+        else:
+            o_BNSD = cp_attention(q_BNSD, k_BGSD, v_BGSD, mask_BSK, self.cp_group)
         return self.o_proj(o_BNSD.transpose(1, 2).reshape(B, S, self.N * self.D))
 
 
@@ -173,45 +183,78 @@ class Experts(nn.Module):
         self.lo, self.hi = lo, hi
         self.gate_up_proj = nn.Parameter(torch.empty(hi - lo, cfg.hidden_size, 2 * cfg.moe_intermediate_size))
         self.down_proj = nn.Parameter(torch.empty(hi - lo, cfg.moe_intermediate_size, cfg.hidden_size))
+        self.fp8 = False  # set by enable_fp8
 
     def forward(self, rows_RH, counts_E):
-        gate_RI, up_RI = grouped_mm(rows_RH, self.gate_up_proj, counts_E).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate_RI) * up_RI, self.down_proj, counts_E)
+        mm = fp8_grouped_mm if self.fp8 else expert_matmul  # expert_matmul: weight gradient may be delayed
+        h_RJ = mm(rows_RH, self.gate_up_proj, counts_E)
+        return mm(swiglu(h_RJ), self.down_proj, counts_E)  # fused silu(gate) * up (Triton on GPU)
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, experts: tuple[int, int], ep_group):
+    def __init__(self, cfg: ModelConfig, experts: tuple[int, int], ep_group, cp_group):
         super().__init__()
         self.gate = Router(cfg)
         self.experts = Experts(cfg, *experts)
-        self.num_experts, self.ep_group = cfg.num_experts, ep_group
+        self.num_experts, self.k, self.ep_group, self.cp_group = cfg.num_experts, cfg.num_experts_per_tok, ep_group, cp_group
+        self.load_E = None  # (token, slot) pairs routed per expert since Model.take_expert_load
 
-    def forward(self, x_BSH):
-        """Returns the output, the router logits [T, E] (for the aux loss), tokens per expert [E] of this rank's
-        tokens, and the all-to-all rows moved [deduplicated, naive]."""
-        B, S, H = x_BSH.shape
-        x_TH = x_BSH.reshape(B * S, H)
+    def route(self, x_TH, aux_2E):
+        """Router, plus this layer's share of the load-balancing loss statistics added to aux_2E: row 0 the summed
+        router probabilities per expert (differentiable), row 1 the top-k counts per expert of the whole
+        micro-batch (summed over the cp ranks, which hold the other tokens; no gradient). See Model.aux_loss."""
         logits_TE, weights_Tk, ids_Tk = self.gate(x_TH)
-        out_TH, rows_moved = moe_forward(x_TH, ids_Tk, weights_Tk, self.num_experts, self.ep_group, self.experts)
-        counts_E = torch.bincount(ids_Tk.reshape(-1), minlength=self.num_experts)
-        return out_TH.view(B, S, H), logits_TE, counts_E, rows_moved
+        probs_TE = logits_TE.softmax(dim=-1)
+        counts_E = torch.bincount(probs_TE.topk(self.k, dim=-1).indices.flatten(), minlength=self.num_experts).float()
+        if self.cp_group is not None:
+            dist.all_reduce(counts_E, group=self.cp_group)
+        load_E = torch.bincount(ids_Tk.flatten(), minlength=self.num_experts)
+        self.load_E = load_E if self.load_E is None else self.load_E + load_E
+        return weights_Tk, ids_Tk, aux_2E + torch.stack([probs_TE.float().sum(0), counts_E])
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, experts: tuple[int, int], ep_group):
+    """One decoder layer as the three compute steps that core/pipeline.py interleaves (its contract): (1)
+    `attention` (norms, attention, router), (3) `routed_experts`, (5) `finish` (residual add); the dispatch and
+    combine all-to-alls (2) and (4) run between them in core/moe.py. `state` is [hidden x_BSH, aux_2E]. `rope`
+    holds (cos, sin, attention mask) of the current micro-batch shape, set by Model.set_positions."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, experts: tuple[int, int], ep_group, cp_group=None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, cp_group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg, experts, ep_group) if cfg.is_moe_layer(layer_id) else DenseMLP(cfg)
+        self.moe = cfg.is_moe_layer(layer_id)
+        self.mlp = MoE(cfg, experts, ep_group, cp_group) if self.moe else DenseMLP(cfg)
+        self.num_experts, self.ep_group = cfg.num_experts, ep_group
+        self.rope = None
 
-    def forward(self, x_BSH, cos, sin):
-        """Returns the new hidden state and, for MoE layers, (router logits, tokens per expert, rows moved)."""
-        h_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin)
-        if isinstance(self.mlp, MoE):
-            out_BSH, *routing = self.mlp(self.post_attention_layernorm(h_BSH))
-            return h_BSH + out_BSH, routing
-        return h_BSH + self.mlp(self.post_attention_layernorm(h_BSH)), None
+    def attention(self, state):  # (1)
+        x_BSH, aux_2E = state
+        h_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), *self.rope)
+        x_TH = self.post_attention_layernorm(h_BSH).flatten(0, 1)
+        weights_Tk, ids_Tk, aux_2E = self.mlp.route(x_TH, aux_2E)
+        return [h_BSH, aux_2E], x_TH, ids_Tk, weights_Tk
+
+    def routed_experts(self, rows_RH, counts_L):  # (3)
+        return self.mlp.experts(rows_RH, counts_L)
+
+    def finish(self, state, out_TH):  # (5)
+        h_BSH, aux_2E = state
+        return [h_BSH + out_TH.view_as(h_BSH), aux_2E]
+
+    def dense(self, state):  # a layer without routed experts, whole
+        x_BSH, aux_2E = state
+        h_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), *self.rope)
+        return [h_BSH + self.mlp(self.post_attention_layernorm(h_BSH)), aux_2E]
+
+    def forward(self, state):
+        """The five steps back to back (the pipeline schedule runs them interleaved instead)."""
+        if not self.moe:
+            return self.dense(state)
+        state, x_TH, ids_Tk, weights_Tk = self.attention(state)
+        out_TH, _ = moe_forward(x_TH, ids_Tk, weights_Tk, self.num_experts, self.ep_group, self.routed_experts)
+        return self.finish(state, out_TH)
 
 
 # ----------------------------------------------------------------------------------------------- model
@@ -219,17 +262,18 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class TrainOutput:
-    loss_sum: torch.Tensor  # summed cross-entropy over non-ignored labels
-    aux_loss: torch.Tensor  # load-balancing loss (unscaled), as transformers' load_balancing_loss_func
-    tokens_per_expert_LE: torch.Tensor  # this rank's (token, slot) pairs per expert, one row per MoE layer
-    a2a_rows: torch.Tensor  # rows the dispatch all-to-alls sent to other ranks: [deduplicated, naive]
+    loss_sum: torch.Tensor  # summed cross-entropy over this rank's non-ignored labels
+    aux_loss: torch.Tensor  # load-balancing loss (unscaled), as transformers' load_balancing_loss_func; with cp,
+    # this rank's part of the micro-batch's loss (the cp ranks' parts sum to it, see Model.aux_loss)
 
 
 class Model(nn.Module):
     def __init__(self, cfg: ModelConfig, layers=None, experts: tuple[int, int] | None = None,
-                 embed: bool = True, head: bool = True, ep_group=None):
+                 embed: bool = True, head: bool = True, ep_group=None, cp_group=None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.cp_group = cfg, cp_group
+        # drawn before any module exists (their constructors draw too): the same on every rank and layout
+        self.base_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         layer_ids = range(cfg.num_hidden_layers) if layers is None else layers
         if ep_group is not None:
             ep, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
@@ -239,7 +283,7 @@ class Model(nn.Module):
             experts = (ep_rank * cfg.num_experts // ep, (ep_rank + 1) * cfg.num_experts // ep)
         experts = (0, cfg.num_experts) if experts is None else experts
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, experts, ep_group) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, experts, ep_group, cp_group) for i in layer_ids})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
         self.init_weights()
@@ -250,7 +294,6 @@ class Model(nn.Module):
         Each tensor (each expert of a stacked tensor) draws from a generator seeded by the default generator and
         its name, so a partial model (pipeline stage, expert shard) gets exactly its slice of the full model's
         weights. Seed the default generator the same on every rank."""
-        base_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
@@ -262,48 +305,112 @@ class Model(nn.Module):
                 lo = self.get_submodule(name.rsplit(".", 1)[0]).lo if ".experts." in name else None
                 for j, block in enumerate(p if lo is not None else [p]):
                     key = name if lo is None else f"{name}.{lo + j}"
-                    gen = torch.Generator(p.device).manual_seed(base_seed ^ zlib.crc32(key.encode()))
+                    gen = torch.Generator(p.device).manual_seed(self.base_seed ^ zlib.crc32(key.encode()))
                     block.normal_(0.0, self.cfg.initializer_range, generator=gen)
 
-    def trunk(self, input_ids_BS, position_ids_BS=None):
-        """Embedding + decoder layers; returns the last hidden state and per-MoE-layer (logits, counts)."""
+    def set_positions(self, position_ids_BS, cp_split: bool = True) -> None:
+        """Rope at these global positions, and the attention mask, for every layer, for micro-batches of this shape.
+
+        With a cp group and cp_split, a micro-batch holds this rank's split_for_cp part of each sequence (S =
+        seq_len / cp): keys and values are gathered over the cp group and masked causally by global position
+        [1, S, S * cp]. No document mask for packed sequences: Qwen3 in transformers attends across documents.
+        cp_split=False: whole sequences, computed by every cp rank alone (generation, evaluation)."""
+        B, S = position_ids_BS.shape
+        cp, cp_rank = (1, 0) if self.cp_group is None or not cp_split else \
+            (dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group))
+        mask_BSK = None if cp == 1 else cp_attention_mask(S * cp, cp_rank, cp, device=position_ids_BS.device)
+        dtype = next(self.parameters()).dtype
+        cos, sin = rope_cos_sin(position_ids_BS, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        for layer in self.layers.values():
+            layer.rope = (cos, sin, mask_BSK)
+
+    def default_positions(self, B: int, S: int, device, cp_split: bool = True):
+        """Positions 0..S-1, or with cp this rank's global positions of sequences of S * cp tokens."""
+        if self.cp_group is None or not cp_split:
+            return torch.arange(S, device=device).expand(B, S)
+        cp, cp_rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
+        return cp_positions(S * cp, cp_rank, cp, device).expand(B, S)
+
+    def trunk(self, input_ids_BS, position_ids_BS=None, cp_split: bool = True):
+        """Embedding + decoder layers + final norm: the hidden state [B, S, H] and the aux statistics [2, E]."""
         B, S = input_ids_BS.shape
         if position_ids_BS is None:
-            position_ids_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
-        x_BSH = self.embed_tokens(input_ids_BS)
-        cos, sin = rope_cos_sin(position_ids_BS, self.cfg.head_dim, self.cfg.rope_theta, x_BSH.dtype)
-        routing = []
+            position_ids_BS = self.default_positions(B, S, input_ids_BS.device, cp_split)
+        self.set_positions(position_ids_BS, cp_split)
+        state = [self.embed_tokens(input_ids_BS), torch.zeros(2, self.cfg.num_experts, device=input_ids_BS.device)]
         for layer in self.layers.values():
-            x_BSH, r = layer(x_BSH, cos, sin)
-            if r is not None:
-                routing.append(r)
-        return self.norm(x_BSH), routing
+            state = layer(state)
+        return self.norm(state[0]), state[1]
 
     def forward(self, input_ids_BS, position_ids_BS=None):
-        """Logits [B, S, V] of the whole model."""
-        return self.lm_head(self.trunk(input_ids_BS, position_ids_BS)[0])
+        """Logits [B, S, V] of the whole model, for whole sequences (each cp rank computes them all)."""
+        return self.lm_head(self.trunk(input_ids_BS, position_ids_BS, cp_split=False)[0])
 
     def forward_train(self, input_ids_BS, labels_BS, position_ids_BS=None) -> TrainOutput:
-        h_BSH, routing = self.trunk(input_ids_BS, position_ids_BS)
-        logits_BSV = self.lm_head(h_BSH)
-        loss_sum = F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=-100, reduction="sum")
-        if not routing:
-            zeros = loss_sum.new_zeros
-            return TrainOutput(loss_sum, zeros(()), zeros(0, self.cfg.num_experts), zeros(2))
-        logits, counts, rows_moved = zip(*routing)
-        aux = load_balancing_loss(list(logits), self.cfg.num_experts_per_tok)
-        return TrainOutput(loss_sum, aux, torch.stack(counts), torch.stack(rows_moved).sum(0))
+        h_BSH, aux_2E = self.trunk(input_ids_BS, position_ids_BS)
+        return TrainOutput(self.cross_entropy_sum(h_BSH, labels_BS), self.aux_loss(aux_2E, labels_BS.numel()))
+
+    def cross_entropy_sum(self, h_BSH, labels_BS):
+        """LM head + cross-entropy without the [T, V] logits (Triton on GPU), summed over labels != -100."""
+        h_TH, w_VH = h_BSH.flatten(0, 1), self.lm_head.weight
+        if torch.is_autocast_enabled(h_TH.device.type):  # autocast does not reach into the fused kernel
+            dtype = torch.get_autocast_dtype(h_TH.device.type)
+            h_TH, w_VH = h_TH.to(dtype), w_VH.to(dtype)
+        return linear_cross_entropy(h_TH, w_VH, labels_BS.flatten(), ignore_index=-100, reduction="sum")
+
+    def aux_loss(self, aux_2E, tokens: int):
+        """transformers' load_balancing_loss_func over all MoE layers' tokens together: E * sum_e f_e * P_e, with
+        f_e = top-k slots routed to e / N and P_e = summed router probability of e / N, N = MoE layers x tokens of
+        the micro-batch. aux_2E holds the sums (MoE.route). With cp, the counts cover the whole micro-batch and
+        the probabilities this rank's tokens only: the cp ranks' parts add up to the loss, and each part's
+        gradient is exactly the loss's gradient on that rank's tokens. Computed at the end, it also works across
+        pipeline stages, which carry aux_2E along with the hidden state."""
+        cfg = self.cfg
+        layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        if layers == 0:
+            return aux_2E.new_zeros(())
+        cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
+        return cfg.num_experts * (aux_2E[0] * aux_2E[1]).sum() / (layers * tokens * cp) ** 2
+
+    def take_expert_load(self) -> torch.Tensor:
+        """(token, slot) pairs per expert routed by this rank since the last call, [MoE layers of the whole
+        model, E] with zero rows for layers held by other pipeline stages."""
+        moe_ids = [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
+        device = next(self.parameters()).device
+        load_LE = torch.zeros(len(moe_ids), self.cfg.num_experts, device=device)
+        for row, i in enumerate(moe_ids):
+            mlp = self.layers[str(i)].mlp if str(i) in self.layers else None
+            if mlp is not None and mlp.load_E is not None:
+                load_LE[row], mlp.load_E = mlp.load_E, None
+        return load_LE
 
 
-def load_balancing_loss(router_logits: list[torch.Tensor], k: int) -> torch.Tensor:
-    """Switch-style aux loss over all layers' tokens together: E * sum_e f_e * P_e, where f_e is the share of
-    top-k slots routed to e and P_e the mean router probability of e (transformers' load_balancing_loss_func)."""
-    logits_TE = torch.cat(router_logits)
-    E = logits_TE.shape[-1]
-    probs_TE = logits_TE.softmax(dim=-1)
-    ids = probs_TE.topk(k, dim=-1).indices
-    f_E = torch.bincount(ids.flatten(), minlength=E).float() / logits_TE.shape[0]
-    return E * (f_E * probs_TE.float().mean(0)).sum()
+class PipelineStage:
+    """One pipeline stage over this rank's Model, as core/pipeline.py drives it: the embedding on the first
+    stage, a run of decoder layers, and the final norm, LM head and loss on the last. Before each step train.py
+    sets `input_ids` / `labels` (per micro-batch) and `loss_fn(cross_entropy_sum, aux_loss) -> loss`; the last
+    stage adds the micro-batches' (cross-entropy sum, aux loss) to `stats`."""
+
+    def __init__(self, model: Model, layer_ids, first: bool, last: bool):
+        self.model, self.first, self.last = model, first, last
+        self.layers = [model.layers[str(i)] for i in layer_ids]
+        self.input_ids = self.labels = self.loss_fn = None
+        self.stats = 0
+
+    def pre(self, inputs, mb):
+        if not self.first:
+            return inputs
+        ids_BS = self.input_ids[mb]
+        return [self.model.embed_tokens(ids_BS), torch.zeros(2, self.model.cfg.num_experts, device=ids_BS.device)]
+
+    def post(self, state, mb):
+        if not self.last:
+            return state
+        labels_BS = self.labels[mb]
+        ce = self.model.cross_entropy_sum(self.model.norm(state[0]), labels_BS)
+        aux = self.model.aux_loss(state[1], labels_BS.numel())
+        self.stats = self.stats + torch.stack([ce.detach(), aux.detach()])
+        return [self.loss_fn(ce, aux)]
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -317,6 +424,36 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         ffn = cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size + H * cfg.num_experts if cfg.is_moe_layer(i) else 3 * H * cfg.intermediate_size
         params += attn + ffn
     return 6 * params + 6 * cfg.num_hidden_layers * seq_len * N * D
+
+
+# ------------------------------------------------------------------ speed switches (train.py --compile, --fp8)
+
+
+def compile_dense_parts(model: Model) -> None:
+    """torch.compile(fullgraph=True) the dense parts of every decoder layer, in place (parameter names unchanged):
+    the norms, the attention block (projections, q/k norms, rope, SDPA), the router and dense MLPs. Modules, not
+    DecoderLayer.forward, are compiled, so any schedule that calls them (whole layer, or pipeline steps) runs the
+    compiled code. Left eager: the routed experts and the dispatch/combine around them (row counts depend on the
+    routing, and the all-to-alls), the residual adds (one elementwise op each), and attention with a cp group
+    (it all-gathers K/V). One layer's graphs serve all layers (same shapes); a new (B, S) recompiles once."""
+    for layer in model.layers.values():
+        for module in (layer.input_layernorm, layer.post_attention_layernorm):
+            module.compile(fullgraph=True)
+        if layer.self_attn.cp_group is None:
+            layer.self_attn.compile(fullgraph=True)
+        (layer.mlp.gate if isinstance(layer.mlp, MoE) else layer.mlp).compile(fullgraph=True)
+
+
+def enable_fp8(model: Model) -> None:
+    """FP8 GEMMs (core/fp8.py) for the attention projections, dense MLPs and routed experts, in place. The
+    embedding, router (fp32 softmax) and LM head stay in high precision. Call core.fp8.CACHE.invalidate() after
+    every optimizer step (the FP8 weight copies are made once per step)."""
+    for layer in model.layers.values():
+        convert_linears(layer.self_attn)
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.experts.fp8 = True
+        else:
+            convert_linears(layer.mlp)
 
 
 # ------------------------------------------------------------------------------------ checkpoint I/O

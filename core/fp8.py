@@ -1,0 +1,242 @@
+"""FP8 (e4m3) GEMMs for training on Hopper: linear layers and grouped expert GEMMs, row-wise scaled, with the FP8
+copy of each weight made once per optimizer step and reused by every micro-batch.
+
+Legend: T tokens (rows), K input features, N output features, E experts, R expert rows (grouped by expert).
+
+Numerics (row-wise scaling; DeepSeek-V3 uses finer 1x128 blocks, torchao calls this recipe "rowwise"):
+  a tensor is quantised along its reduction dim: q = round_e4m3(x / s), s = amax(|row|) / 448 per row (fp32), so
+  each row's largest value maps to the largest e4m3 number and every element keeps 3 mantissa bits (relative
+  rounding error <= 2^-4; values below 2^-6 * s are subnormal, absolute error <= 2^-10 * s).
+  forward   y  = x @ w.T      x per row over K, w per output row over K          -> torch._scaled_mm, fp32 accumulate
+  dgrad     dx = dy @ w       dy per row over N, w per input column over N (a second cached copy of w)
+  wgrad     dw = dy.T @ x     in the high-precision dtype (bf16 on GPU): its reduction runs over tokens, where a
+                              per-token scale cannot be factored out of the sum.
+  Straight-through: the quantisation counts as identity in backward; x is saved in the compute dtype (as bf16
+  training would), not in FP8.
+
+Weight cache: `CACHE.get(w)` quantises a weight (both copies) the first time it is used after an update and
+returns the stored copy on every later use: with n micro-batches per step, one quantisation instead of 2n. An
+entry is stale when the parameter's version counter moved (any in-place update through autograd-visible ops) or
+after `CACHE.invalidate()`, which the training loop calls after each optimizer.step() (updates through `.data`
+do not move the version counter). The GEMMs are torch custom ops, so the lookup also works inside a
+torch.compile graph (the op is opaque to the compiler and runs its Python at run time).
+
+Paths: on CUDA, torch._scaled_mm and torch._scaled_grouped_mm (Hopper, out dtype bf16). Elsewhere the reference:
+torch._scaled_mm runs float8_e4m3fn on CPU (seen in torch 2.13), and the grouped GEMM is a loop over experts of it.
+"""
+
+import functools
+
+import torch
+from torch import nn
+
+from core.moe import GROUPED_MM
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max  # 448
+SCALED_GROUPED_MM = getattr(torch, "_scaled_grouped_mm", None)  # CUDA only (no CPU kernel in torch 2.13)
+
+
+def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (q [..., K] e4m3 contiguous, scale [..., 1] fp32) with x ~= q * scale, one scale per row."""
+    x = x.detach()
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)  # an all-zero row gets q = 0
+    scale = amax / E4M3_MAX
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous(), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale
+
+
+# On CUDA the quantiser runs compiled: two fused passes over x (amax, then scale + cast) instead of five eager
+# ones, which would cost about as much as the FP8 GEMM saves. dynamic: the row count changes every micro-batch.
+@functools.cache
+def _quantize_cuda():
+    return torch.compile(quantize_rowwise, dynamic=True)
+
+
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_cuda()(x) if x.is_cuda else quantize_rowwise(x)
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A weight, [N, K] (nn.Linear) or [E, K, N] (stacked experts, y = x @ w[e]), as the two FP8 operands:
+    (q_NK, s_N1) quantised over K for the forward, (q_KN, s_K1) quantised over N for the dgrad ([E, ...] leading)."""
+    w_NK = w if w.dim() == 2 else w.transpose(-2, -1)
+    return (*_quantize(w_NK), *_quantize(w_NK.transpose(-2, -1)))
+
+
+class FP8WeightCache:
+    """FP8 copies of weights, one entry per parameter, reused until the parameter changes (see the module doc).
+    Keyed by storage address, shape and dtype rather than the tensor object, since torch.compile may hand the op
+    an alias of the parameter (aliases share the version counter); the entry keeps the weight alive."""
+
+    def __init__(self):
+        self.entries: dict[tuple, tuple] = {}  # key -> (weight, version, quantize_weight(weight))
+        self.quantizations = 0  # weights quantised so far (the tests count them)
+
+    def get(self, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        key = (w.data_ptr(), w.dtype, tuple(w.shape))
+        entry = self.entries.get(key)
+        if entry is None or entry[1] != w._version:
+            entry = self.entries[key] = (w, w._version, quantize_weight(w))
+            self.quantizations += 1
+        return entry[2]
+
+    def invalidate(self) -> None:
+        """Call after optimizer.step(): the next use of each weight quantises it again."""
+        self.entries.clear()
+
+
+CACHE = FP8WeightCache()  # the FP8 copies of this process's weights (entries are per parameter)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype FP8 GEMM inputs are cast to and outputs written in: bf16 on CUDA (what Hopper's row-wise scaled
+    GEMMs write), else the autocast dtype or x's own (the CPU reference also runs fp32)."""
+    if x.is_cuda:
+        return torch.bfloat16
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
+def _scaled_mm(a_MK: torch.Tensor, q_NK: torch.Tensor, s_N1: torch.Tensor) -> torch.Tensor:
+    """a [M, K] (high precision, quantised here per row) @ (q * s)[N, K].T -> [M, N] in a's dtype. q_NK.T is the
+    column-major operand cuBLAS wants; the scales are fp32, [M, 1] and [1, N]."""
+    qa_MK, sa_M1 = _quantize(a_MK)
+    return torch._scaled_mm(qa_MK, q_NK.T, scale_a=sa_M1, scale_b=s_N1.T, out_dtype=a_MK.dtype)
+
+
+# The GEMMs are torch custom ops: torch.compile keeps them opaque, so the cache lookup (plain Python, reading the
+# weight's version counter) runs at run time, also inside a compiled graph; their autograd formulas are below.
+
+# ------------------------------------------------------------------------------------------ linear
+
+
+@torch.library.custom_op("moe_fp8::linear", mutates_args=())
+def _linear(x_TK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    q_NK, s_N1, _, _ = CACHE.get(w_NK)
+    return _scaled_mm(x_TK, q_NK, s_N1)
+
+
+@torch.library.custom_op("moe_fp8::linear_dgrad", mutates_args=())
+def _linear_dgrad(dy_TN: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    _, _, q_KN, s_K1 = CACHE.get(w_NK)
+    return _scaled_mm(dy_TN, q_KN, s_K1)
+
+
+@_linear.register_fake
+def _(x_TK, w_NK):
+    return x_TK.new_empty(x_TK.shape[0], w_NK.shape[0])
+
+
+@_linear_dgrad.register_fake
+def _(dy_TN, w_NK):
+    return dy_TN.new_empty(dy_TN.shape[0], w_NK.shape[1])
+
+
+def _linear_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)  # x in the compute dtype, as bf16 training keeps it; w for the cache
+
+
+def _linear_backward(ctx, dy_TN):
+    x_TK, w_NK = ctx.saved_tensors
+    dy_TN = dy_TN.contiguous()
+    dx = _linear_dgrad(dy_TN, w_NK) if ctx.needs_input_grad[0] else None  # FP8
+    dw = (dy_TN.T @ x_TK).to(w_NK.dtype) if ctx.needs_input_grad[1] else None  # high precision
+    return dx, dw
+
+
+torch.library.register_autograd("moe_fp8::linear", _linear_backward, setup_context=_linear_setup)
+
+
+def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """x @ w.T (no bias) with FP8 operands: x [..., K], w [N, K] -> [..., N] in compute_dtype(x); gradients for x
+    and w (straight-through)."""
+    dtype = compute_dtype(x)
+    return _linear(x.reshape(-1, x.shape[-1]).to(dtype), w_NK).view(*x.shape[:-1], w_NK.shape[0])
+
+
+class FP8Linear(nn.Linear):
+    """nn.Linear whose matmul runs through fp8_linear; made by convert_linears, sharing the original parameters."""
+
+    def forward(self, x):
+        y = fp8_linear(x, self.weight)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def convert_linears(module: nn.Module) -> None:
+    """Replace every nn.Linear below `module` by an FP8Linear holding the same parameter objects (names,
+    optimizer state and checkpoints are unchanged)."""
+    for name, child in module.named_children():
+        if type(child) is nn.Linear:
+            new = FP8Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+            new.weight, new.bias = child.weight, child.bias
+            setattr(module, name, new)
+        else:
+            convert_linears(child)
+
+
+# ------------------------------------------------------------------------------------ grouped experts
+
+
+def _grouped(x_RK, q_ENK, s_EN1, counts_E):
+    """x [R, K] grouped by expert @ (q * s)[e].T for each expert's rows -> [R, N] in x's dtype. CUDA: one
+    torch._scaled_grouped_mm (q_ENK.transpose is its column-major [E, K, N] operand); elsewhere the reference,
+    one row-wise _scaled_mm per expert (a host sync on counts)."""
+    if x_RK.is_cuda and SCALED_GROUPED_MM is not None:
+        qx_RK, sx_R1 = _quantize(x_RK)
+        return SCALED_GROUPED_MM(qx_RK, q_ENK.transpose(-2, -1), sx_R1.squeeze(-1), s_EN1.squeeze(-1),
+                                 offs=counts_E.cumsum(0, dtype=torch.int32), out_dtype=x_RK.dtype)
+    return torch.cat([_scaled_mm(x_e, q_ENK[e], s_EN1[e]) if x_e.shape[0] else x_e.new_empty(0, q_ENK.shape[1])
+                      for e, x_e in enumerate(x_RK.split(counts_E.tolist()))])
+
+
+@torch.library.custom_op("moe_fp8::grouped_mm", mutates_args=())
+def _grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    q_ENK, s_EN1, _, _ = CACHE.get(w_EKN)
+    return _grouped(x_RK, q_ENK, s_EN1, counts_E)
+
+
+@torch.library.custom_op("moe_fp8::grouped_mm_dgrad", mutates_args=())
+def _grouped_mm_dgrad(dy_RN: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    _, _, q_EKN, s_EK1 = CACHE.get(w_EKN)
+    return _grouped(dy_RN, q_EKN, s_EK1, counts_E)
+
+
+@_grouped_mm.register_fake
+def _(x_RK, w_EKN, counts_E):
+    return x_RK.new_empty(x_RK.shape[0], w_EKN.shape[2])
+
+
+@_grouped_mm_dgrad.register_fake
+def _(dy_RN, w_EKN, counts_E):
+    return dy_RN.new_empty(dy_RN.shape[0], w_EKN.shape[1])
+
+
+def _grouped_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_backward(ctx, dy_RN):
+    x_RK, w_EKN, counts_E = ctx.saved_tensors
+    dy_RN = dy_RN.contiguous()
+    dx = _grouped_mm_dgrad(dy_RN, w_EKN, counts_E) if ctx.needs_input_grad[0] else None  # FP8
+    dw = None
+    if ctx.needs_input_grad[1]:  # high precision: dw[e] = x[rows of e].T @ dy[rows of e]
+        if x_RK.is_cuda and GROUPED_MM is not None:
+            dw = GROUPED_MM(x_RK.T, dy_RN, offs=counts_E.cumsum(0, dtype=torch.int32))
+        else:
+            sizes = counts_E.tolist()
+            dw = torch.stack([x_e.T @ dy_e for x_e, dy_e in zip(x_RK.split(sizes), dy_RN.split(sizes))])
+        dw = dw.to(w_EKN.dtype)
+    return dx, dw, None
+
+
+torch.library.register_autograd("moe_fp8::grouped_mm", _grouped_backward, setup_context=_grouped_setup)
+
+
+def fp8_grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """core.moe.grouped_mm with FP8 operands: y[rows of expert e] = x[rows of e] @ w[e]; x [R, K], w [E, K, N],
+    counts [E] -> [R, N] in compute_dtype(x)."""
+    return _grouped_mm(x_RK.to(compute_dtype(x_RK)), w_EKN, counts_E)

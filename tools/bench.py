@@ -1,0 +1,215 @@
+"""Benchmark the Qwen3-MoE training step: tokens/s, MFU, step time, peak memory; with --vs-hf, next to transformers.
+
+    python -m tools.bench --size tiny --vs-hf                        # CPU: the tiny model, ours vs transformers
+    python -m tools.bench --size wide --layers 8 --fp8 --vs-hf       # GPU: real width (2048, 128 experts), 8 layers
+    torchrun --nproc-per-node 8 -m tools.bench --size real --ep 8    # a layout: --dp/--ep/--cp go to train.py
+
+Our step is recipes/qwen3_30b_a3b/train.py's own loop: train.main on a synthetic token dataset written to a temp
+folder (data loader, micro-batches, forward + backward, gradient reduction, clipping, AdamW, metrics), so every
+layout of train.py runs here under torchrun. The transformers step runs Qwen3MoeForCausalLM with the same config
+(router aux loss on), the same batches, micro-batch split and precision (fp32 weights, bf16 autocast when our run
+uses it): forward with labels + backward + clipping + AdamW (fused on GPU, foreach on CPU), on one process, with
+transformers' default experts implementation (grouped_mm when torch has it) and attention (sdpa).
+Step times are medians (and minima: "best") over the measured steps, after warm-up steps (compilation, allocator, autotuning); with
+--rounds n the two implementations take turns n times (on a shared machine, load that comes and goes then hits
+both alike). Peak memory is the CUDA allocator's peak, or on CPU the process's resident high-water mark (reset
+before each run through /proc/self/clear_refs).
+"""
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from core.data import TokenLoader, write_shards
+from core.metrics import peak_flops
+from recipes.qwen3_30b_a3b import train
+from recipes.qwen3_30b_a3b.model import ModelConfig, flops_per_token, real_config_path, tiny_config_path
+
+SIZES = {"tiny": (tiny_config_path(), None), "wide": (real_config_path(), 2), "real": (real_config_path(), None)}
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif os.path.exists("/proc/self/clear_refs"):
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: reset the resident-set high-water mark (VmHWM)
+
+
+def peak_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def synthetic_data(folder: Path, vocab: int, tokens: int, seed: int) -> None:
+    """Random documents of 100-2000 tokens (uniform ids), packed like a real dataset."""
+    rng = random.Random(seed)
+    docs, n = [], 0
+    while n < tokens:
+        doc = [rng.randrange(3, vocab) for _ in range(rng.randrange(100, 2000))]
+        docs.append(doc)
+        n += len(doc) + 1
+    write_shards(docs, folder, vocab_size=vocab, eos_id=2, tokenizer={"kind": "none"}, shard_tokens=n)
+
+
+def hf_model(cfg: ModelConfig, device: torch.device):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**cfg.to_hf(), "output_router_logits": True}))
+    cuda = device.type == "cuda"
+    print(f"transformers: experts {getattr(model.config, '_experts_implementation', '?')}, "
+          f"attention {getattr(model.config, '_attn_implementation', '?')}", flush=True)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=cuda, foreach=not cuda)
+
+
+def hf_steps(model, opt, loader: TokenLoader, args, device: torch.device, use_bf16: bool) -> list[float]:
+    """transformers' training step on the same batches; returns each step's seconds."""
+    cuda, n_micro = device.type == "cuda", args.batch // args.micro_batch
+    times = []
+    for _ in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        input_ids, _ = (t.to(device) for t in loader.next_batch())
+        for mb in range(n_micro):
+            ids = input_ids[mb * args.micro_batch:(mb + 1) * args.micro_batch]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                loss = model(input_ids=ids, labels=ids).loss / n_micro  # labels shifted inside; + aux loss
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()  # like our loop's logging: the step is done when its loss is on the host
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def row(name: str, times: list[float], tokens: int, flops_tok: float, peak: float, mem: float) -> dict:
+    step_s = statistics.median(times)
+    tps = tokens / step_s
+    return {"impl": name, "tokens_per_s": tps, "mfu": flops_tok * tps / peak, "step_ms": 1000 * step_s,
+            "best_ms": 1000 * min(times), "peak_mem_gib": mem}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=list(SIZES), default="tiny",
+                   help="tiny: config_tiny.json; wide: the real config with --layers layers (default 2); real: all 48")
+    p.add_argument("--layers", type=int, default=None, help="number of decoder layers (overrides the size's)")
+    p.add_argument("--seq-len", type=int, default=None, help="default 4096 on GPU, 256 on CPU")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step, all ranks (default 8 GPU, 16 CPU)")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward (default: 2 GPU, 4 CPU)")
+    p.add_argument("--steps", type=int, default=5, help="measured steps")
+    p.add_argument("--warmup", type=int, default=2, help="steps before measuring")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 autocast on GPU")
+    p.add_argument("--fp8", action="store_true", help="FP8 GEMMs (train.py --fp8)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="default: train.py's")
+    p.add_argument("--vs-hf", action="store_true", help="also time transformers' training step; print the ratio")
+    p.add_argument("--rounds", type=int, default=1, help="with --vs-hf: take turns this many times")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", default="", help="append the result as one JSON line to this file")
+    args, layout = p.parse_known_args(argv)  # the rest (--dp, --ep, --cp, ...) goes to train.py
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    args.seq_len = args.seq_len or (4096 if cuda else 256)
+    args.batch = args.batch or (8 if cuda else 16)
+    args.micro_batch = args.micro_batch or (2 if cuda else 4)
+    if args.batch % args.micro_batch:
+        raise ValueError(f"--batch {args.batch} is not a multiple of --micro-batch {args.micro_batch}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.vs_hf and world > 1:
+        raise ValueError("--vs-hf compares one process with transformers; run it without torchrun")
+
+    config_path, default_layers = SIZES[args.size]
+    hf = json.loads(Path(config_path).read_text())
+    hf["num_hidden_layers"] = args.layers or default_layers or hf["num_hidden_layers"]
+    total_steps = args.warmup + args.steps
+    with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
+        tmp = Path(tmp)
+        (tmp / "config.json").write_text(json.dumps(hf))
+        cfg = ModelConfig.from_hf(tmp / "config.json")
+        synthetic_data(tmp / "data", cfg.vocab_size, total_steps * args.batch * (args.seq_len + 1) + 1, seed=0)
+        flags = ["--config", str(tmp / "config.json"), "--data", str(tmp / "data"), "--out", str(tmp / "run"),
+                 "--steps", str(total_steps), "--seq-len", str(args.seq_len), "--global-batch", str(args.batch),
+                 "--micro-batch", str(args.micro_batch), "--warmup-steps", "1", "--ckpt-every", "0",
+                 "--dtype", args.dtype, "--device", args.device, *(["--fp8"] if args.fp8 else []),
+                 *([] if args.compile is None else ["--compile" if args.compile else "--no-compile"]), *layout]
+        device = torch.device("cuda" if cuda else "cpu")
+        use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and cuda)
+        ours, theirs, mem_ours, mem_theirs, hf, losses = [], [], 0.0, 0.0, None, None
+        for _ in range(args.rounds if args.vs_hf else 1):
+            reset_peak(device)
+            log = io.StringIO()
+            with contextlib.redirect_stdout(log):  # train.py's per-step lines; printed below on failure only
+                try:
+                    history, model = train.main(flags)
+                except BaseException:
+                    print(log.getvalue())
+                    raise
+            ours += [h["step_time"] for h in history[args.warmup:]]
+            losses = losses or [h["loss"] for h in history]
+            mem_ours, n_params = max(mem_ours, peak_gib(device)), sum(p.numel() for p in model.parameters())
+            del model, history
+            gc.collect()
+            if args.vs_hf:
+                if cuda:
+                    torch.cuda.empty_cache()
+                reset_peak(device)
+                try:  # a failure on their side (say, out of memory) keeps our numbers
+                    hf = hf or hf_model(cfg, device)
+                    loader = TokenLoader(tmp / "data", args.seq_len, args.batch, seed=0)  # train.py's batches (seed 0)
+                    theirs += hf_steps(*hf, loader, args, device, use_bf16)[args.warmup:]
+                    mem_theirs = max(mem_theirs, peak_gib(device))
+                except Exception as e:
+                    print(f"transformers step failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    args.vs_hf, hf = False, None
+        is_main = int(os.environ.get("RANK", "0")) == 0
+        flops_tok, peak = flops_per_token(cfg, args.seq_len), peak_flops(device) * world
+        tokens = args.batch * args.seq_len
+        rows = [row("ours", ours, tokens, flops_tok, peak, mem_ours)]
+        if args.vs_hf:
+            rows.append(row("transformers", theirs, tokens, flops_tok, peak, mem_theirs))
+
+    result = {"size": args.size, "layers": cfg.num_hidden_layers, "params_per_rank": n_params, "device": str(device),
+              "world": world, "seq_len": args.seq_len, "batch": args.batch, "micro_batch": args.micro_batch,
+              "precision": ("bf16" if use_bf16 else "fp32") + ("+fp8" if args.fp8 else ""),
+              "compile": args.compile if args.compile is not None else cuda, "layout": " ".join(layout) or "single",
+              "rows": rows, "losses": losses}
+    if args.vs_hf:
+        result["ratio_vs_hf"] = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
+    if is_main:
+        print(f"qwen3_30b_a3b {args.size}: {cfg.num_hidden_layers} layers, {n_params / 1e6:,.1f}M params per rank, "
+              f"{device.type} x{world} ({result['layout']}), {args.batch} x {args.seq_len} tokens per step in micro-batches "
+              f"of {args.micro_batch}, {result['precision']}, compile {'on' if result['compile'] else 'off'}, "
+              f"{args.warmup} warm-up + {args.steps} measured steps x {len(ours) // args.steps} rounds; MFU against "
+              f"{peak / 1e12:,.3g} TFLOP/s")
+        print(f"{'impl':<14} {'tokens/s':>12} {'MFU':>8} {'step ms':>10} {'best ms':>10} {'peak mem GiB':>13}")
+        for r in rows:
+            print(f"{r['impl']:<14} {r['tokens_per_s']:>12,.0f} {100 * r['mfu']:>7.2f}% {r['step_ms']:>10.1f} "
+                  f"{r['best_ms']:>10.1f} {r['peak_mem_gib']:>13.2f}")
+        if args.vs_hf:
+            print(f"ours / transformers tokens/s: {result['ratio_vs_hf']:.2f}x")
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(result) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
