@@ -11,7 +11,7 @@ from core.mesh import build_mesh, destroy_mesh
 from recipes.qwen3_30b_a3b import train
 from recipes.qwen3_30b_a3b.model import Model, ModelConfig
 from tests.multiproc import run_ranks
-from tests.test_train import rel_err, run_train, train_args
+from tests.test_train import assert_matches_single, rel_err, run_train, train_args
 
 AUX_COEF = 0.1  # large enough that the aux loss's gradient is visible in the router's
 
@@ -83,14 +83,7 @@ def test_training_at_cp2_and_cp2_ep2_equals_single_process(tiny_train_setup, tmp
     assert max(single_norms) > 0.05, "clipping should be active so that the global norm is exercised"
     for world, extra in ((2, {"cp": 2}), (4, {"dp": 1, "cp": 2, "ep": 2})):
         results = run_ranks(world, run_train, train_args(config, data, tmp_path / f"w{world}", adam_eps=1e-6, **extra))
-        for rank, (losses, norms, weights) in enumerate(results):
-            assert rel_err(torch.tensor(losses), torch.tensor(single_losses)) <= 1e-5, (world, rank)
-            assert rel_err(torch.tensor(norms), torch.tensor(single_norms)) <= 1e-5, (world, rank)
-            for name, w in weights.items():
-                ref = single_weights[name]
-                if ".mlp.experts." in name:
-                    ref = ref.chunk(extra.get("ep", 1))[rank % extra.get("ep", 1)]  # ep is the innermost mesh dim
-                assert rel_err(w, ref) <= 1e-5, (world, rank, name)
+        assert_matches_single((single_losses, single_norms, single_weights), results, ep=extra.get("ep", 1))
 
 
 def test_seq_len_not_divisible_by_2cp_is_a_clear_error(tiny_train_setup, tmp_path):

@@ -16,7 +16,7 @@ from core.optimizer import ReplicaSet, ShardedAdamW
 from recipes.qwen3_30b_a3b import train
 from recipes.qwen3_30b_a3b.model import Model, ModelConfig
 from tests.multiproc import run_ranks
-from tests.test_train import rel_err, run_train, train_args
+from tests.test_train import assert_matches_single, rel_err, run_train, train_args
 
 H, I, E = 8, 6, 4  # hidden, expert ffn, experts for the core-level checks
 
@@ -147,14 +147,7 @@ def test_training_at_ep2_and_dp2_ep2_equals_single_process(tiny_train_setup, tmp
     assert max(single_norms) > 0.05, "clipping should be active so that the global norm is exercised"
     for world, extra in ((2, {"ep": 2}), (4, {"ep": 2, "dp": 2})):
         results = run_ranks(world, run_train, train_args(config, data, tmp_path / f"w{world}", **extra))
-        for rank, (losses, norms, weights) in enumerate(results):
-            assert rel_err(torch.tensor(losses), torch.tensor(single_losses)) <= 1e-5, (world, rank)
-            assert rel_err(torch.tensor(norms), torch.tensor(single_norms)) <= 1e-5, (world, rank)
-            for name, w in weights.items():
-                ref = single_weights[name]
-                if ".mlp.experts." in name:
-                    ref = ref.chunk(2)[rank % 2]  # ep rank = rank % ep
-                assert rel_err(w, ref) <= 1e-5, (world, rank, name)
+        assert_matches_single((single_losses, single_norms, single_weights), results, ep=2)
 
 
 def test_checkpoint_reshards_across_dp_and_ep(tiny_train_setup, tmp_path):

@@ -27,6 +27,22 @@ def run_train(argv):
     return [h["loss"] for h in history], [h["grad_norm"] for h in history], {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def assert_matches_single(reference, results, ep: int = 1) -> None:
+    """Every rank's (losses, grad norms, weights) equal one process's within 1e-5 (relative); a rank's routed
+    experts are its ep-th slice (ep is the innermost mesh dim, so ep rank = rank % ep); all ranks together hold
+    every weight."""
+    ref_losses, ref_norms, ref_weights = reference
+    seen = set()
+    for rank, (losses, norms, weights) in enumerate(results):
+        assert rel_err(torch.tensor(losses), torch.tensor(ref_losses)) <= 1e-5, rank
+        assert rel_err(torch.tensor(norms), torch.tensor(ref_norms)) <= 1e-5, rank
+        for name, w in weights.items():
+            ref = ref_weights[name].chunk(ep)[rank % ep] if ".mlp.experts." in name else ref_weights[name]
+            seen.add(name)
+            assert rel_err(w, ref) <= 1e-5, (rank, name)
+    assert seen == set(ref_weights)
+
+
 def test_dp2_equals_single_process(tiny_train_setup, tmp_path):
     config, data = tiny_train_setup
     single_losses, single_norms, single_weights = run_train(train_args(config, data, tmp_path / "single"))

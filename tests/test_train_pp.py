@@ -4,12 +4,11 @@ running the same global batch and micro-batch split (losses, grad norms, every w
 import json
 
 import pytest
-import torch
 
 from recipes.qwen3_30b_a3b import train
 from tests.conftest import TINY_TRAIN_CONFIG
 from tests.multiproc import run_ranks
-from tests.test_train import rel_err, run_train, train_args
+from tests.test_train import assert_matches_single, run_train, train_args
 
 
 def pp_args(config, data, out, **extra):
@@ -19,27 +18,12 @@ def pp_args(config, data, out, **extra):
     return train_args(config, data, out, steps=3, micro_batch=1, adam_eps=1e-6, **extra)
 
 
-def check_against(reference, results, ep: int = 1):
-    ref_losses, ref_norms, ref_weights = reference
-    seen = set()
-    for rank, (losses, norms, weights) in enumerate(results):
-        assert rel_err(torch.tensor(losses), torch.tensor(ref_losses)) <= 1e-5, rank
-        assert rel_err(torch.tensor(norms), torch.tensor(ref_norms)) <= 1e-5, rank
-        for name, w in weights.items():
-            ref = ref_weights[name]
-            if ".mlp.experts." in name:
-                ref = ref.chunk(ep)[rank % ep]
-            seen.add(name)
-            assert rel_err(w, ref) <= 1e-5, (rank, name)
-    assert seen == set(ref_weights)  # the stages together hold the whole model
-
-
 def test_pipeline_layouts_equal_single_process(tiny_train_setup, tmp_path):
     config, data = tiny_train_setup
     single = run_train(pp_args(config, data, tmp_path / "single"))
-    check_against(single, run_ranks(2, run_train, pp_args(config, data, tmp_path / "pp2", pp=2)))
-    check_against(single, run_ranks(4, run_train, pp_args(config, data, tmp_path / "pp2ep2", pp=2, ep=2)), ep=2)
-    check_against(single, run_ranks(4, run_train, pp_args(config, data, tmp_path / "pp2dp2", pp=2, dp=2,
+    assert_matches_single(single, run_ranks(2, run_train, pp_args(config, data, tmp_path / "pp2", pp=2)))
+    assert_matches_single(single, run_ranks(4, run_train, pp_args(config, data, tmp_path / "pp2ep2", pp=2, ep=2)), ep=2)
+    assert_matches_single(single, run_ranks(4, run_train, pp_args(config, data, tmp_path / "pp2dp2", pp=2, dp=2,
                                                           no_overlap=True, no_delay_wgrad=True)))
 
 
@@ -48,7 +32,7 @@ def test_pp4_equals_single_process(tiny_train_setup, tmp_path):
     config = tmp_path / "six_layers.json"
     config.write_text(json.dumps({**TINY_TRAIN_CONFIG, "num_hidden_layers": 6}))
     single = run_train(pp_args(config, data, tmp_path / "single"))
-    check_against(single, run_ranks(4, run_train, pp_args(config, data, tmp_path / "pp4", pp=4)))
+    assert_matches_single(single, run_ranks(4, run_train, pp_args(config, data, tmp_path / "pp4", pp=4)))
 
 
 def test_pipeline_errors(tiny_train_setup, tmp_path):
@@ -61,4 +45,4 @@ def test_pp2_cp2_equals_single_process(tiny_train_setup, tmp_path):
     """DualPipeV with context parallelism."""
     config, data = tiny_train_setup
     single = run_train(pp_args(config, data, tmp_path / "single"))
-    check_against(single, run_ranks(4, run_train, pp_args(config, data, tmp_path / "pp2cp2", pp=2, cp=2)))
+    assert_matches_single(single, run_ranks(4, run_train, pp_args(config, data, tmp_path / "pp2cp2", pp=2, cp=2)))
