@@ -133,7 +133,7 @@ class Attention(nn.Module):
     def forward(self, x_BSH, cos, sin, mask_BSK=None):
         """mask_BSK None: plain causal over these S tokens (SDPA's causal fast path). Otherwise x holds this rank's
         split_for_cp part of each sequence: K and V of the whole sequence (K = S * cp) are gathered over the cp
-        group and this rank's queries attend to them under mask_BSK (core.context.cp_attention_mask)."""
+        group and this rank's queries attend to them under mask_BSK (a core.context.CPMask: flex_attention on CUDA)."""
         B, S, _ = x_BSH.shape
         q_BNSD = self.q_norm(self.q_proj(x_BSH).view(B, S, self.N, self.D)).transpose(1, 2)
         k_BGSD = self.k_norm(self.k_proj(x_BSH).view(B, S, self.G, self.D)).transpose(1, 2)
@@ -313,7 +313,7 @@ class Model(nn.Module):
 
         With a cp group and cp_split, a micro-batch holds this rank's split_for_cp part of each sequence (S =
         seq_len / cp): keys and values are gathered over the cp group and masked causally by global position
-        [1, S, S * cp]. No document mask for packed sequences: Qwen3 in transformers attends across documents.
+        (CPMask, S x S * cp). No document mask for packed sequences: Qwen3 in transformers attends across documents.
         cp_split=False: whole sequences, computed by every cp rank alone (generation, evaluation)."""
         B, S = position_ids_BS.shape
         cp, cp_rank = (1, 0) if self.cp_group is None or not cp_split else \
