@@ -136,14 +136,20 @@ class CPMask:
             self._cache["dense"] = attention_mask(self.q_pos_S, k_pos_K, self.window, self.q_doc_BS, self.k_doc_BK)
         return self._cache["dense"]
 
-    def mask_mod(self, b, h, q_idx, kv_idx):
-        """flex_attention's mask function: the rule of attention_mask, one (query, key) index pair at a time."""
-        i = self.q_pos_S[q_idx]
-        visible = kv_idx <= i
-        if self.window is not None:
-            visible = visible & (kv_idx > i - self.window)
-        if self.q_doc_BS is not None:
-            visible = visible & (self.q_doc_BS[b, q_idx] == self.k_doc_BK[b, kv_idx])
+    def mask_mod(self):
+        """flex_attention's mask function: the rule of attention_mask, one (query, key) index pair at a time (a
+        closure over tensors, which torch.compile takes as graph inputs: a new mask does not recompile)."""
+        q_pos_S, window, q_doc_BS, k_doc_BK = self.q_pos_S, self.window, self.q_doc_BS, self.k_doc_BK
+
+        def visible(b, h, q_idx, kv_idx):
+            i = q_pos_S[q_idx]
+            ok = kv_idx <= i
+            if window is not None:
+                ok = ok & (kv_idx > i - window)
+            if q_doc_BS is not None:
+                ok = ok & (q_doc_BS[b, q_idx] == k_doc_BK[b, kv_idx])
+            return ok
+
         return visible
 
     def block_kinds(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,7 +195,7 @@ class CPMask:
 
             partial, full = self.block_kinds(block)
             self._cache[("block", block)] = BlockMask.from_kv_blocks(
-                *table(partial), *table(full), BLOCK_SIZE=block, mask_mod=self.mask_mod,
+                *table(partial), *table(full), BLOCK_SIZE=block, mask_mod=self.mask_mod(),
                 seq_lengths=(self.q_pos_S.numel(), self.seq_len))
         return self._cache[("block", block)]
 
