@@ -165,7 +165,7 @@ class CPMask:
             x_BL = torch.cat([x_BL, x_BL[..., -1:].expand(*x_BL.shape[:-1], pad)], -1).unflatten(-1, (-1, block))
             return x_BL.amin(-1), x_BL.amax(-1)
 
-        def padded(length):  # [blocks]: the block reaches past the end (never full: flex masks the padding)
+        def padded(length):  # [blocks]: reaches past the end; never full, so that the padding meets mask_mod
             return torch.arange(0, length, block, device=dev) + block > length
 
         q_lo, q_hi = ranges(self.q_pos_S.long())
