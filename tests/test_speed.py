@@ -2,6 +2,9 @@
 dense parts. Tests marked `gpu` run the CUDA paths (tools/gpu_check.py); without CUDA they are skipped."""
 
 import copy
+import json
+import os
+import subprocess
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch.nn.functional as F
 from core import fp8
 from core.moe import GROUPED_MM, grouped_mm_fused, grouped_mm_ref
 from recipes.qwen3_30b_a3b.model import Model, ModelConfig, compile_dense_parts, enable_fp8
+from tests.multiproc import run_ranks
 from tests.test_train import run_train, train_args
 
 TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
@@ -277,5 +281,47 @@ def test_gpu_check_plan_fits_an_h200():
 
     layers = gpu_check.layers_that_fit(139 * 2**30, seq_len=4096, micro_batch=2)
     assert 4 <= layers <= 12  # ~10 GB of weights, grads and Adam state per full-width layer
-    assert [name for name, _, _ in gpu_check.plan(layers, 5)][0] == "gpu tests"
-    assert sum(share for _, _, share in gpu_check.plan(layers, 5)) == pytest.approx(1.0)
+    for gpus in (0, 1, 2):
+        parts = gpu_check.plan(layers, 5, gpus)
+        assert sum(share for _, _, share in parts) == pytest.approx(1.0)
+        assert [name for name, _, _ in parts][0] == ("gpu tests" if gpus else "layouts: one process (reference)")
+        assert sum("layouts:" in name for name, _, _ in parts) == (0 if gpus == 1 else 4)
+
+
+def profiled_ep2_step(config):
+    from tools import gpu_check
+
+    flags = ["--config", str(config), "--seq-len", "64", "--global-batch", "8", "--micro-batch", "2", "--dtype",
+             "bf16", "--ep", "2"]
+    return gpu_check.profile_training(flags, "cpu")
+
+
+def test_gpu_check_profile_shares_on_a_cpu_trace(tiny_train_setup):
+    """tools/gpu_check's profile on CPU, ep=2 over 2 gloo ranks, bf16 autocast: every category the GPU table
+    reports is found in the trace (expert GEMMs, attention, all-to-all, weight casts under autocast), and the
+    categories plus idle account for the step (ops' own times on one thread add up to the step)."""
+    config, _ = tiny_train_setup
+    for res in run_ranks(2, profiled_ep2_step, config):
+        share = res["share"]
+        assert res["device"] == "cpu" and res["step_ms"] > 0
+        for category in ("expert GEMMs", "attention", "all-to-all", "weight casts", "other compute"):
+            assert share[category] > 0.001, (category, share)
+        assert 0.9 <= sum(share.values()) <= 1.1, share
+
+
+def test_gpu_check_layout_parity_on_gloo(tmp_path):
+    """The reduced CPU form runs the plan's own commands: the one-process reference and ep=2 under torchrun on
+    gloo; ep=2's losses equal the reference's, and a perturbed loss is reported as a failure."""
+    from tools import gpu_check
+
+    parts = {name: cmd for name, cmd, _ in gpu_check.plan(2, 2, gpus=0)}
+    results = []
+    for name in ("layouts: one process (reference)", "layouts: ep=2 on gloo"):
+        out = tmp_path / f"{len(results)}.jsonl"
+        subprocess.run([*parts[name], "--json", str(out)], cwd=gpu_check.ROOT, check=True, capture_output=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+        results.append(json.loads(out.read_text()))
+    (row,) = gpu_check.layout_parity(results, tol=1e-5)
+    assert row[0] == "layout --ep 2 vs one process: losses" and row[1] == "ok", row
+    results[1]["losses"][-1] *= 1 + 1e-4
+    assert gpu_check.layout_parity(results, tol=1e-5)[0][1] == "FAILED"

@@ -61,13 +61,15 @@ def plan(layers: int, steps: int, gpus: int = 1) -> list[tuple[str, list[str], f
             "--steps", "3", "--warmup", "0", "--dtype", "fp32", "--no-compile", "--device", dev]
     profile = [py, "-m", "tools.gpu_check", "--profile", "--device", dev, "--dtype", "bf16"]
     layouts = [("layouts: one process (reference)", [py, *tiny], 0.04)] + \
-        [(f"layouts: {name} on {'NCCL' if gpus else 'gloo'}", [*torchrun, *tiny, *flags], 0.06) for name, flags in LAYOUTS]
+        [(f"layouts: {name} on {'NCCL' if gpus else 'gloo'}", [*torchrun, *tiny, *flags], 0.06) for name, flags in LAYOUTS] + \
+        [("profile: bf16 step, tiny, ep=2", [*torchrun, *profile[1:], "--ep", "2"], 0.06)]
     bench = [py, "-m", "tools.bench", "--size", "wide", "--layers", str(layers), "--steps", str(steps), "--warmup", "2"]
     gpu_parts = [("gpu tests", [py, "-m", "pytest", "-q", "-m", "gpu", "tests/"], 0.22),
                  ("kernel micro-benchmarks", [py, "-m", "tools.bench_kernels"], 0.06),
                  (f"bench wide x{layers} bf16 + compile vs transformers", [*bench, "--vs-hf"], 0.26),
                  (f"bench wide x{layers} fp8 + compile", [*bench, "--fp8"], 0.16),
-                 (f"profile: bf16 step, wide x{layers}", [*profile, "--config-size", "wide", "--layers", str(layers)], 0.08)]
+                 (f"profile: bf16 step, wide x{layers}, eager", [*profile, "--config-size", "wide", "--layers", str(layers),
+                                                                  "--no-compile"], 0.08)]
     parts = [*layouts, ("profile: bf16 step, tiny", profile, 0.18)] if not gpus else \
         gpu_parts + (layouts if gpus >= 2 else [])
     total = sum(share for _, _, share in parts)
@@ -233,7 +235,8 @@ def main(argv=None):
         return profile_main([a for a in argv if a != "--profile"])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="print the plan and collect the GPU tests; run nothing else")
-    p.add_argument("--budget", type=float, default=470.0, help="seconds for everything (the target is < 8 min)")
+    p.add_argument("--budget", type=float, default=0.0,
+                   help="seconds for everything (default 470 with one GPU or none, 600 with two or more)")
     p.add_argument("--layers", type=int, default=0, help="decoder layers of the benchmarks (0: as many as fit)")
     p.add_argument("--steps", type=int, default=5, help="measured steps per benchmark")
     args = p.parse_args(argv)
@@ -244,6 +247,7 @@ def main(argv=None):
     device = f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else "CPU (no CUDA: reduced form)"
     print(f"gpu_check: {device}, torch {torch.__version__}, {gpu_bytes / 2**30:.0f} GiB -> {layers} layers", flush=True)
     steps = plan(layers, args.steps, gpus)
+    args.budget = args.budget or (600.0 if gpus >= 2 else 470.0)
     if args.dry_run:
         for gpu_count in (1, 2):
             print(f"plan with {gpu_count} GPU(s):")
