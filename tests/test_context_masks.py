@@ -133,7 +133,7 @@ def test_flex_forward_matches_reference_for_every_mask_kind():
                 worst[(name, cp)] = max(worst.get((name, cp), 0.0), rel_err(out, ref))
                 if name == "docs_window_sinks_gqa" and rank == cp - 1:
                     pos = rank_positions(L, rank, cp)
-                    visible = lambda b, s, j: pos[s] - window < j <= pos[s] and doc_BK[b, pos[s]] == doc_BK[b, j]
+                    visible = lambda b, s, j, pos=pos, w=window, doc=doc_BK: pos[s] - w < j <= pos[s] and doc[b, pos[s]] == doc[b, j]
                     worst[("loop", cp)] = rel_err(out, naive_attention(q, k, v, 0.3, visible, sink))
         latent_k, latent_v = torch.randn(B, 4, L, 12, generator=g), torch.randn(B, 4, L, 6, generator=g)
         q = torch.randn(B, 4, L // cp, 12, generator=g)

@@ -22,7 +22,6 @@ from core.kernels.swiglu import gptoss_swiglu, swiglu
 from core.metrics import peak_flops_and_source
 
 
-
 def bench_ms(fn, iters: int, cuda: bool) -> float:
     if cuda:
         import triton.testing
