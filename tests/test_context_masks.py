@@ -31,7 +31,8 @@ def loop_mask(seq_len, rank, cp, window, doc_BK) -> torch.Tensor:
     for b in range(B):
         for s, i in enumerate(pos):
             for j in range(seq_len):
-                m[b, s, j] = j <= i and (window is None or i - j < window) and (doc_BK is None or doc_BK[b][i] == doc_BK[b][j])
+                same_doc = doc_BK is None or doc_BK[b][i] == doc_BK[b][j]
+                m[b, s, j] = j <= i and (window is None or i - j < window) and same_doc
     return m
 
 
@@ -57,7 +58,8 @@ def effective_mask(mask: CPMask, block: int) -> torch.Tensor:
         bb = min(b, bm.kv_num_blocks.shape[0] - 1)
         for qb in range(bm.kv_num_blocks.shape[2]):
             rows = torch.arange(qb * block, min((qb + 1) * block, S))
-            for full, num, idx in ((False, bm.kv_num_blocks, bm.kv_indices), (True, bm.full_kv_num_blocks, bm.full_kv_indices)):
+            for full, num, idx in ((False, bm.kv_num_blocks, bm.kv_indices),
+                                   (True, bm.full_kv_num_blocks, bm.full_kv_indices)):
                 for kb in idx[bb, 0, qb, :num[bb, 0, qb]].tolist():
                     cols = torch.arange(kb * block, min((kb + 1) * block, K))
                     seen = True if full else mod(torch.tensor(b), torch.tensor(0), rows[:, None], cols[None])
@@ -66,7 +68,8 @@ def effective_mask(mask: CPMask, block: int) -> torch.Tensor:
     return out
 
 
-CASES = [(seq_len, window, docs) for seq_len in (16, 48) for window in (None, 1, 3, 6, 13, 64) for docs in (False, True)]
+CASES = [(seq_len, window, docs) for seq_len in (16, 48) for window in (None, 1, 3, 6, 13, 64)
+         for docs in (False, True)]
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -133,7 +136,8 @@ def test_flex_forward_matches_reference_for_every_mask_kind():
                 worst[(name, cp)] = max(worst.get((name, cp), 0.0), rel_err(out, ref))
                 if name == "docs_window_sinks_gqa" and rank == cp - 1:
                     pos = rank_positions(L, rank, cp)
-                    visible = lambda b, s, j, pos=pos, w=window, doc=doc_BK: pos[s] - w < j <= pos[s] and doc[b, pos[s]] == doc[b, j]
+                    def visible(b, s, j, pos=pos, w=window, doc=doc_BK):
+                        return pos[s] - w < j <= pos[s] and doc[b, pos[s]] == doc[b, j]
                     worst[("loop", cp)] = rel_err(out, naive_attention(q, k, v, 0.3, visible, sink))
         latent_k, latent_v = torch.randn(B, 4, L, 12, generator=g), torch.randn(B, 4, L, 6, generator=g)
         q = torch.randn(B, 4, L // cp, 12, generator=g)
@@ -199,7 +203,8 @@ def saved_bytes(fn, *inputs) -> int:
 def test_gpu_path_mask_memory_does_not_grow_with_s_times_k():
     """At cp=2 with documents and a window, the GPU path's mask (block tables of 128 x 128 blocks) never creates
     a tensor of S x K elements: at 8k and 32k tokens its largest tensors are per token ([B, K] document ids) or the
-    [B, S/128, K/128] table, 1/16384 of S x K. The reference saves [B, N, S, K] logits and probabilities: 4x the bytes for 2x the tokens."""
+    [B, S/128, K/128] table, 1/16384 of S x K. The reference saves [B, N, S, K] logits and probabilities: 4x the
+    bytes for 2x the tokens."""
     sizes = {}
     for seq_len in (8192, 32768):
         doc_BK = torch.arange(seq_len).div(3000, rounding_mode="floor").expand(B, -1).contiguous()

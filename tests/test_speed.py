@@ -203,7 +203,8 @@ def test_gpu_fp8_matches_an_emulation():
     both gradients (dgrad in FP8 over the weight's other dim, wgrad in high precision). No CPU _scaled_mm needed."""
     g = torch.Generator().manual_seed(0)
     counts = torch.tensor([0, 37, 0, 129, 5, 0, 300, 1])
-    x, w = torch.randn(int(counts.sum()), 256, generator=g).cuda(), (torch.randn(8, 256, 384, generator=g) * 0.05).cuda()
+    x = torch.randn(int(counts.sum()), 256, generator=g).cuda()
+    w = (torch.randn(8, 256, 384, generator=g) * 0.05).cuda()
     x2, w2 = torch.randn(200, 256, generator=g).cuda(), (torch.randn(512, 256, generator=g) * 0.05).cuda()
     dy2, dy = torch.randn(200, 512, generator=g).cuda(), torch.randn(int(counts.sum()), 384, generator=g).cuda()
     xb, wb, x2b, w2b = x.bfloat16(), w.bfloat16(), x2.bfloat16(), w2.bfloat16()
@@ -306,7 +307,7 @@ def test_gpu_check_profile_shares_on_a_cpu_trace(tiny_train_setup):
         assert res["device"] == "cpu" and res["step_ms"] > 0
         for category in ("expert GEMMs", "attention", "all-to-all", "weight casts", "other compute"):
             assert share[category] > 0.001, (category, share)
-        assert 0.9 <= sum(share.values()) <= 1.1, share
+        assert 0.97 <= sum(share.values()) <= 1.03, share
 
 
 def test_gpu_check_layout_parity_on_gloo(tmp_path):

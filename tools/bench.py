@@ -262,7 +262,8 @@ def main(argv=None) -> dict:
                     "no grouped GEMM call (per-expert modules)")
             print(f"transformers' expert GEMMs: {gemm}; ours: {result['precision']}")
             if not result["same_precision"]:
-                print("WARNING: transformers' experts ran in another precision than ours: the ratio compares unlike runs")
+                print("WARNING: transformers' experts ran in another precision than ours: the ratio compares "
+                      "unlike runs")
             print(f"ours / transformers tokens/s: {result['ratio_vs_hf']:.2f}x")
         if args.json:
             with open(args.json, "a") as f:

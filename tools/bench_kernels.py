@@ -61,8 +61,8 @@ def main(argv=None):
     copy_gbs = 2 * big.numel() / bench_ms(big.clone, args.iters, cuda) / 1e6
     del big
     peak, peak_source = peak_flops_and_source(torch.device(dev))
-    print(f"device {torch.cuda.get_device_name() if cuda else 'cpu'}  dtype {args.dtype}  copy bandwidth {copy_gbs:.0f} GB/s"
-          f"  peak {peak / 1e12:.0f} TFLOP/s ({peak_source})")
+    print(f"device {torch.cuda.get_device_name() if cuda else 'cpu'}  dtype {args.dtype}  "
+          f"copy bandwidth {copy_gbs:.0f} GB/s  peak {peak / 1e12:.0f} TFLOP/s ({peak_source})")
     if not cuda:
         print("note: no GPU, so the Triton kernels are not timed (the interpreter is not a benchmark); eager only")
     print(f"{'kernel':<40} {'impl':<7} {'ms':>9} {'GB/s':>8} {'of copy':>8}")

@@ -61,15 +61,16 @@ def plan(layers: int, steps: int, gpus: int = 1) -> list[tuple[str, list[str], f
             "--steps", "3", "--warmup", "0", "--dtype", "fp32", "--no-compile", "--device", dev]
     profile = [py, "-m", "tools.gpu_check", "--profile", "--device", dev, "--dtype", "bf16"]
     layouts = [("layouts: one process (reference)", [py, *tiny], 0.04)] + \
-        [(f"layouts: {name} on {'NCCL' if gpus else 'gloo'}", [*torchrun, *tiny, *flags], 0.06) for name, flags in LAYOUTS] + \
+        [(f"layouts: {name} on {'NCCL' if gpus else 'gloo'}", [*torchrun, *tiny, *flags], 0.06)
+         for name, flags in LAYOUTS] + \
         [("profile: bf16 step, tiny, ep=2", [*torchrun, *profile[1:], "--ep", "2"], 0.06)]
     bench = [py, "-m", "tools.bench", "--size", "wide", "--layers", str(layers), "--steps", str(steps), "--warmup", "2"]
     gpu_parts = [("gpu tests", [py, "-m", "pytest", "-q", "-m", "gpu", "tests/"], 0.22),
                  ("kernel micro-benchmarks", [py, "-m", "tools.bench_kernels"], 0.06),
                  (f"bench wide x{layers} bf16 + compile vs transformers", [*bench, "--vs-hf"], 0.26),
                  (f"bench wide x{layers} fp8 + compile", [*bench, "--fp8"], 0.16),
-                 (f"profile: bf16 step, wide x{layers}, eager", [*profile, "--config-size", "wide", "--layers", str(layers),
-                                                                  "--no-compile"], 0.08)]
+                 (f"profile: bf16 step, wide x{layers}, eager",
+                  [*profile, "--config-size", "wide", "--layers", str(layers), "--no-compile"], 0.08)]
     parts = [*layouts, ("profile: bf16 step, tiny", profile, 0.18)] if not gpus else \
         gpu_parts + (layouts if gpus >= 2 else [])
     total = sum(share for _, _, share in parts)
@@ -127,7 +128,9 @@ def step_shares(events, param_shapes: set) -> dict:
         raise ValueError("no ProfilerStep in the trace: profile at least one step with a schedule")
     t0, t1 = steps[-1].time_range.start, steps[-1].time_range.end
     inside = [e for e in events if t0 <= e.time_range.start < t1 and not e.name.startswith("ProfilerStep")]
-    cpu_ops = [e for e in inside if e.device_type == DeviceType.CPU]
+    # async CPU events (a collective that completes on another thread, the optimizer step the step boundary cuts)
+    # span time the thread spends elsewhere: left out of both the shares and the busy time
+    cpu_ops = [e for e in inside if e.device_type == DeviceType.CPU and not e.is_async]
     kernels = [e for e in inside if e.device_type == DeviceType.CUDA]
     fwd_category = {}  # sequence number of a forward op -> category, for its backward
     for e in cpu_ops:
@@ -138,13 +141,13 @@ def step_shares(events, param_shapes: set) -> dict:
     if kernels:
         launcher = {e.id: e for e in events if e.device_type == DeviceType.CPU}
         for k in kernels:
-            ms[_category(launcher.get(k.linked_correlation_id), param_shapes, fwd_category)] += k.time_range.elapsed_us() / 1e3
+            category = _category(launcher.get(k.linked_correlation_id), param_shapes, fwd_category)
+            ms[category] += k.time_range.elapsed_us() / 1e3
         busy = _union_us((k.time_range.start, k.time_range.end) for k in kernels)
     else:
         for e in cpu_ops:
             ms[_category(e, param_shapes, fwd_category)] += e.self_cpu_time_total / 1e3
-        top = [e for e in cpu_ops if e.cpu_parent is None or e.cpu_parent.name.startswith("ProfilerStep")]
-        busy = _union_us((e.time_range.start, e.time_range.end) for e in top)
+        busy = _union_us((e.time_range.start, e.time_range.end) for e in cpu_ops)
     step_ms = (t1 - t0) / 1e3
     ms["idle"] = max(0.0, step_ms - busy / 1e3)
     return {"device": "cuda" if kernels else "cpu", "step_ms": step_ms,
@@ -200,8 +203,8 @@ def profile_main(argv: list[str]) -> int:
             flags = ["--config", str(Path(tmp) / "config.json"), "--seq-len", "4096", "--global-batch", "4",
                      "--micro-batch", "2", *flags]
         else:
-            flags = ["--config", str(tiny_config_path()), "--seq-len", "128", "--global-batch", "8", "--micro-batch", "2",
-                     *flags]
+            flags = ["--config", str(tiny_config_path()), "--seq-len", "128", "--global-batch", "8",
+                     "--micro-batch", "2", *flags]
         res = profile_training(flags, args.device)
     if int(os.environ.get("RANK", "0")) == 0:
         print_shares(res)
