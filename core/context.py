@@ -267,7 +267,7 @@ def flex_attend(q_BNSD, k_BGKD, v_BGKE, mask: CPMask, scale=None, sinks_N=None, 
     eager elsewhere (forward only, unfused: for tests). Under autocast it runs in the autocast dtype, like SDPA.
     Returns [B, N, S, E]."""
     global _compiled_flex
-    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention  # torch >= 2.9
 
     dev = q_BNSD.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q_BNSD.dtype
