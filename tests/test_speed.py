@@ -319,8 +319,9 @@ def test_gpu_check_layout_parity_on_gloo(tmp_path):
     results = []
     for name in ("layouts: one process (reference)", "layouts: ep=2 on gloo"):
         out = tmp_path / f"{len(results)}.jsonl"
-        subprocess.run([*parts[name], "--json", str(out)], cwd=gpu_check.ROOT, check=True, capture_output=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+        r = subprocess.run([*parts[name], "--json", str(out)], cwd=gpu_check.ROOT, capture_output=True, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+        assert r.returncode == 0, (name, r.stdout[-2000:], r.stderr[-2000:])
         results.append(json.loads(out.read_text()))
     (row,) = gpu_check.layout_parity(results, tol=1e-5)
     assert row[0] == "layout --ep 2 vs one process: losses" and row[1] == "ok", row
