@@ -6,7 +6,9 @@ per world size runs all of that world's checks."""
 
 import contextlib
 import os
+import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -138,32 +140,53 @@ def count_host_syncs():
                 setattr(owner, name, own)
 
 
-def qwen3_layer_checks(ep_group):
-    """One Qwen3 MoE layer whose router masks random slots (0..k kept per token): host syncs of its forward and
-    backward, and its expert load (take_expert_load) against the kept slots counted here."""
+@contextlib.contextmanager
+def cuda_sync_warnings():
+    """The synchronizing CUDA calls made inside the block, as torch.cuda.set_sync_debug_mode reports them."""
+    calls = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield calls
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            calls += [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
+def qwen3_layer_checks(ep_group, device="cpu", counter=count_host_syncs):
+    """One Qwen3 MoE layer whose router masks slots (0..k kept per token), on CUDA under bf16 autocast: the host
+    syncs of its forward and backward (after one uncounted warm-up), and its expert load (take_expert_load)
+    against the kept slots counted here."""
     cfg = ModelConfig(**{k: v for k, v in TINY_TRAIN_CONFIG.items() if k != "model_type"})
     torch.manual_seed(0)
-    model = Model(cfg, layers=[0], embed=False, head=False, ep_group=ep_group)
-    model.set_positions(torch.arange(16).expand(2, 16))
-    gate, routed = model.layers["0"].mlp.gate, []
-    forward = gate.forward
-
-    g = torch.Generator().manual_seed(0 if ep_group is None else dist.get_rank())
+    model = Model(cfg, layers=[0], embed=False, head=False, ep_group=ep_group).to(device)
+    model.set_positions(torch.arange(16, device=device).expand(2, 16))
+    layer, routed = model.layers["0"], []
+    forward = layer.mlp.gate.forward
 
     def masking_router(x_TH):
         logits, weights, ids = forward(x_TH)
-        routed.append(ids.masked_fill(torch.rand(ids.shape, generator=g) < 0.4, -1))
+        routed.append(ids.masked_fill(torch.arange(ids.numel(), device=device).view_as(ids) % 5 % 4 == 0, -1))
         return logits, weights, routed[-1]
-    gate.forward = masking_router
-    x = torch.randn(2, 16, cfg.hidden_size, generator=g, requires_grad=True)
-    with count_host_syncs() as forward_syncs:
-        h, aux = model.layers["0"]([x, torch.zeros(2, cfg.num_experts)])
-    with count_host_syncs() as backward_syncs:
-        (h.pow(2).sum() + aux.sum()).backward()
-    kept = routed[0][routed[0] >= 0]
-    return {"syncs": (forward_syncs, backward_syncs), "load": model.take_expert_load()[0].tolist(),
+    layer.mlp.gate.forward = masking_router
+    g = torch.Generator().manual_seed(0 if ep_group is None else dist.get_rank())
+
+    def run(forward_counter, backward_counter):
+        x = torch.randn(2, 16, cfg.hidden_size, generator=g).to(device).requires_grad_()
+        with torch.autocast(device, torch.bfloat16, enabled=device == "cuda"), forward_counter as forward_syncs:
+            h, aux = layer([x, torch.zeros(2, cfg.num_experts, device=device)])
+        with backward_counter as backward_syncs:
+            (h.float().pow(2).sum() + aux.sum()).backward()
+        return forward_syncs, backward_syncs
+
+    run(contextlib.nullcontext(), contextlib.nullcontext())  # warm-up: kernels compile, caches fill
+    model.take_expert_load()
+    syncs = run(counter(), counter())
+    kept = routed[-1][routed[-1] >= 0]
+    return {"syncs": syncs, "load": model.take_expert_load()[0].tolist(),
             "kept load": torch.bincount(kept, minlength=cfg.num_experts).float().tolist(),
-            "slots": routed[0].numel(), "kept": kept.numel()}
+            "slots": routed[-1].numel(), "kept": kept.numel()}
 
 
 # ------------------------------------------------------------------------------------------- workers
@@ -232,6 +255,13 @@ def test_one_process():
     q = qwen3_layer_checks(None)
     assert q["load"] == q["kept load"] and 0 < q["kept"] < q["slots"], q
     assert q["syncs"] == (["tolist"], []), q["syncs"]  # one host sync: the plan's sizes; none in the backward
+
+
+@pytest.mark.gpu
+def test_gpu_one_sync_per_layer():
+    q = qwen3_layer_checks(None, "cuda", cuda_sync_warnings)
+    assert q["load"] == q["kept load"], q
+    assert [len(s) for s in q["syncs"]] == [1, 0], q["syncs"]
 
 
 def test_world_2_ep2_and_pp2():
