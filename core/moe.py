@@ -189,7 +189,8 @@ class DispatchPlan:
         dest_Tk = torch.where(keep_Tk, ids_Tk // L, n)  # rank n: nowhere (a masked slot)
         goes_TN = torch.zeros(T, n + 1, dtype=torch.bool, device=ids_Tk.device).scatter_(1, dest_Tk, True)[:, :n]
         # per destination: rows (tokens), (token, expert) pairs, and this rank's out-of-range ids
-        header_N3 = torch.stack([goes_TN.sum(0), expert_counts(dest_Tk, n), (~keep_Tk & (ids_Tk >= 0)).sum().expand(n)], 1)
+        bad = (~keep_Tk & (ids_Tk >= 0)).sum()
+        header_N3 = torch.stack([goes_TN.sum(0), expert_counts(dest_Tk, n), bad.expand(n)], 1)
         if group is None:
             recv_N3 = header_N3
         else:

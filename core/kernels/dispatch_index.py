@@ -34,7 +34,7 @@ def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts.scatter_add_(0, slot_N, torch.ones_like(slot_N))[:num_experts]
 
 
-def group_by_expert_ref(ids: torch.Tensor, num_experts: int, num_kept: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def group_by_expert_ref(ids: torch.Tensor, num_experts: int, num_kept: int | None = None):
     flat_N = ids.reshape(-1)
     keep_N = flat_N >= 0
     R = int(keep_N.sum()) if num_kept is None else num_kept
@@ -65,7 +65,7 @@ def _scatter_kernel(ids_ptr, base_ptr, order_ptr, N, E, BLOCK: tl.constexpr):
     tl.store(order_ptr + base + rank, offs.to(tl.int64), mask=keep)
 
 
-def group_by_expert(ids: torch.Tensor, num_experts: int, num_kept: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def group_by_expert(ids: torch.Tensor, num_experts: int, num_kept: int | None = None):
     """ids [Q, k] (or any shape) expert ids in [0, E), or < 0 for 'not here' -> (order [R] int64: flat indices of
     the kept pairs grouped by expert, stable; counts [E] int64: pairs per expert). num_kept: R, when the caller
     knows it (then no host sync, and the ids are trusted to be < E)."""
