@@ -5,6 +5,7 @@ the analytic count; inactive experts in ShardedAdamW; host syncs of one MoE laye
 per world size runs all of that world's checks."""
 
 import contextlib
+import itertools
 import os
 import warnings
 
@@ -294,20 +295,21 @@ def test_world_4_ep4_and_pp2_ep2():
 
 def test_grouped_weight_gradient_equals_the_loop():
     """dW = grouped_mm(x^T, dy, offs) (the transposed-A form) against a per-expert loop written here, with empty
-    experts (first, middle, last, all), fp32 and bf16, immediate and delayed (accumulated into an fp32 .grad)."""
+    experts (first, middle, last, all), fp32 and bf16, immediate and delayed (accumulated into an fp32 .grad);
+    rows of 16-byte multiples (torch's grouped GEMM) and not (the loop inside core)."""
     g = torch.Generator().manual_seed(5)
-    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+    for (dtype, tol), (Kd, N) in itertools.product(((torch.float32, 1e-6), (torch.bfloat16, 1e-2)), ((16, 24), (6, 10))):
         for counts in ([0, 5, 0, 9, 2, 0], [0] * 6, [16, 0, 0, 0, 0, 0]):
             counts = torch.tensor(counts)
-            x = torch.randn(int(counts.sum()), 16, generator=g).to(dtype)
-            dy = torch.randn(int(counts.sum()), 24, generator=g).to(dtype)
+            x = torch.randn(int(counts.sum()), Kd, generator=g).to(dtype)
+            dy = torch.randn(int(counts.sum()), N, generator=g).to(dtype)
             loop = torch.stack([x_e.double().T @ dy_e.double() for x_e, dy_e in
                                 zip(x.split(counts.tolist()), dy.split(counts.tolist()))])
             dw = grouped_weight_grad(x, dy, counts)
-            assert dw.dtype == dtype and dw.shape == (6, 16, 24)
+            assert dw.dtype == dtype and dw.shape == (6, Kd, N)
             assert rel_err(dw, loop) <= tol if loop.any() else not dw.any()
             assert not dw[counts == 0].any()
-            w = torch.nn.Parameter(torch.randn(6, 16, 24, generator=g))  # fp32 parameter, compute in dtype
+            w = torch.nn.Parameter(torch.randn(6, Kd, N, generator=g))  # fp32 parameter, compute in dtype
             for delayed in (False, True):
                 w.grad = None
                 weight_grads.enabled = delayed
