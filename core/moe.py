@@ -197,10 +197,11 @@ class DispatchPlan:
             recv_N3 = torch.empty_like(header_N3)
             dist.all_to_all_single(recv_N3, header_N3, group=group)
         sizes = torch.cat([header_N3[:, 0], recv_N3.flatten()]).tolist()  # the one host sync of the layer
-        self.send_splits, self.recv_splits = sizes[:n], sizes[n::3]
-        if sum(sizes[n + 2::3]):
+        self.send_splits, recv = sizes[:n], sizes[n:]
+        self.recv_splits, num_pairs, num_bad = recv[0::3], sum(recv[1::3]), sum(recv[2::3])
+        if num_bad:
             raise ValueError(f"router expert ids must be < num_experts={num_experts} (or negative for an empty "
-                             f"slot); {sum(sizes[n + 2::3])} ids in this ep group are not")
+                             f"slot); {num_bad} ids in this ep group are not")
         # rows crossing ranks: deduplicated (this plan) vs one row per kept (token, slot) (a naive dispatch)
         self.rows_moved = torch.stack([header_N3[:, 0].sum() - header_N3[me, 0], (keep_Tk & (dest_Tk != me)).sum()])
         traffic.rows = traffic.rows + self.rows_moved
@@ -213,7 +214,7 @@ class DispatchPlan:
         else:  # the local expert ids of every row (small, blocking)
             local_ids_Qk = local_ids_Pk.new_empty(sum(self.recv_splits), k)
             dist.all_to_all_single(local_ids_Qk, local_ids_Pk, self.recv_splits, self.send_splits, group=group)
-        self.order_R, self.counts_L = group_by_expert(local_ids_Qk, L, sum(sizes[n + 1::3]))  # Triton on GPU
+        self.order_R, self.counts_L = group_by_expert(local_ids_Qk, L, num_pairs)  # Triton on GPU
 
     def dispatch_payload(self, x_TH: torch.Tensor, topk_weights_Tk: torch.Tensor) -> torch.Tensor:
         """Each token once per destination rank, with its routing weights for that rank's experts: [P, X]."""

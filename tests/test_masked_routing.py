@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from core.mesh import build_mesh, destroy_mesh
-from core.moe import expert_matmul, grouped_weight_grad, moe_forward, weight_grads
+from core.moe import DispatchPlan, expert_matmul, grouped_weight_grad, moe_forward, weight_grads
 from core.optimizer import ReplicaSet, ShardedAdamW
 from recipes.qwen3_30b_a3b.model import Model, ModelConfig
 from tests import test_pipeline as toy
@@ -79,6 +79,10 @@ def core_checks(group) -> dict:
         expected = [sum(len({e // L for e in t if e >= 0} - {me}) for t in slots),
                     sum(e >= 0 and e // L != me for t in slots for e in t)]
         results[name] = (errors, rows.tolist(), expected)
+    bad_ids = torch.full((2, K), -1)
+    bad_ids[0, 0] = E if me == 0 else 0  # only rank 0's router is wrong: every rank stops, none waits
+    with pytest.raises(ValueError, match=f"expert ids must be < num_experts={E} .* 1 ids in this ep group are not"):
+        DispatchPlan(bad_ids, E, group)
     return results
 
 
