@@ -3,7 +3,8 @@
 A checkpoint is either one `model.safetensors` or shards listed by `model.safetensors.index.json`.
 Reading goes tensor by tensor through `safe_open`, so a pipeline stage or an expert shard never
 materialises the rest of the checkpoint. Each recipe's load/save functions map its own parameter
-names onto these readers and writers; nothing here knows about a model.
+names onto these readers and writers; nothing here knows about a model. Released checkpoints may store
+matrices in MXFP4 (OCP microscaling FP4: GPT-OSS experts); `dequantize_mxfp4` decodes that storage format.
 """
 
 import json
@@ -82,6 +83,21 @@ class CheckpointReader:
         self.names_read.append(name)
         handle = self._open(self.weight_map[name])
         return handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows]
+
+
+# FP4 E2M1 codes 0..15: sign bit 3, then 0, .5, 1, 1.5, 2, 3, 4, 6
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks_XG16: torch.Tensor, scales_XG: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """MXFP4 -> [..., G, 32]: each byte of blocks holds two FP4 E2M1 values (low nibble first), each group of
+    32 values shares one E8M0 scale byte s (a factor 2^(s - 127)). Exact in fp32 and bf16 (powers of two)."""
+    if blocks_XG16.dtype != torch.uint8 or scales_XG.dtype != torch.uint8 or blocks_XG16.shape[:-1] != scales_XG.shape:
+        raise ValueError(f"MXFP4 expects uint8 blocks [..., G, 16] and uint8 scales [..., G], got blocks "
+                         f"{list(blocks_XG16.shape)} {blocks_XG16.dtype} and scales {list(scales_XG.shape)} {scales_XG.dtype}")
+    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks_XG16.device)
+    codes = torch.stack([blocks_XG16 & 0x0F, blocks_XG16 >> 4], dim=-1).flatten(-2).long()  # [..., G, 32]
+    return torch.ldexp(lut[codes], scales_XG.int()[..., None] - 127)
 
 
 def write_hf_folder(path: str | os.PathLike, tensors: dict[str, torch.Tensor], config: dict,

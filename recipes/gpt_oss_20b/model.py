@@ -1,0 +1,567 @@
+"""GPT-OSS (GPT-OSS-20B): GQA attention with biases and a learned sink logit per head, layers alternating
+sliding-window and full attention, YaRN rope, a biased top-k router (softmax over the chosen experts only),
+experts with biases and a clamped SwiGLU on interleaved gate/up.
+
+Numerics follow transformers' `GptOssForCausalLM` (checked by tests/test_gpt_oss_parity.py). The released
+checkpoint stores the expert matrices in MXFP4 (`*_blocks` + `*_scales`); load_hf_checkpoint dequantises them
+per expert shard (core.hf_io.dequantize_mxfp4).
+
+Legend: B batch, S sequence, T = B*S tokens, H hidden, N query heads, G key/value heads, D head dim,
+V vocab, E experts (held by this rank), k experts per token, R = T*k routed rows, I expert ffn width,
+J = 2*I (gate and up interleaved: gate = [..., 0::2], up = [..., 1::2]), L layers.
+
+A Model may be partial: `layers` picks which decoder layers it holds (parameter names keep the global
+layer index, `layers.7.…`), `experts` which routed experts (a [lo, hi) range; with `ep_group` given, this
+rank's 1/ep of them, and tokens reach them through core/moe.py's all-to-all), `embed`/`head` whether it
+holds the embedding and the final norm + LM head. Checkpoint I/O then touches only those tensors.
+"""
+
+import json
+import math
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from core.context import CPMask, cp_attention, cp_attention_mask, cp_positions
+from core.fp8 import convert_linears, fp8_grouped_mm
+from core.hf_io import CheckpointReader, dequantize_mxfp4, read_hf_config, write_hf_folder
+from core.kernels.cross_entropy import linear_cross_entropy
+from core.kernels.swiglu import gptoss_swiglu
+from core.moe import expert_counts, expert_matmul, moe_forward
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 201088
+    hidden_size: int = 2880
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 8
+    head_dim: int = 64
+    num_experts: int = 32  # num_local_experts in the Hugging Face config
+    num_experts_per_tok: int = 4
+    intermediate_size: int = 2880  # expert ffn width
+    sliding_window: int = 128
+    layer_types: list[str] = field(default_factory=list)  # per layer: sliding_attention | full_attention
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 150000.0
+    rope_scaling: dict = field(default_factory=dict)  # {} = plain rope; yarn: factor, beta_fast, beta_slow, ...
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    router_aux_loss_coef: float = 0.9
+    initializer_range: float = 0.02
+    max_position_embeddings: int = 131072
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None  # kept only to write config.json back
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if not self.layer_types:  # transformers' default: sliding on even layers, full on odd ones
+            self.layer_types = [LAYER_TYPES[i % 2] for i in range(self.num_hidden_layers)]
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ValueError(f"layer_types must list {self.num_hidden_layers} entries of {LAYER_TYPES}, got "
+                             f"{self.layer_types}")
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window {self.sliding_window} must be >= 1")
+
+    @classmethod
+    def from_hf(cls, path) -> "ModelConfig":
+        """Read a Hugging Face GPT-OSS config.json (the file, or a checkpoint folder holding it): the released one
+        (rope_scaling, rope_theta at the top) or one transformers writes (rope_parameters)."""
+        hf = read_hf_config(path)
+        if hf.get("model_type") != "gpt_oss":
+            raise ValueError(f"{path}: model_type is {hf.get('model_type')!r}, this recipe reads 'gpt_oss' configs")
+        if hf.get("tie_word_embeddings"):
+            raise ValueError(f"{path}: tie_word_embeddings=true is not supported by this recipe (GPT-OSS is untied)")
+        if not hf.get("attention_bias", True):
+            raise ValueError(f"{path}: attention_bias=false is not supported (GPT-OSS attention has biases)")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 150000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "yarn"):
+            raise ValueError(f"{path}: rope_type {rope_type!r} is not supported (default or yarn)")
+        names = {f.name for f in cls.__dataclass_fields__.values()}
+        kwargs = {k: v for k, v in hf.items() if k in names}
+        kwargs["num_experts"] = hf.get("num_local_experts", hf.get("num_experts", cls.num_experts))
+        kwargs["rope_theta"], kwargs["rope_scaling"] = float(theta), rope if rope_type == "yarn" else {}
+        kwargs["sliding_window"] = hf.get("sliding_window") or cls.sliding_window
+        kwargs["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        return cls(**kwargs)
+
+    def to_hf(self) -> dict:
+        """The config.json that transformers needs to load an exported folder."""
+        hf = asdict(self)
+        hf["num_local_experts"] = hf.pop("num_experts")
+        hf["rope_parameters"] = {"rope_type": "default", **hf.pop("rope_scaling"), "rope_theta": hf.pop("rope_theta")}
+        return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_act": "silu",
+                "attention_bias": True, "tie_word_embeddings": False, "attention_dropout": 0.0, "dtype": "float32", **hf}
+
+    def window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+
+# ---------------------------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # normalise and scale in fp32, then cast (GPT-OSS keeps its norms in fp32)
+        x32 = x.float()
+        return (self.weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [D/2] and the factor on cos/sin: plain rope, or YaRN as transformers computes it
+    (frequencies blended between interpolated and extrapolated by a linear ramp over the correction range)."""
+    D, base, rs = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+    pos_freqs = base ** (torch.arange(0, D, 2, dtype=torch.float) / D)
+    if not rs:
+        return 1.0 / pos_freqs, 1.0
+    factor, orig = rs["factor"], rs["original_max_position_embeddings"]
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations):
+        return D * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rs.get("beta_fast") or 32), correction_dim(rs.get("beta_slow") or 1)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(D // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def rope_cos_sin(position_ids_BS: torch.Tensor, cfg: ModelConfig, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, S, D/2] (times the YaRN attention factor) at the given (global) positions."""
+    inv_freq, scale = rope_inv_freq(cfg)
+    freqs_BSd = position_ids_BS[..., None].float() * inv_freq.to(position_ids_BS.device)
+    return (freqs_BSd.cos() * scale).to(dtype)[:, None], (freqs_BSd.sin() * scale).to(dtype)[:, None]
+
+
+def apply_rope(x_BNSD, cos, sin):
+    x1, x2 = x_BNSD.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, cp_group=None):
+        super().__init__()
+        N, G, D, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.N, self.G, self.D, self.cp_group = N, G, D, cp_group
+        self.q_proj = nn.Linear(H, N * D)
+        self.k_proj = nn.Linear(H, G * D)
+        self.v_proj = nn.Linear(H, G * D)
+        self.o_proj = nn.Linear(N * D, H)
+        self.sinks = nn.Parameter(torch.empty(N))  # one logit per head in the softmax denominator, without a value
+
+    def forward(self, x_BSH, cos, sin, mask_BSK: CPMask):
+        """x holds this rank's split_for_cp part of each sequence (the whole sequence without cp): K and V of the
+        whole sequence (K = S * cp) are gathered over the cp group and this rank's queries attend to them under
+        mask_BSK (causal, sliding window on sliding layers; flex_attention on CUDA), with the sinks."""
+        B, S, _ = x_BSH.shape
+        q_BNSD = self.q_proj(x_BSH).view(B, S, self.N, self.D).transpose(1, 2)
+        k_BGSD = self.k_proj(x_BSH).view(B, S, self.G, self.D).transpose(1, 2)
+        v_BGSD = self.v_proj(x_BSH).view(B, S, self.G, self.D).transpose(1, 2)
+        q_BNSD, k_BGSD = apply_rope(q_BNSD, cos, sin), apply_rope(k_BGSD, cos, sin)
+        o_BNSD = cp_attention(q_BNSD, k_BGSD, v_BGSD, mask_BSK, self.cp_group, sinks_N=self.sinks)
+        return self.o_proj(o_BNSD.transpose(1, 2).reshape(B, S, self.N * self.D))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts))
+        # aux-loss-free balancing (core.moe.update_expert_bias): shifts which experts are chosen, not their weights
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+        self.k = cfg.num_experts_per_tok
+
+    def forward(self, x_TH):
+        """Top-k of the raw logits (plus the balancing bias), softmax over the k chosen logits (in fp32)."""
+        logits_TE = F.linear(x_TH, self.weight, self.bias)
+        ids_Tk = (logits_TE.float() + self.expert_bias).topk(self.k, dim=-1).indices
+        weights_Tk = logits_TE.gather(1, ids_Tk).softmax(dim=-1, dtype=torch.float32)
+        return logits_TE, weights_Tk.to(x_TH.dtype), ids_Tk
+
+
+class Experts(nn.Module):
+    """Routed experts [lo, hi) stacked for grouped GEMMs, in transformers' layout: gate_up_proj [E, H, J]
+    (gate and up interleaved), gate_up_proj_bias [E, J], down_proj [E, I, H], down_proj_bias [E, H]."""
+
+    def __init__(self, cfg: ModelConfig, lo: int, hi: int):
+        super().__init__()
+        self.lo, self.hi, self.alpha, self.limit = lo, hi, cfg.swiglu_alpha, cfg.swiglu_limit
+        E, H, I = hi - lo, cfg.hidden_size, cfg.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I))
+        self.down_proj = nn.Parameter(torch.empty(E, I, H))
+        self.down_proj_bias = nn.Parameter(torch.empty(E, H))
+        self.fp8 = False  # set by enable_fp8
+
+    def forward(self, rows_RH, counts_E):
+        mm = fp8_grouped_mm if self.fp8 else expert_matmul  # expert_matmul: weight gradient may be delayed
+        R = rows_RH.shape[0]
+        expert_R = torch.arange(counts_E.numel(), device=rows_RH.device).repeat_interleave(counts_E, output_size=R)
+        h_RJ = mm(rows_RH, self.gate_up_proj, counts_E)
+        h_RJ = h_RJ + self.gate_up_proj_bias[expert_R].to(h_RJ.dtype)
+        y_RH = mm(gptoss_swiglu(h_RJ, self.alpha, self.limit), self.down_proj, counts_E)  # Triton on GPU
+        return y_RH + self.down_proj_bias[expert_R].to(y_RH.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, experts: tuple[int, int], ep_group, cp_group):
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = Experts(cfg, *experts)
+        self.num_experts, self.k, self.ep_group, self.cp_group = cfg.num_experts, cfg.num_experts_per_tok, ep_group, cp_group
+        self.load_E = None  # (token, slot) pairs routed per expert since Model.take_expert_load
+
+    def route(self, x_TH, aux_2E):
+        """Router, plus this layer's share of the load-balancing loss statistics added to aux_2E: row 0 the summed
+        softmax probabilities (over all experts) per expert (differentiable), row 1 the top-k counts per expert of
+        the whole micro-batch (summed over the cp ranks, which hold the other tokens; no gradient). See
+        Model.aux_loss. load_E counts the routed slots actually taken. No host sync."""
+        logits_TE, weights_Tk, ids_Tk = self.router(x_TH)
+        probs_TE = logits_TE.softmax(dim=-1)
+        counts_E = expert_counts(probs_TE.topk(self.k, dim=-1).indices, self.num_experts).float()
+        if self.cp_group is not None:
+            dist.all_reduce(counts_E, group=self.cp_group)
+        load_E = expert_counts(ids_Tk, self.num_experts)
+        self.load_E = load_E if self.load_E is None else self.load_E + load_E
+        return weights_Tk, ids_Tk, aux_2E + torch.stack([probs_TE.float().sum(0), counts_E])
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer as the three compute steps that core/pipeline.py interleaves (its contract): (1)
+    `attention` (norms, attention, router), (3) `routed_experts`, (5) `finish` (residual add); the dispatch and
+    combine all-to-alls (2) and (4) run between them in core/moe.py. `state` is [hidden x_BSH, aux_2E]. `rope`
+    holds (cos, sin, attention mask) of the current micro-batch shape, set by Model.set_positions."""
+
+    moe = True  # every GPT-OSS layer has routed experts
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, experts: tuple[int, int], ep_group, cp_group=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, cp_group)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg, experts, ep_group, cp_group)
+        self.window = cfg.window(layer_id)
+        self.num_experts, self.ep_group = cfg.num_experts, ep_group
+        self.rope = None
+
+    def attention(self, state):  # (1)
+        x_BSH, aux_2E = state
+        h_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), *self.rope)
+        x_TH = self.post_attention_layernorm(h_BSH).flatten(0, 1)
+        weights_Tk, ids_Tk, aux_2E = self.mlp.route(x_TH, aux_2E)
+        return [h_BSH, aux_2E], x_TH, ids_Tk, weights_Tk
+
+    def routed_experts(self, rows_RH, counts_L):  # (3)
+        return self.mlp.experts(rows_RH, counts_L)
+
+    def finish(self, state, out_TH):  # (5)
+        h_BSH, aux_2E = state
+        return [h_BSH + out_TH.view_as(h_BSH), aux_2E]
+
+    def forward(self, state):
+        """The five steps back to back (the pipeline schedule runs them interleaved instead)."""
+        state, x_TH, ids_Tk, weights_Tk = self.attention(state)
+        out_TH, _ = moe_forward(x_TH, ids_Tk, weights_Tk, self.num_experts, self.ep_group, self.routed_experts)
+        return self.finish(state, out_TH)
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+
+@dataclass
+class TrainOutput:
+    loss_sum: torch.Tensor  # summed cross-entropy over this rank's non-ignored labels
+    aux_loss: torch.Tensor  # load-balancing loss (unscaled), as transformers' load_balancing_loss_func; with cp,
+    # this rank's part of the micro-batch's loss (the cp ranks' parts sum to it, see Model.aux_loss)
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, layers=None, experts: tuple[int, int] | None = None,
+                 embed: bool = True, head: bool = True, ep_group=None, cp_group=None):
+        super().__init__()
+        self.cfg, self.cp_group, self.ep_group = cfg, cp_group, ep_group
+        # drawn before any module exists (their constructors draw too): the same on every rank and layout
+        self.base_seed = int(torch.randint(0, 2**62, (), device="cpu"))
+        layer_ids = range(cfg.num_hidden_layers) if layers is None else layers
+        if ep_group is not None:
+            ep, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+            if cfg.num_experts % ep:
+                raise ValueError(f"{cfg.num_experts} experts cannot be split evenly over --ep {ep}; "
+                                 f"choose an ep that divides {cfg.num_experts}")
+            experts = (ep_rank * cfg.num_experts // ep, (ep_rank + 1) * cfg.num_experts // ep)
+        experts = (0, cfg.num_experts) if experts is None else experts
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, experts, ep_group, cp_group) for i in layer_ids})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """transformers' init: Normal(0, initializer_range) for every matrix, the sinks and the router bias, ones
+        for norms, zeros for the other biases. Each tensor (each expert of a stacked tensor) draws from a
+        generator seeded by the default generator and its name, so a partial model (pipeline stage, expert shard)
+        gets exactly its slice of the full model's weights. Seed the default generator the same on every rank."""
+        for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias") and not name.endswith("router.bias"):
+                p.zero_()
+            else:
+                lo = self.get_submodule(name.rsplit(".", 1)[0]).lo if ".experts." in name else None
+                for j, block in enumerate(p if lo is not None else [p]):
+                    key = name if lo is None else f"{name}.{lo + j}"
+                    gen = torch.Generator(p.device).manual_seed(self.base_seed ^ zlib.crc32(key.encode()))
+                    block.normal_(0.0, self.cfg.initializer_range, generator=gen)
+
+    def set_positions(self, position_ids_BS, cp_split: bool = True) -> None:
+        """Rope at these global positions, and the attention masks, for every layer, for micro-batches of this
+        shape. With a cp group and cp_split, a micro-batch holds this rank's split_for_cp part of each sequence
+        (S = seq_len / cp): keys and values are gathered over the cp group and masked by global position (CPMask,
+        S x S * cp): causal, and on sliding layers within the window, which may reach into other ranks' chunks.
+        No document mask for packed sequences: GPT-OSS in transformers attends across documents.
+        cp_split=False: whole sequences, computed by every cp rank alone (generation, evaluation)."""
+        B, S = position_ids_BS.shape
+        cp, cp_rank = (1, 0) if self.cp_group is None or not cp_split else \
+            (dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group))
+        dev = position_ids_BS.device
+        masks = {w: cp_attention_mask(S * cp, cp_rank, cp, window=w, device=dev)
+                 or CPMask(cp_positions(S, 0, 1, dev), S) for w in (None, self.cfg.sliding_window)}
+        cos, sin = rope_cos_sin(position_ids_BS, self.cfg, next(self.parameters()).dtype)
+        for layer in self.layers.values():
+            layer.rope = (cos, sin, masks[layer.window])
+
+    def default_positions(self, B: int, S: int, device, cp_split: bool = True):
+        """Positions 0..S-1, or with cp this rank's global positions of sequences of S * cp tokens."""
+        if self.cp_group is None or not cp_split:
+            return torch.arange(S, device=device).expand(B, S)
+        cp, cp_rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
+        return cp_positions(S * cp, cp_rank, cp, device).expand(B, S)
+
+    def trunk(self, input_ids_BS, position_ids_BS=None, cp_split: bool = True):
+        """Embedding + decoder layers + final norm: the hidden state [B, S, H] and the aux statistics [2, E]."""
+        B, S = input_ids_BS.shape
+        if position_ids_BS is None:
+            position_ids_BS = self.default_positions(B, S, input_ids_BS.device, cp_split)
+        self.set_positions(position_ids_BS, cp_split)
+        state = [self.embed_tokens(input_ids_BS), torch.zeros(2, self.cfg.num_experts, device=input_ids_BS.device)]
+        for layer in self.layers.values():
+            state = layer(state)
+        return self.norm(state[0]), state[1]
+
+    def forward(self, input_ids_BS, position_ids_BS=None):
+        """Logits [B, S, V] of the whole model, for whole sequences (each cp rank computes them all)."""
+        return self.lm_head(self.trunk(input_ids_BS, position_ids_BS, cp_split=False)[0])
+
+    def forward_train(self, input_ids_BS, labels_BS, position_ids_BS=None) -> TrainOutput:
+        h_BSH, aux_2E = self.trunk(input_ids_BS, position_ids_BS)
+        return TrainOutput(self.cross_entropy_sum(h_BSH, labels_BS), self.aux_loss(aux_2E, labels_BS.numel()))
+
+    def cross_entropy_sum(self, h_BSH, labels_BS):
+        """LM head + cross-entropy without the [T, V] logits (Triton on GPU), summed over labels != -100."""
+        h_TH, w_VH = h_BSH.flatten(0, 1), self.lm_head.weight
+        if torch.is_autocast_enabled(h_TH.device.type):  # autocast does not reach into the fused kernel
+            dtype = torch.get_autocast_dtype(h_TH.device.type)
+            h_TH, w_VH = h_TH.to(dtype), w_VH.to(dtype)
+        return linear_cross_entropy(h_TH, w_VH, labels_BS.flatten(), ignore_index=-100, reduction="sum")
+
+    def aux_loss(self, aux_2E, tokens: int):
+        """transformers' load_balancing_loss_func over all layers' tokens together: E * sum_e f_e * P_e, with
+        f_e = top-k slots of the router softmax routed to e / N and P_e = summed router probability of e / N,
+        N = layers x tokens of the micro-batch. aux_2E holds the sums (MoE.route). With cp, the counts cover the
+        whole micro-batch and the probabilities this rank's tokens only: the cp ranks' parts add up to the loss,
+        and each part's gradient is exactly the loss's gradient on that rank's tokens. Computed at the end, it
+        also works across pipeline stages, which carry aux_2E along with the hidden state."""
+        cfg = self.cfg
+        cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
+        return cfg.num_experts * (aux_2E[0] * aux_2E[1]).sum() / (cfg.num_hidden_layers * tokens * cp) ** 2
+
+    def take_expert_load(self) -> torch.Tensor:
+        """(token, slot) pairs per expert routed by this rank since the last call, [layers of the whole model, E]
+        with zero rows for layers held by other pipeline stages."""
+        device = next(self.parameters()).device
+        load_LE = torch.zeros(self.cfg.num_hidden_layers, self.cfg.num_experts, device=device)
+        for i, layer in self.layers.items():
+            if layer.mlp.load_E is not None:
+                load_LE[int(i)], layer.mlp.load_E = layer.mlp.load_E, None
+        return load_LE
+
+
+class PipelineStage:
+    """One pipeline stage over this rank's Model, as core/pipeline.py drives it: the embedding on the first
+    stage, a run of decoder layers, and the final norm, LM head and loss on the last. Before each step train.py
+    sets `input_ids` / `labels` (per micro-batch) and `loss_fn(cross_entropy_sum, aux_loss) -> loss`; the last
+    stage adds the micro-batches' (cross-entropy sum, aux loss) to `stats`."""
+
+    def __init__(self, model: Model, layer_ids, first: bool, last: bool):
+        self.model, self.first, self.last = model, first, last
+        self.layers = [model.layers[str(i)] for i in layer_ids]
+        self.input_ids = self.labels = self.loss_fn = None
+        self.stats = 0
+
+    def pre(self, inputs, mb):
+        if not self.first:
+            return inputs
+        ids_BS = self.input_ids[mb]
+        return [self.model.embed_tokens(ids_BS), torch.zeros(2, self.model.cfg.num_experts, device=ids_BS.device)]
+
+    def post(self, state, mb):
+        if not self.last:
+            return state
+        labels_BS = self.labels[mb]
+        ce = self.model.cross_entropy_sum(self.model.norm(state[0]), labels_BS)
+        aux = self.model.aux_loss(state[1], labels_BS.numel())
+        self.stats = self.stats + torch.stack([ce.detach(), aux.detach()])
+        return [self.loss_fn(ce, aux)]
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward): 6 x active matmul parameters (the k routed
+    experts, not all E; router and LM head included, embedding lookup and biases excluded), plus attention
+    scores and values, 12 * N * D per visible key (QK^T and AV, 2 flops each, x3) with the mean number of keys a
+    query sees: (S + 1) / 2 on full layers, w - w(w - 1) / 2S on sliding ones (window w < S)."""
+    H, N, G, D, S = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, seq_len
+    layer = H * (N + 2 * G) * D + N * D * H + cfg.num_experts_per_tok * 3 * H * cfg.intermediate_size + H * cfg.num_experts
+    keys = 0.0
+    for i in range(cfg.num_hidden_layers):
+        w = cfg.window(i)
+        keys += (S + 1) / 2 if w is None or w >= S else w - w * (w - 1) / (2 * S)
+    return 6 * (cfg.vocab_size * H + cfg.num_hidden_layers * layer) + 12 * N * D * keys
+
+
+# ------------------------------------------------------------------ speed switches (train.py --compile, --fp8)
+
+
+def compile_dense_parts(model: Model) -> None:
+    """torch.compile(fullgraph=True) the norms and the router of every decoder layer, in place (parameter names
+    unchanged). Left eager: attention (its core already runs as compiled flex_attention on CUDA, whose block
+    mask is built outside the graph), the routed experts and the dispatch/combine around them (row counts depend
+    on the routing, and the all-to-alls), the residual adds. One layer's graphs serve all layers."""
+    for layer in model.layers.values():
+        for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.router):
+            module.compile(fullgraph=True)
+
+
+def enable_fp8(model: Model) -> None:
+    """FP8 GEMMs (core/fp8.py) for the attention projections and routed experts, in place (biases added in high
+    precision). The embedding, router and LM head stay in high precision. Call core.fp8.CACHE.invalidate()
+    after every optimizer step (the FP8 weight copies are made once per step)."""
+    for layer in model.layers.values():
+        convert_linears(layer.self_attn)
+        layer.mlp.experts.fp8 = True
+
+
+# ------------------------------------------------------------------------------------ checkpoint I/O
+# Our names are transformers' names without the "model." prefix, the expert tensors included (same layout).
+# The released checkpoint replaces gate_up_proj / down_proj by MXFP4 `_blocks` [E, out, in/32, 16] and
+# `_scales` [E, out, in/32]; we dequantise them to [E, in, out].
+
+EXPERT_MATRICES = ("gate_up_proj", "down_proj")
+
+
+def _hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+@torch.no_grad()
+def load_hf_checkpoint(model: Model, path) -> list[str]:
+    """Fill `model` (possibly partial) from a Hugging Face safetensors folder, bf16/fp32 or the released MXFP4
+    layout; each expert shard reads (and dequantises) only its own experts. Returns the tensor names read."""
+    reader = CheckpointReader(path)
+    E = model.cfg.num_experts
+    for name, p in model.named_parameters():
+        hf = _hf_name(name)
+        if ".experts." not in name:
+            p.copy_(reader.get(hf, p.shape))
+            continue
+        rows = slice(model.get_submodule(name.rsplit(".", 1)[0]).lo, None)
+        rows = slice(rows.start, rows.start + p.shape[0])
+        if hf in reader or not name.endswith(EXPERT_MATRICES):
+            p.copy_(reader.get(hf, (E, *p.shape[1:]), rows))
+            continue
+        K, M = p.shape[1:]  # [in, out]
+        if K % 32:
+            raise ValueError(f"{hf}: MXFP4 needs an input width divisible by 32, the config gives {K}")
+        blocks = reader.get(hf + "_blocks", (E, M, K // 32, 16), rows)
+        scales = reader.get(hf + "_scales", (E, M, K // 32), rows)
+        p.copy_(dequantize_mxfp4(blocks, scales, p.dtype).flatten(-2).transpose(1, 2))
+    return reader.names_read
+
+
+@torch.no_grad()
+def hf_state_dict(model: Model, dense: bool = True, experts: bool = True) -> dict[str, torch.Tensor]:
+    """This model's tensors under the names transformers writes. With an ep group, each ep rank gathers the
+    whole expert tensors of every ep-th layer (layer i on ep rank i % ep) and returns those: every rank calls
+    it, and no rank holds more than its share. `dense` / `experts`: whether to return the non-expert / expert
+    tensors (whether this rank is their first replica)."""
+    out = {}
+    ep_group = model.ep_group
+    ep, ep_rank = (1, 0) if ep_group is None else (dist.get_world_size(ep_group), dist.get_rank(ep_group))
+    for name, p in model.named_parameters():
+        if ".experts." not in name:
+            if dense:
+                out[_hf_name(name)] = p
+            continue
+        owner = int(name.split(".")[1]) % ep
+        if ep > 1:
+            parts = [torch.empty_like(p) for _ in range(ep)] if ep_rank == owner else None
+            dist.gather(p.detach().contiguous(), parts, dst=dist.get_global_rank(ep_group, owner), group=ep_group)
+            p = torch.cat(parts) if parts else None
+        if experts and ep_rank == owner:
+            out[_hf_name(name)] = p
+    return out
+
+
+def save_hf_checkpoint(model: Model, path, dtype: torch.dtype | None = None, dense: bool = True, experts: bool = True) -> None:
+    """Write `model` as a folder that transformers' GptOssForCausalLM.from_pretrained loads (bf16/fp32, not
+    MXFP4). In a distributed run every rank calls it (see core.hf_io.write_hf_folder and hf_state_dict)."""
+    tensors = {k: (v.to(dtype) if dtype else v) for k, v in hf_state_dict(model, dense, experts).items()}
+    config = model.cfg.to_hf()
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
+    write_hf_folder(path, tensors, config)
+
+
+def tiny_config_path() -> Path:
+    return Path(__file__).with_name("config_tiny.json")
+
+
+def real_config_path() -> Path:
+    return Path(__file__).with_name("config.json")
+
+
+if __name__ == "__main__":  # print the parameter count of the released config without allocating it
+    with torch.device("meta"):
+        m = Model(ModelConfig.from_hf(real_config_path()))
+    total = sum(p.numel() for p in m.parameters())
+    print(json.dumps({"parameters": total, "billions": round(total / 1e9, 3), "gflops_per_token_4k": round(flops_per_token(m.cfg, 4096) / 1e9, 2)}))
