@@ -62,11 +62,12 @@ def grads_by_checkpoint_name(model: torch.nn.Module, save) -> dict[str, torch.Te
 
 
 def make_tiny_hf_model(config_json, out_dir, seed: int = 0) -> Path:
-    """A random transformers model built from a config.json (nothing downloaded), saved with save_pretrained."""
+    """A random transformers model built from a config.json or a dict of its fields (nothing downloaded),
+    saved with save_pretrained."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    fields = json.loads(Path(config_json).read_text())
+    fields = dict(config_json) if isinstance(config_json, dict) else json.loads(Path(config_json).read_text())
     hf_cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     model.save_pretrained(out_dir)

@@ -1,0 +1,159 @@
+"""GPT-OSS recipe against transformers' GptOssForCausalLM (tiny random models, fp32, CPU), and the released
+MXFP4 checkpoint layout against transformers' own MXFP4 dequantisation."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import GptOssForCausalLM, Mxfp4Config
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+from recipes.gpt_oss_20b.model import Model, ModelConfig, load_hf_checkpoint, real_config_path
+from tools.hf_parity import check_recipe, folder_tensors, format_table, make_tiny_hf_model
+
+BASE = dict(model_type="gpt_oss", vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=4, max_position_embeddings=131072)
+
+CONFIGS = {  # sequences of 24 tokens
+    # window 4 < 24, YaRN (factor 32, as released), top-2 of 4
+    "yarn_window4_top2": dict(),
+    # window 64 > 24, plain rope, top-1, 3 layers: full, sliding, sliding
+    "plain_rope_window64_top1": dict(sliding_window=64, num_experts_per_tok=1, num_hidden_layers=3,
+                                     layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # k = E, no GQA, weights std 0.5: gate/up values beyond +-7, so the SwiGLU clamps act
+    "topk_all_clamped": dict(num_experts_per_tok=4, num_key_value_heads=4, initializer_range=0.5),
+}
+
+
+def save_tiny(path, seed=0, **overrides) -> str:
+    return str(make_tiny_hf_model({**BASE, **overrides}, path, seed))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_logits_grads_and_export_match_transformers(tmp_path, monkeypatch, name):
+    clamped = []  # per transformers expert call: values its SwiGLU clamps
+    apply_gate = GptOssExperts._apply_gate
+
+    def counting(self, gate_up):
+        clamped.append(((gate_up[..., ::2] > self.limit).sum() + (gate_up[..., 1::2].abs() > self.limit).sum()).item())
+        return apply_gate(self, gate_up)
+
+    monkeypatch.setattr(GptOssExperts, "_apply_gate", counting)
+    rows = check_recipe("gpt_oss_20b", save_tiny(tmp_path, **CONFIGS[name]))
+    print(f"\n{name}\n" + format_table(rows))
+    assert all(r.ok for r in rows), "\n" + format_table(rows)
+    assert (sum(clamped) > 0) == (name == "topk_all_clamped"), clamped
+
+
+def test_aux_loss_and_its_gradient_match_transformers(tmp_path):
+    path = save_tiny(tmp_path, num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"])
+    ref = GptOssForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = Model(ModelConfig.from_hf(path))
+    load_hf_checkpoint(model, path)
+    ids = torch.randint(0, BASE["vocab_size"], (2, 20))
+    ref_aux = ref(input_ids=ids, output_router_logits=True).aux_loss
+    aux = model.forward_train(ids, ids).aux_loss
+    torch.testing.assert_close(aux, ref_aux, rtol=1e-6, atol=0)
+    ref_aux.backward()
+    aux.backward()
+    for i in range(3):
+        for name in ("weight", "bias"):
+            grad = getattr(model.layers[str(i)].mlp.router, name).grad
+            ref_grad = getattr(ref.model.layers[i].mlp.router, name).grad
+            assert ((grad - ref_grad).norm() / ref_grad.norm()).item() <= 1e-5, (i, name)
+
+
+def test_partial_model_reads_only_its_tensors(tmp_path):
+    path = save_tiny(tmp_path, num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    cfg = ModelConfig.from_hf(path)
+    full = Model(cfg)
+    load_hf_checkpoint(full, path)
+    part = Model(cfg, layers=[1], experts=(2, 4), embed=False, head=False)
+    names = load_hf_checkpoint(part, path)
+    assert all(n.startswith("model.layers.1.") for n in names)
+    assert len(names) == len(set(names)) == 8 + 1 + 2 + 2 + 4  # q,k,v,o (+ biases), sinks, 2 norms, router, experts
+    full_sd = full.state_dict()
+    for key, value in part.state_dict().items():
+        ref = full_sd[key][2:4] if ".experts." in key else full_sd[key]
+        assert torch.equal(value, ref), key
+
+
+def test_released_config_parameter_count():
+    cfg = ModelConfig.from_hf(real_config_path())
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.sliding_window, cfg.rope_scaling["factor"]) == (32, 4, 128, 32.0)
+    assert cfg.layer_types == ["sliding_attention", "full_attention"] * 12
+    with torch.device("meta"):
+        model = Model(cfg)
+    assert sum(p.numel() for p in model.parameters()) == 20_914_757_184
+
+
+# ------------------------------------------------------------------------------------------------ MXFP4
+
+FP4_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def quantize_mxfp4(w_EKM: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, in, out] -> blocks uint8 [E, out, in/32, 16], scales uint8 [E, out, in/32]: per 32 inputs a power-of-
+    two scale that brings the largest magnitude to <= 6, each value rounded to the nearest FP4 E2M1 value."""
+    x = w_EKM.transpose(1, 2).unflatten(-1, (-1, 32))  # [E, out, G, 32]
+    exp = torch.ceil(torch.log2(x.abs().amax(-1).clamp(min=2.0**-100) / 6)).clamp(-127, 127)
+    y = x / torch.exp2(exp)[..., None]
+    codes = (y.abs()[..., None] - FP4_GRID).abs().argmin(-1) + 8 * (y < 0)  # sign bit 3
+    return (codes[..., 0::2] | codes[..., 1::2] << 4).to(torch.uint8), (exp + 127).to(torch.uint8)
+
+
+def test_mxfp4_released_layout_matches_transformers_dequantisation(tmp_path):
+    """A released-layout folder (experts as MXFP4 blocks/scales, everything else bf16, the released
+    quantization_config): expert tensors equal transformers' convert_moe_packed_tensors bit for bit, an expert
+    shard reads only its rows, and the logits equal transformers' model loaded (and dequantised) from it."""
+    path = save_tiny(tmp_path / "fp32")
+    tensors, expected = {}, {}
+    for name, t in folder_tensors(path).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4(t)
+            if name.endswith("layers.0.mlp.experts.down_proj"):  # every byte value, extreme scales
+                blocks = torch.randint(0, 256, blocks.shape, dtype=torch.uint8)
+                scales = torch.randint(100, 150, scales.shape, dtype=torch.uint8)
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            expected[name.removeprefix("model.")] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        else:
+            tensors[name] = t.to(torch.bfloat16)
+    released = json.loads(real_config_path().read_text())
+    config = {**json.loads((tmp_path / "fp32" / "config.json").read_text()), "dtype": "bfloat16",
+              "quantization_config": released["quantization_config"]}
+    (tmp_path / "mxfp4").mkdir()
+    save_file(tensors, tmp_path / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
+
+    model = Model(ModelConfig.from_hf(tmp_path / "mxfp4"))
+    load_hf_checkpoint(model, tmp_path / "mxfp4")
+    state = model.state_dict()
+    assert len(expected) == 4 and all(torch.equal(state[n], t) for n, t in expected.items())
+    shard = Model(model.cfg, layers=[0], experts=(1, 3), embed=False, head=False)
+    names = load_hf_checkpoint(shard, tmp_path / "mxfp4")
+    assert "model.layers.0.mlp.experts.down_proj_blocks" in names
+    assert torch.equal(shard.layers["0"].mlp.experts.down_proj, expected["layers.0.mlp.experts.down_proj"][1:3])
+
+    ref = GptOssForCausalLM.from_pretrained(tmp_path / "mxfp4", dtype=torch.float32,
+                                            quantization_config=Mxfp4Config(dequantize=True))
+    assert torch.equal(ref.model.layers[1].mlp.experts.gate_up_proj, expected["layers.1.mlp.experts.gate_up_proj"])
+    ids = torch.randint(0, BASE["vocab_size"], (2, 24))
+    with torch.no_grad():
+        err = (model(ids) - ref(input_ids=ids).logits).abs().max().item()
+    print(f"\nMXFP4 folder: experts bit-equal to convert_moe_packed_tensors; logits vs transformers max abs {err:.2e}")
+    assert err <= 1e-4
+
+
+def test_config_errors(tmp_path):
+    path = tmp_path / "config.json"
+    for fields, match in ((dict(model_type="qwen3_moe"), "reads 'gpt_oss'"),
+                          (dict(rope_parameters={"rope_type": "linear", "factor": 2.0}), "rope_type 'linear'"),
+                          (dict(layer_types=["full_attention"]), "layer_types must list 2"),
+                          (dict(tie_word_embeddings=True), "untied")):
+        path.write_text(json.dumps({**BASE, **fields}))
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf(path)
