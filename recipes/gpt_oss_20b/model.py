@@ -103,6 +103,9 @@ class ModelConfig:
         return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_act": "silu",
                 "attention_bias": True, "tie_word_embeddings": False, "attention_dropout": 0.0, "dtype": "float32", **hf}
 
+    def is_moe_layer(self, i: int) -> bool:  # every GPT-OSS layer has routed experts
+        return True
+
     def window(self, i: int) -> int | None:
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 

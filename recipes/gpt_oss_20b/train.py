@@ -1,6 +1,6 @@
-"""Train Qwen3-MoE: args -> mesh -> data -> model -> load -> optimizer -> resume -> loop (log, checkpoint) -> export.
+"""Train GPT-OSS: args -> mesh -> data -> model -> load -> optimizer -> resume -> loop (log, checkpoint) -> export.
 
-    torchrun --nproc-per-node 2 -m recipes.qwen3_30b_a3b.train --steps 300 --ep 2      (or: bash launch.sh)
+    torchrun --nproc-per-node 2 -m recipes.gpt_oss_20b.train --steps 300 --ep 2      (or: bash launch.sh)
 
 The loss of a step is the cross-entropy summed over every non-ignored label of the global batch, divided by
 their number (counted across all ranks before the forward), plus aux_loss_coef x the mean per-micro-batch
@@ -46,12 +46,12 @@ from .model import (
 
 @dataclass
 class Args:
-    """Train Qwen3-30B-A3B (or the tiny CPU config) with data, context and expert parallelism."""
+    """Train GPT-OSS-20B (or the tiny CPU config) with data, context and expert parallelism."""
 
     config: str = str(tiny_config_path())  # HF config.json; ignored when --hf-checkpoint is given
     hf_checkpoint: str = ""  # start from these Hugging Face weights (its config.json is used)
     data: str = "data/stdlib"  # token shards from tools/prepare_data.py
-    out: str = "runs/qwen3_30b_a3b"  # tensorboard/ and checkpoints/ go here
+    out: str = "runs/gpt_oss_20b"  # tensorboard/ and checkpoints/ go here
     pp: int = 1  # DualPipeV over this many ranks: 2*pp stages, each rank holds two (needs >= 2*pp micro-batches)
     overlap: bool = True  # pp: overlap one micro-batch's forward with another's backward at the all-to-alls
     delay_wgrad: bool = True  # pp: delay expert weight gradients into the schedule's W slots (zero bubble)
@@ -141,7 +141,7 @@ def main(argv=None):
         enable_fp8(model)
     if args.compile if args.compile is not None else device.type == "cuda":
         compile_dense_parts(model)
-    routers = {i: layer.mlp.gate for i, layer in model.layers.items() if isinstance(layer.mlp, MoE)}
+    routers = {i: layer.mlp.router for i, layer in model.layers.items() if isinstance(layer.mlp, MoE)}
     pipeline = None
     if args.pp > 1:
         step_ranks = mesh.world // args.pp  # global rank distance between pipeline neighbours
