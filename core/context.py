@@ -54,8 +54,10 @@ def split_for_cp(x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> t
 
 
 def cp_positions(seq_len: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
-    """Global positions [S] of this rank's tokens (for rope and the mask): split_for_cp of arange(seq_len)."""
-    return split_for_cp(torch.arange(seq_len, device=device), cp_rank, cp_size, dim=0)
+    """Global positions [S] of this rank's tokens (for rope and the mask): split_for_cp of arange(seq_len); any
+    length at cp = 1 (a sliding window or documents without cp)."""
+    positions = torch.arange(seq_len, device=device)
+    return positions if cp_size == 1 else split_for_cp(positions, cp_rank, cp_size, dim=0)
 
 
 def _global_order(parts: list[torch.Tensor], dim: int) -> list[torch.Tensor]:

@@ -1,5 +1,7 @@
 """Training-script behaviour: data-parallel parity with one process, exact resume, clear errors."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -22,8 +24,8 @@ def train_args(config, data, out, steps=5, **extra):
     return args
 
 
-def run_train(argv):
-    history, model = train.main(argv)
+def run_train(argv, recipe: str = "qwen3_30b_a3b"):
+    history, model = importlib.import_module(f"recipes.{recipe}.train").main(argv)
     return [h["loss"] for h in history], [h["grad_norm"] for h in history], {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -359,7 +359,7 @@ class Model(nn.Module):
             (dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group))
         dev = position_ids_BS.device
         masks = {w: cp_attention_mask(S * cp, cp_rank, cp, window=w, device=dev)
-                 or CPMask(cp_positions(S, 0, 1, dev), S) for w in (None, self.cfg.sliding_window)}
+                 or CPMask(torch.arange(S, device=dev), S) for w in (None, self.cfg.sliding_window)}
         cos, sin = rope_cos_sin(position_ids_BS, self.cfg, next(self.parameters()).dtype)
         for layer in self.layers.values():
             layer.rope = (cos, sin, masks[layer.window])
