@@ -3,7 +3,9 @@
 Layout: <dir>/step_00000100/ holds one DCP checkpoint (model, optimizer, scheduler, data position, RNG of
 every rank, step). It is written as step_00000100.tmp/ and renamed only after every rank has finished, so
 a crash during a save leaves the previous step_* folder as the newest complete one; a leftover .tmp folder
-is ignored and overwritten. The model and optimizer state comes from `ShardedAdamW.checkpoint_state`:
+is ignored and overwritten. `--resume auto` falls back to the previous checkpoint if the newest cannot be read.
+After a torchrun restart an empty --resume means auto; on a first attempt it refuses to start over a folder that
+already holds checkpoints (it would overwrite them). The model and optimizer state comes from `ShardedAdamW.checkpoint_state`:
 tensors named by parameter, sharded ones as DTensors with their global shapes, so DCP reshards a checkpoint
 onto another (dp, ep) layout at load.
 """
@@ -17,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+from core.reliability import inject_fault
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -61,6 +65,7 @@ def save_checkpoint(ckpt_dir, step: int, state: dict, extra: dict, rank: int, ke
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     _barrier()
     _dcp(dcp.save, {**state, "step": step, **extra, f"rng_rank{rank}": _rng_state()}, tmp)
+    inject_fault("kill-in-save", step)
     _barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -71,18 +76,29 @@ def save_checkpoint(ckpt_dir, step: int, state: dict, extra: dict, rank: int, ke
     return final
 
 
-def resolve_resume(resume: str, ckpt_dir) -> Path | None:
-    """'' -> None (fresh start); 'auto' -> newest complete checkpoint in ckpt_dir or None; else a path."""
+def resume_candidates(resume: str, ckpt_dir) -> list[Path]:
+    """Checkpoints to try, in order (empty: fresh start). '' -> none, or after a torchrun restart the same as
+    'auto'; 'auto' -> the complete ones in ckpt_dir, newest first; else that one folder."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    found = complete_checkpoints(ckpt_dir)[::-1]
+    if resume == "auto" or (not resume and restarted):
+        return found
     if not resume:
-        return None
-    if resume == "auto":
-        found = complete_checkpoints(ckpt_dir)
-        return found[-1] if found else None
+        if found:
+            raise ValueError(f"{ckpt_dir} already holds checkpoints of an earlier run (newest {found[0].name}); "
+                             f"pass --resume auto to continue it, or another --out (or delete the folder) to start over")
+        return []
     path = Path(resume)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"--resume {path}: no DCP checkpoint there (missing {path / '.metadata'}); "
                                 f"pass a step_* folder or 'auto'")
-    return path
+    return [path]
+
+
+def resolve_resume(resume: str, ckpt_dir) -> Path | None:
+    """The checkpoint a run starts from (None: fresh start); see resume_candidates."""
+    found = resume_candidates(resume, ckpt_dir)
+    return found[0] if found else None
 
 
 def load_checkpoint(path, state: dict, extra: dict, rank: int) -> dict:
@@ -90,18 +106,32 @@ def load_checkpoint(path, state: dict, extra: dict, rank: int) -> dict:
     save) and 'step' from the checkpoint. Restores this rank's RNG when the checkpoint has it."""
     path = Path(path)
     state = {**state, "step": 0, **extra}
-    reader = dcp.FileSystemReader(path)
+    try:
+        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as e:  # a truncated or foreign .metadata file
+        raise ValueError(f"checkpoint {path} is corrupt: its .metadata cannot be read ({type(e).__name__}); "
+                         f"resume from another step_* folder") from e
     rng_key = f"rng_rank{rank}"
-    has_rng = any(k.startswith(rng_key + ".") for k in reader.read_metadata().state_dict_metadata)
+    has_rng = any(k.startswith(rng_key + ".") for k in keys)
     if has_rng:
         state[rng_key] = _rng_state()
     try:
         _dcp(dcp.load, state, path)
     except Exception as e:  # DCP raises CheckpointException wrapping per-rank errors
-        raise ValueError(f"checkpoint {path} could not be loaded into this model/optimizer ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''}); was it written with the same config?") from e
+        raise ValueError(f"checkpoint {path} could not be loaded into this model/optimizer ({_first_error(e)}); "
+                         f"was it written with the same config, and is it complete?") from e
     if has_rng:
         torch.set_rng_state(state[rng_key]["cpu"])
         if "cuda" in state[rng_key] and torch.cuda.is_available():
             torch.cuda.set_rng_state(state[rng_key]["cuda"])
     return state
+
+
+def _first_error(e: Exception) -> str:
+    """The root cause inside DCP's CheckpointException (a dict of per-rank failures) in one line."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        inner = next(iter(failures.values()))
+        e = inner[0] if isinstance(inner, tuple) else inner
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[-1][:300] if lines else ''}"

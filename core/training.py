@@ -6,9 +6,14 @@ import dataclasses
 import math
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line on rank 0 (core.reliability.run_main), not usage text from every rank
+        raise ValueError(f"{message} (see --help)")
+
+
 def parse_args(cls, argv=None):
     """argparse flags mapped 1:1 onto the fields of a dataclass (`max_steps` -> `--max-steps`)."""
-    parser = argparse.ArgumentParser(description=cls.__doc__)
+    parser = _Parser(description=cls.__doc__)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         if f.type in (bool, bool | None):  # --flag / --no-flag (None: not given, the script decides)
@@ -22,14 +27,14 @@ def lr_factor(step: int, schedule: str, warmup: int, total: int, min_ratio: floa
     """Multiplier of the peak lr at a 0-based optimizer step: linear warmup, then
     cosine: half a cosine down to min_ratio at `total`;
     wsd:    warmup-stable-decay, flat until the last `decay_fraction` of the steps, then linear to min_ratio."""
+    if schedule not in ("cosine", "wsd"):
+        raise ValueError(f"unknown --lr-schedule {schedule!r}; use cosine or wsd")
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "cosine":
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    if schedule == "wsd":
-        decay_start = total - int(decay_fraction * total)
-        if step < decay_start:
-            return 1.0
-        return 1.0 - (1 - min_ratio) * min(1.0, (step - decay_start + 1) / max(1, total - decay_start))
-    raise ValueError(f"unknown --lr-schedule {schedule!r}; use cosine or wsd")
+    decay_start = total - int(decay_fraction * total)  # wsd
+    if step < decay_start:
+        return 1.0
+    return 1.0 - (1 - min_ratio) * min(1.0, (step - decay_start + 1) / max(1, total - decay_start))
