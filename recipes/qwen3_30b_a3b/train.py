@@ -198,7 +198,9 @@ def main(argv=None):
     # ---- resume
     ckpt_dir = Path(args.out) / "checkpoints"
     start_step, resume_from = 0, None
-    candidates = resume_candidates(args.resume, ckpt_dir)
+    if args.eval_only and not (args.resume or args.hf_checkpoint):
+        raise ValueError("--eval-only evaluates loaded weights: give --resume STEP_DIR or --hf-checkpoint FOLDER")
+    candidates = [] if args.eval_only and not args.resume else resume_candidates(args.resume, ckpt_dir)
     for candidate in candidates:  # newest first; with auto an unreadable one falls back to the one before
         try:
             if args.eval_only:  # the weights only
