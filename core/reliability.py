@@ -2,8 +2,7 @@
 keeps a bad step from being applied, and fault injection for the tests of all three.
 
 - `run_main(main)`: a ValueError / FileNotFoundError (bad input) or StopRun prints `error: <message>` once, on rank 0, and
-  exits with code 2; a marker in the temp folder, named after torchrun's run id, makes the attempts torchrun
-  restarts exit at once (the same input would fail again). Other exceptions keep their traceback and exit
+  exits with code 2; a marker file (`_stop_marker`) makes the attempts torchrun restarts exit at once (the same input would fail again). Other exceptions keep their traceback and exit
   non-zero, so that torchrun restarts the job and train.py resumes from the newest complete checkpoint.
 - `Watchdog`: a thread that, when the current step (or checkpoint save, evaluation) runs past its limit, prints
   which rank waits in which phase and collective, dumps every thread's Python stack and exits with code 3.
@@ -51,6 +50,10 @@ def _attempt() -> int:
 
 
 def _stop_marker() -> Path | None:
+    """Where rank 0 leaves the error that stopped the run: $MOE_TRAIN_STOP_FILE (launch.sh sets it and prints
+    the line again after torchrun's summary), else a temp file named after torchrun's run id."""
+    if os.environ.get("MOE_TRAIN_STOP_FILE"):
+        return Path(os.environ["MOE_TRAIN_STOP_FILE"])
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     return Path(tempfile.gettempdir()) / f"moe-train-stop-{run_id}" if run_id else None
 

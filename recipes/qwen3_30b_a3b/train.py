@@ -107,7 +107,7 @@ def main(argv=None):
     lr_factor(0, **schedule)  # a wrong --lr-schedule fails here, before any work
     if args.deterministic:  # before any CUDA work; cuBLAS reads its workspace setting at start-up
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+        torch.use_deterministic_algorithms(True, warn_only=True)  # an op without a deterministic kernel warns
         torch.backends.cudnn.benchmark = False
 
     # ---- mesh (the layout is checked against the world size before any process group exists)
