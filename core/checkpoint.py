@@ -7,10 +7,13 @@ is ignored and overwritten. `--resume auto` falls back to the previous checkpoin
 After a torchrun restart an empty --resume means auto; on a first attempt it refuses to start over a folder that
 already holds checkpoints (it would overwrite them). The model and optimizer state comes from `ShardedAdamW.checkpoint_state`:
 tensors named by parameter, sharded ones as DTensors with their global shapes, so DCP reshards a checkpoint
-onto another (dp, ep) layout at load.
+onto another (dp, ep) layout at load. Loading unpickles nothing but DCP's own metadata classes, torch.Size and
+dtypes (.metadata), and plain values with torch.load(weights_only=True) (the scheduler, data and RNG state).
 """
 
+import io
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -19,6 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 from core.reliability import inject_fault
 
@@ -30,12 +36,45 @@ def _barrier():
         dist.barrier()
 
 
-def _dcp(fn, state, path):
+def _dcp(fn, state, path, **kwargs):
     """dcp.save / dcp.load; without a process group (world size 1) DCP runs in-process, which is intended
     here, so its warning about that is silenced."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        fn(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        fn(state, checkpoint_id=path, no_dist=not dist.is_initialized(), **kwargs)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle: allow only the classes DCP writes into it (no code from a checkpoint)."""
+
+    ALLOWED = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+               ("collections", "OrderedDict")}
+
+    def find_class(self, module, name):
+        if (module.startswith("torch.distributed.checkpoint.") or (module, name) in self.ALLOWED
+                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's .metadata")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafePlanner(dcp.DefaultLoadPlanner):
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        """Non-tensor values with weights_only=True (DCP's default unpickles them in full)."""
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def _rng_state() -> dict:
@@ -107,7 +146,7 @@ def load_checkpoint(path, state: dict, extra: dict, rank: int) -> dict:
     path = Path(path)
     state = {**state, "step": 0, **extra}
     try:
-        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        keys = _SafeReader(path).read_metadata().state_dict_metadata
     except Exception as e:  # a truncated or foreign .metadata file
         raise ValueError(f"checkpoint {path} is corrupt: its .metadata cannot be read ({type(e).__name__}); "
                          f"resume from another step_* folder") from e
@@ -116,8 +155,8 @@ def load_checkpoint(path, state: dict, extra: dict, rank: int) -> dict:
     if has_rng:
         state[rng_key] = _rng_state()
     try:
-        _dcp(dcp.load, state, path)
-    except Exception as e:  # DCP raises CheckpointException wrapping per-rank errors
+        _dcp(dcp.load, state, path, storage_reader=_SafeReader(path), planner=_SafePlanner())
+    except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps per-rank errors
         raise ValueError(f"checkpoint {path} could not be loaded into this model/optimizer ({_first_error(e)}); "
                          f"was it written with the same config, and is it complete?") from e
     if has_rng:
@@ -134,4 +173,4 @@ def _first_error(e: Exception) -> str:
         inner = next(iter(failures.values()))
         e = inner[0] if isinstance(inner, tuple) else inner
     lines = [line for line in str(e).splitlines() if line.strip()]
-    return f"{type(e).__name__}: {lines[-1][:300] if lines else ''}"
+    return type(e).__name__ + (f": {lines[-1][:300]}" if lines else " (the file is truncated or empty)")

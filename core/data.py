@@ -73,12 +73,21 @@ def write_shards(token_docs: Iterable[list[int]], out_dir, vocab_size: int, eos_
 
 def read_meta(data_dir) -> dict:
     path = os.path.join(data_dir, "meta.json")
+    if os.path.isfile(data_dir):
+        raise FileNotFoundError(f"dataset {data_dir} is a file; pass the folder tools.prepare_data wrote (with meta.json)")
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"dataset directory {data_dir} does not exist; {PREPARE_HINT}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no dataset at {path}; {PREPARE_HINT}")
-    with open(path) as f:
-        meta = json.load(f)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is corrupt ({e}); rerun tools.prepare_data --force") from None
+    missing = [k for k in ("format", "dtype", "vocab_size", "eos_id", "num_tokens", "shards", "tokenizer")
+               if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise ValueError(f"{path} is not a dataset description (missing {', '.join(missing)}); rerun tools.prepare_data --force")
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path} has format {meta.get('format')}, this loader reads {FORMAT}; rerun tools.prepare_data")
     return meta

@@ -4,6 +4,7 @@ with gradient reduction and clipping, is core/optimizer.py)."""
 import argparse
 import dataclasses
 import math
+import typing
 
 
 class _Parser(argparse.ArgumentParser):
@@ -18,9 +19,22 @@ def parse_args(cls, argv=None):
         flag = "--" + f.name.replace("_", "-")
         if f.type in (bool, bool | None):  # --flag / --no-flag (None: not given, the script decides)
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif typing.get_origin(f.type) is typing.Literal:  # one of a few names
+            parser.add_argument(flag, choices=typing.get_args(f.type), default=f.default, help=f"default: {f.default}")
         else:
             parser.add_argument(flag, type=f.type, default=f.default, help=f"default: {f.default}")
-    return cls(**vars(parser.parse_args(argv)))
+    args = vars(parser.parse_args(argv))
+    for name, value in args.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"--{name.replace('_', '-')} {value} is not a finite number")
+    return cls(**args)
+
+
+def check_args(rules: dict[str, bool]) -> None:
+    """Raise the first rule (message -> condition) that does not hold, as a ValueError."""
+    for message, ok in rules.items():
+        if not ok:
+            raise ValueError(message)
 
 
 def lr_factor(step: int, schedule: str, warmup: int, total: int, min_ratio: float, decay_fraction: float) -> float:

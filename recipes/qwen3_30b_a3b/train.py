@@ -17,6 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from core.optimizer import ReplicaSet, ShardedAdamW
 from core.pipeline import DualPipeV, split_layers
 from core.reliability import (PG_TIMEOUT_S, StopRun, Watchdog, collapse_warning, grads_finite, inject_fault, run_main,
                               step_is_finite)
-from core.training import lr_factor, parse_args
+from core.training import check_args, lr_factor, parse_args
 
 from .model import (
     Model,
@@ -62,8 +63,8 @@ class Args:
     dp: int = -1  # -1: world size / (pp * cp * ep)
     cp: int = 1  # each sequence split over this many ranks (keys/values gathered); --seq-len divisible by 2*cp
     ep: int = 1  # routed experts split over this many ranks (tokens reach them by all-to-all)
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     compile: bool | None = None  # torch.compile the dense parts of each layer; default on for CUDA, off for CPU
     # (there, compiling the C++ kernels takes longer than a whole tiny run and gains nothing at its sizes)
     fp8: bool = False  # FP8 GEMMs (Hopper) for attention, dense MLP and expert weights; on CPU the same numerics
@@ -74,7 +75,7 @@ class Args:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
-    lr_schedule: str = "cosine"  # cosine | wsd
+    lr_schedule: Literal["cosine", "wsd"] = "cosine"
     decay_fraction: float = 0.2  # wsd: share of the steps spent decaying
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -85,7 +86,7 @@ class Args:
     expert_bias_rate: float = 0.0  # > 0: aux-loss-free balancing, bias += rate * sign(mean - load) per step
     seed: int = 0
     ckpt_every: int = 100  # also saves after the last step; 0 disables checkpoints
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # 0: keep all
     resume: str = ""  # '' (fresh; after a torchrun restart: auto) | auto (newest complete in <out>/checkpoints) | a step_* folder
     # ---- reliability and evaluation
     step_timeout: float = 0.0  # seconds a step may take before the watchdog stops the rank; 0: 10x the step time after warm-up
@@ -102,6 +103,7 @@ class Args:
 
 def main(argv=None):
     args = parse_args(Args, argv)
+    check_arguments(args)
     schedule = dict(schedule=args.lr_schedule, warmup=args.warmup_steps, total=args.steps,
                     min_ratio=args.min_lr_ratio, decay_fraction=args.decay_fraction)
     lr_factor(0, **schedule)  # a wrong --lr-schedule fails here, before any work
@@ -114,7 +116,7 @@ def main(argv=None):
     if args.cp >= 1 and args.seq_len % (2 * args.cp):  # (cp < 1 is rejected with the mesh)
         raise ValueError(f"--seq-len {args.seq_len} is not divisible by 2*cp = {2 * args.cp}: context parallelism "
                          f"cuts each sequence into 2*cp chunks; use a --seq-len that is a multiple of {2 * args.cp}")
-    cfg = ModelConfig.from_hf(args.hf_checkpoint or args.config)
+    cfg = load_config(args.hf_checkpoint or args.config)
     stage_layers = split_layers(cfg.num_hidden_layers, args.pp) if args.pp > 1 else None  # clear error if too few
     if cfg.num_experts % args.ep:
         raise ValueError(f"{cfg.num_experts} experts cannot be split evenly over --ep {args.ep}; "
@@ -134,7 +136,6 @@ def main(argv=None):
     torch.manual_seed(args.seed)  # same seed everywhere: identical replicas at init
 
     # ---- data (before the model, so that a missing or mismatched dataset fails in seconds)
-    cfg = ModelConfig.from_hf(args.hf_checkpoint or args.config)
     loader = TokenLoader(args.data, args.seq_len, args.global_batch, mesh.data_rank, mesh.data_world, args.seed)
     if loader.meta["vocab_size"] > cfg.vocab_size:
         raise ValueError(f"dataset {args.data} has vocab {loader.meta['vocab_size']} but the model only "
@@ -375,6 +376,52 @@ def main(argv=None):
               f"checkpoints: {ckpt_dir}", flush=True)
     destroy_mesh()
     return history, model
+
+
+def check_arguments(args: Args) -> None:
+    """Bad flags fail here, in one line each, before any work (the layout is checked with the mesh)."""
+    check_args({
+        f"--steps must be >= 1, got {args.steps}": args.steps >= 1,
+        f"--lr must be >= 0, got {args.lr}": args.lr >= 0,
+        f"--warmup-steps must be >= 0, got {args.warmup_steps}": args.warmup_steps >= 0,
+        f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}": 0 <= args.min_lr_ratio <= 1,
+        f"--decay-fraction must be in [0, 1], got {args.decay_fraction}": 0 <= args.decay_fraction <= 1,
+        f"--beta1 and --beta2 must be in [0, 1), got {args.beta1}, {args.beta2}": 0 <= args.beta1 < 1 and 0 <= args.beta2 < 1,
+        f"--adam-eps must be > 0, got {args.adam_eps}": args.adam_eps > 0,
+        f"--weight-decay must be >= 0, got {args.weight_decay}": args.weight_decay >= 0,
+        f"--grad-clip must be >= 0 (0: off), got {args.grad_clip}": args.grad_clip >= 0,
+        f"--expert-bias-rate must be >= 0 (0: off), got {args.expert_bias_rate}": args.expert_bias_rate >= 0,
+        f"--ckpt-every must be >= 0 (0: off), got {args.ckpt_every}": args.ckpt_every >= 0,
+        f"--keep-checkpoints must be >= 0 (0: all), got {args.keep_checkpoints}": args.keep_checkpoints >= 0,
+        f"--max-bad-steps must be >= 1, got {args.max_bad_steps}": args.max_bad_steps >= 1,
+        f"--step-timeout must be >= 0 (0: automatic), got {args.step_timeout}": args.step_timeout >= 0,
+        f"--eval-batches must be >= 1, got {args.eval_batches}": args.eval_batches >= 1,
+        f"--sample-tokens must be >= 0, got {args.sample_tokens}": args.sample_tokens >= 0,
+        f"--export-hf {args.export_hf} is a file; name a folder": not os.path.isfile(args.export_hf),
+    })
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create --out {args.out} ({e.strerror}); choose a writable folder") from None
+
+
+def load_config(path) -> ModelConfig:
+    """The model config, with the mistakes a hand-edited config.json can hold reported in one line."""
+    try:
+        cfg = ModelConfig.from_hf(path)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path} lacks or mistypes a field ({type(e).__name__}: {e}); compare it with "
+                         f"{tiny_config_path()}") from None
+    check_args({
+        f"{path}: num_experts_per_tok ({cfg.num_experts_per_tok}) must be in 1..num_experts ({cfg.num_experts})":
+            1 <= cfg.num_experts_per_tok <= cfg.num_experts,
+        f"{path}: num_attention_heads ({cfg.num_attention_heads}) must be a multiple of num_key_value_heads "
+        f"({cfg.num_key_value_heads})": cfg.num_key_value_heads >= 1 and cfg.num_attention_heads % cfg.num_key_value_heads == 0,
+        f"{path}: hidden_size, head_dim, intermediate sizes, vocab_size and num_hidden_layers must be >= 1":
+            min(cfg.hidden_size, cfg.head_dim, cfg.moe_intermediate_size, cfg.intermediate_size, cfg.vocab_size,
+                cfg.num_hidden_layers) >= 1,
+    })
+    return cfg
 
 
 def report_bad_step(step, bad_ranks, bad_names, bad_in_a_row, args, mesh, ckpt_dir):
