@@ -165,7 +165,10 @@ def main(argv=None):
         with torch.device("meta"):
             model = Model(cfg, **parts)
         model.to_empty(device=device)
-        model.init_weights()  # buffers (expert bias); the weights come from the checkpoint
+        model.init_weights()  # the weights come from the checkpoint
+        for name, buf in model.named_buffers():  # to_empty left them uninitialised (HF folders have no expert bias)
+            if name.endswith("expert_bias"):
+                buf.zero_()
         load_hf_checkpoint(model, args.hf_checkpoint)
     else:
         with torch.device(device):
@@ -317,8 +320,6 @@ def main(argv=None):
         history.append(logger.log(step, time.perf_counter() - start, args.global_batch * args.seq_len, scalars,
                                   {"expert_load_max_over_mean": load_per_layer}))
         watchdog.step_done(history[-1]["step_time"])
-        if bad_ranks:
-            report_bad_step(step, bad_ranks, bad_names, bad_in_a_row, args, mesh, ckpt_dir)
         if mesh.is_main and (step % 25 == 0 or step == args.steps) and step > args.warmup_steps:
             warning = collapse_warning(step, load_per_layer, moe_ids)
             if warning:
@@ -336,6 +337,8 @@ def main(argv=None):
         if mesh.is_main:  # the same records, machine-readable; a resumed run appends
             with open(Path(args.out) / "metrics.jsonl", "a") as f:
                 f.write(json.dumps({**history[-1], "expert_load_max_over_mean": load_per_layer}) + "\n")
+        if bad_ranks:  # after --max-bad-steps in a row this stops the run, before it saves a checkpoint
+            report_bad_step(step, bad_ranks, bad_names, bad_in_a_row, args, mesh, ckpt_dir)
 
         # ---- checkpoint (every ckpt_every steps and after the last one)
         if args.ckpt_every > 0 and (step % args.ckpt_every == 0 or step == args.steps):
