@@ -116,8 +116,13 @@ def build_mesh(pp: int = 1, dp: int = -1, cp: int = 1, ep: int = 1, device: str 
     device_mesh = None
     if world > 1:
         if not dist.is_initialized():
+            # torchrun keeps one store across restarts: a per-attempt prefix keeps a restarted rank from reading the
+            # dead ranks' addresses
+            store, _, _ = next(dist.rendezvous("env://"))
+            store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
             dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None,
-                                    timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
+                                    timeout=None if timeout_s is None else timedelta(seconds=timeout_s), store=store,
+                                    rank=rank, world_size=world)
         device_mesh = init_device_mesh(dev.type, (pp, dp, cp, ep), mesh_dim_names=DIMS)
     return Mesh(pp=pp, dp=dp, cp=cp, ep=ep, rank=rank, world=world, device=dev, device_mesh=device_mesh)
 

@@ -166,6 +166,7 @@ class Watchdog:
                       file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
+                time.sleep(min(5.0, self.limit / 2))  # peers waiting on this rank report too before the links drop
                 os._exit(3)
 
 
