@@ -64,7 +64,7 @@ else
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one core per rank
   # aux-loss-free balancing on: with the aux loss alone, near-uniform router probabilities hide a collapsed top-k
   DEFAULTS=(--pp "${PP:-2}" --ep "${EP:-2}" --seq-len 256 --global-batch 8 --micro-batch 1 --lr 3e-3 --warmup-steps 20 --steps 300
-            --ckpt-every 100 --expert-bias-rate 1e-3)
+            --ckpt-every 100 --expert-bias-rate 1e-2)
 fi
 DATA="${DATA:-data/stdlib}"
 
