@@ -205,9 +205,10 @@ def step_is_finite(stats: torch.Tensor, finite_P: torch.Tensor, names: list[str]
 
 
 def collapse_warning(step: int, load_per_layer: list[float], moe_layer_ids: list[int], threshold: float = 2.0) -> str:
-    """A log line naming the layers whose expert load max/mean exceeds threshold ('' if none)."""
+    """A log line naming the layers whose expert load max/mean (over the last steps) exceeds threshold ('' if
+    none). With top-k of E experts the worst case is E/k: every token sent to the same k experts."""
     bad = [f"layer {i} {x:.2f}x" for i, x in zip(moe_layer_ids, load_per_layer) if x > threshold]
     if not bad:
         return ""
-    return (f"warning: step {step}: expert load max/mean {', '.join(bad)} (balanced: 1.0): routing is collapsing onto "
-            f"a few experts; raise --expert-bias-rate (aux-loss-free balancing) or --aux-loss-coef")
+    return (f"warning: step {step}: expert load max/mean over the last steps {', '.join(bad)} (balanced: 1.0): routing "
+            f"is collapsing onto a few experts; raise --expert-bias-rate (aux-loss-free balancing) or --aux-loss-coef")

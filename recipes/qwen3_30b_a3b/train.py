@@ -243,12 +243,13 @@ def main(argv=None):
         val = evaluate(model, pipeline, eval_loader, args, mesh, positions_BS, use_bf16)
         if mesh.is_main:
             print(f"{resume_from or args.hf_checkpoint} on {eval_dir}: val loss {val['val_loss']:.4f} | "
-                  f"val ppl {val['val_ppl']:.2f} | {val['val_tokens']:,} tokens", flush=True)
+                  f"val ppl {val['val_ppl']:.2f} | {val['val_tokens']:,} tokens | load max/mean per layer "
+                  f"{' '.join(f'{x:.2f}' for x in val['val_load_max_over_mean'])}", flush=True)
         destroy_mesh()
         return [val], model
     watchdog = Watchdog(args.step_timeout, mesh.rank, mesh.world)
     moe_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
-    bad_in_a_row, skipped, timeline = 0, 0, []
+    bad_in_a_row, skipped, timeline, window_LE = 0, 0, [], 0  # window_LE: expert load since the last collapse check
     for step in range(start_step + 1, args.steps + 1):
         start = time.perf_counter()
         watchdog.arm(step, "data")
@@ -320,10 +321,12 @@ def main(argv=None):
         history.append(logger.log(step, time.perf_counter() - start, args.global_batch * args.seq_len, scalars,
                                   {"expert_load_max_over_mean": load_per_layer}))
         watchdog.step_done(history[-1]["step_time"])
-        if mesh.is_main and (step % 25 == 0 or step == args.steps) and step > args.warmup_steps:
-            warning = collapse_warning(step, load_per_layer, moe_ids)
-            if warning:
+        window_LE = window_LE + load_LE
+        if step % 25 == 0 or step == args.steps:  # over 25 steps: one batch's content would be noise
+            warning = collapse_warning(step, (window_LE.max(-1).values / window_LE.mean(-1)).tolist(), moe_ids)
+            if warning and mesh.is_main and step > args.warmup_steps:
                 print(warning, flush=True)
+            window_LE = 0
 
         # ---- validation loss (every eval_every steps and after the last one)
         if eval_every > 0 and (step % eval_every == 0 or step == args.steps):
@@ -331,7 +334,8 @@ def main(argv=None):
             history[-1].update(evaluate(model, pipeline, eval_loader, args, mesh, positions_BS, use_bf16))
             if mesh.is_main:
                 print(f"step {step:>5}/{args.steps} | val loss {history[-1]['val_loss']:.4f} | val ppl "
-                      f"{history[-1]['val_ppl']:.2f} | {history[-1]['val_tokens']:,} tokens", flush=True)
+                      f"{history[-1]['val_ppl']:.2f} | {history[-1]['val_tokens']:,} tokens | load max/mean per layer "
+                      f"{' '.join(f'{x:.2f}' for x in history[-1]['val_load_max_over_mean'])}", flush=True)
                 for name in ("val_loss", "val_ppl"):
                     logger.writer.add_scalar(f"val/{name[4:]}", history[-1][name], step)
         if mesh.is_main:  # the same records, machine-readable; a resumed run appends
@@ -447,7 +451,8 @@ def report_bad_step(step, bad_ranks, bad_names, bad_in_a_row, args, mesh, ckpt_d
 def evaluate(model, pipeline, loader, args, mesh, positions_BS, use_bf16) -> dict:
     """Validation loss (cross-entropy per label) and perplexity over the first --eval-batches global batches of
     `loader` (the same windows every time), under any layout; every rank takes part (pp: the forward-only
-    schedule). The routing counts of evaluation are dropped, so expert load and bias see training tokens only."""
+    schedule). Also the expert load max/mean per layer over those tokens; these routing counts stay out of the
+    training statistics and the expert bias."""
     device, n_micro = positions_BS.device, args.global_batch // mesh.data_world // args.micro_batch
     totals = torch.zeros(2, device=device)  # summed cross-entropy, labels (pp: on pp rank 0, which holds the loss)
     loader.step = 0
@@ -468,11 +473,14 @@ def evaluate(model, pipeline, loader, args, mesh, positions_BS, use_bf16) -> dic
                 totals[0] += pipeline.stages[1].stats[0]
         if pipeline is None or mesh.coord("pp") == 0:
             totals[1] += (labels != -100).sum()
+    load_LE = model.take_expert_load()
+    traffic.take()
     if mesh.world > 1:
-        dist.all_reduce(totals)
-    model.take_expert_load(), traffic.take()
+        for t in (totals, load_LE):
+            dist.all_reduce(t)
     loss = (totals[0] / totals[1].clamp(min=1)).item()
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(totals[1])}
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(totals[1]),
+            "val_load_max_over_mean": (load_LE.max(-1).values / load_LE.mean(-1)).tolist() if load_LE.numel() else []}
 
 
 @torch.no_grad()
