@@ -6,6 +6,7 @@ import ast
 import json
 import math
 import os
+import pickle
 import random
 import re
 import subprocess
@@ -178,6 +179,14 @@ def test_deterministic_reruns_are_bit_identical(tiny_train_setup, tmp_path):
     assert all(torch.equal(runs[0][2][k], runs[1][2][k]) for k in runs[0][2])
 
 
+class RunsCommand:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
 def test_bad_input_is_one_line(tiny_train_setup, tmp_path):
     """What a new user gets wrong fails as a ValueError / FileNotFoundError saying what to do; from the command
     line that is exactly one line, `error: ...`, and exit code 2."""
@@ -209,9 +218,11 @@ def test_bad_input_is_one_line(tiny_train_setup, tmp_path):
         train.main(train_args(config, data, tmp_path / "b", steps=3, resume=newest))
     losses, _, _ = run_train(train_args(config, data, tmp_path / "a", steps=3, resume="auto"))  # falls back to 1
     assert len(losses) == 2
-    (tmp_path / "a/checkpoints/step_00000001/.metadata").write_bytes(b"\x80\x04garbage")
+    # a .metadata that would run a command when unpickled is refused, not run
+    (tmp_path / "a/checkpoints/step_00000001/.metadata").write_bytes(pickle.dumps(RunsCommand(tmp_path / "ran")))
     with pytest.raises(ValueError, match="is corrupt: its .metadata cannot be read"):
         train.main(train_args(config, data, tmp_path / "c", steps=3, resume=tmp_path / "a/checkpoints/step_00000001"))
+    assert not (tmp_path / "ran").exists()
 
     proc = subprocess.run([sys.executable, "-m", "recipes.qwen3_30b_a3b.train", "--config", str(config),
                            "--data", str(data), "--lr-schedule", "linear"], capture_output=True, text=True, cwd=ROOT,
@@ -223,7 +234,8 @@ def test_bad_input_is_one_line(tiny_train_setup, tmp_path):
 
 
 def unsafe_calls(source: str) -> list[str]:
-    """Calls that could run code from a file: torch.load without weights_only=True, pickle/marshal/dill loads,
+    """Calls that could run code from a file: torch.load without weights_only=True, pickle/marshal/dill loads
+    (a restricted pickle.Unpickler subclass, as core/checkpoint.py uses for DCP's .metadata, is not a call here),
     numpy loads with allow_pickle=True, trust_remote_code=True, eval/exec."""
     found = []
     for node in ast.walk(ast.parse(source)):
@@ -235,7 +247,7 @@ def unsafe_calls(source: str) -> list[str]:
         kw = {k.arg: getattr(k.value, "value", None) for k in node.keywords}
         if owner == "torch" and name == "load" and kw.get("weights_only") is not True:
             found.append(f"line {node.lineno}: torch.load without weights_only=True")
-        elif owner in ("pickle", "marshal", "dill", "cloudpickle", "joblib") and name in ("load", "loads"):
+        elif owner in ("pickle", "marshal", "dill", "cloudpickle", "joblib") and name in ("load", "loads", "Unpickler"):
             found.append(f"line {node.lineno}: {owner}.{name}")
         elif owner == "np" and name == "load" and kw.get("allow_pickle") is True:
             found.append(f"line {node.lineno}: np.load(allow_pickle=True)")
@@ -247,10 +259,10 @@ def unsafe_calls(source: str) -> list[str]:
 
 
 def test_no_unsafe_loading_anywhere():
-    assert unsafe_calls("import torch, pickle\ntorch.load(f)\ntorch.load(f, weights_only=False)\npickle.loads(b)\n"
+    assert unsafe_calls("import torch, pickle\ntorch.load(f)\ntorch.load(f, weights_only=False)\npickle.Unpickler(f).load()\n"
                         "AutoModel.from_pretrained(p, trust_remote_code=True)\ntorch.load(f, weights_only=True)\n") == [
         "line 2: torch.load without weights_only=True", "line 3: torch.load without weights_only=True",
-        "line 4: pickle.loads", "line 5: trust_remote_code=True"]
+        "line 4: pickle.Unpickler", "line 5: trust_remote_code=True"]
     files = [p for p in ROOT.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
     found = {str(p.relative_to(ROOT)): hits for p in files if (hits := unsafe_calls(p.read_text()))}
     assert found == {}, found
