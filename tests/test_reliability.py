@@ -255,7 +255,7 @@ def unsafe_calls(source: str) -> list[str]:
             found.append(f"line {node.lineno}: trust_remote_code=True")
         elif isinstance(f, ast.Name) and name in ("eval", "exec"):
             found.append(f"line {node.lineno}: {name}()")
-    return found
+    return sorted(found, key=lambda hit: int(hit.split()[1].rstrip(":")))
 
 
 def test_no_unsafe_loading_anywhere():
