@@ -104,7 +104,8 @@ def inject_fault(kind: str, step: int, model: torch.nn.Module | None = None) -> 
 
 
 def _where(thread_id: int) -> str:
-    """'waiting in <torch.distributed call> from <file:line function> [pipeline phase N]' for a thread's stack."""
+    """'waiting in <torch.distributed call> from <file:line function>' (or 'at <file:line function>' when the
+    innermost wait is in C++, as a p2p request's) and '(pipeline phase N)' inside DualPipeV, for a thread."""
     frame, collective, ours, phase = sys._current_frames().get(thread_id), None, None, None
     while frame is not None:
         path, name = frame.f_code.co_filename, frame.f_code.co_name
@@ -119,8 +120,8 @@ def _where(thread_id: int) -> str:
                     phase = m.group(1)
                     break
         frame = frame.f_back
-    where = f"waiting in {collective}" if collective else "running"
-    return where + (f" from {ours}" if ours else "") + (f" (pipeline {phase})" if phase else "")
+    where = f"waiting in {collective}" + (f" from {ours}" if ours else "") if collective else f"at {ours}"
+    return where + (f" (pipeline {phase})" if phase else "")
 
 
 class Watchdog:

@@ -41,11 +41,11 @@ def records(out) -> dict[int, list[dict]]:
 def test_restarts_resume_exactly(tiny_train_setup, tmp_path):
     """torchrun --max-restarts with three failures: rank 1 SIGKILLed while writing checkpoint 4 (attempt 0),
     rank 0 SIGKILLed at a random step after the first checkpoint (attempt 1), rank 1 hung in step 8 (attempt 2,
-    --step-timeout 5 s). The run finishes; every step's loss, replays included, and the final weights equal
-    an uninterrupted run's exactly."""
+    --step-timeout 5 s). DualPipeV over the 2 ranks (pp=2). The run finishes; every step's loss, replays
+    included, and the final weights equal an uninterrupted run's exactly."""
     config, data = tiny_train_setup
     kill_step = random.randint(3, 8)
-    flags = dict(steps=8, ckpt_every=2, grad_clip=1.0)
+    flags = dict(steps=8, ckpt_every=2, grad_clip=1.0, pp=2)
     reference = run_ranks(2, run_train, train_args(config, data, tmp_path / "ref", **flags, export_hf=tmp_path / "ref_hf"))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "MOE_TRAIN_FAULT": f"kill-in-save@4:1:0,kill@{kill_step}:0:1,hang@8:1:2"}
@@ -61,7 +61,7 @@ def test_restarts_resume_exactly(tiny_train_setup, tmp_path):
     assert resumed == [2, 2 * ((kill_step - 1) // 2), 6], (kill_step, resumed)
     # the hung rank's peer stopped within the limit, naming itself, the step, the phase and the collective
     stuck = re.search(r"watchdog: rank 0 of 2 stuck ([\d.]+) s \(limit 5.0 s, --step-timeout\) in step 8, phase "
-                      r"gradient reduce-scatter and norm, waiting in reduce_scatter_tensor", out)
+                      r"DualPipeV schedule, at core/pipeline.py:\d+ _commit \(pipeline phase \d\)", out)
     assert stuck and float(stuck.group(1)) < 7, out[-4000:]
     assert "Current thread" in out or "Thread 0x" in out  # the Python stacks were dumped
 

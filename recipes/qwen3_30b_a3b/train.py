@@ -253,6 +253,7 @@ def main(argv=None):
     for step in range(start_step + 1, args.steps + 1):
         start = time.perf_counter()
         watchdog.arm(step, "data")
+        inject_fault("hang", step)  # MOE_TRAIN_FAULT (tests only; core/reliability.py)
         input_ids, labels = (t.to(device) for t in loader.next_batch())
         if mesh.cp > 1:  # this rank's chunks r and 2cp-1-r of every sequence: [local_batch, seq_len / cp]
             input_ids, labels = (split_for_cp(t, mesh.coord("cp"), mesh.cp) for t in (input_ids, labels))
@@ -283,7 +284,7 @@ def main(argv=None):
             stats, timeline = pipeline.stages[1].stats, pipeline.timeline
 
         # ---- reliability: a step with a non-finite loss or gradient on any rank is skipped on every rank
-        for fault in ("nan", "hang", "kill"):  # MOE_TRAIN_FAULT (tests only; core/reliability.py)
+        for fault in ("nan", "kill"):
             inject_fault(fault, step, model)
         finite_P, grad_names = grads_finite(model)  # before the reduction mixes the ranks' gradients
         watchdog.set_phase("gradient reduce-scatter and norm")
