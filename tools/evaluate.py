@@ -14,6 +14,7 @@ trained with (--config; default the recipe's tiny one); an exported folder carri
 
 import argparse
 import importlib
+from pathlib import Path
 
 from core.reliability import run_main
 
@@ -27,6 +28,9 @@ def main(argv=None) -> dict:
     args, rest = p.parse_known_args(argv)
     if bool(args.checkpoint) == bool(args.hf):
         raise ValueError("give exactly one of --checkpoint STEP_DIR (DCP) or --hf FOLDER")
+    if args.checkpoint and not (Path(args.checkpoint) / ".metadata").is_file():
+        raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no DCP checkpoint there (no .metadata); pass a "
+                                f"<out>/checkpoints/step_* folder, or --hf for an exported folder")
     try:
         train = importlib.import_module(f"recipes.{args.recipe}.train")
     except ModuleNotFoundError:
