@@ -58,8 +58,13 @@ def _stop_marker() -> Path | None:
     return Path(tempfile.gettempdir()) / f"moe-train-stop-{run_id}" if run_id else None
 
 
+_OWNS_PROCESS = False  # set by run_main: only then may the watchdog end the process
+
+
 def run_main(main) -> None:
     """The `__main__` entry of a train.py or tool (see the module docstring)."""
+    global _OWNS_PROCESS
+    _OWNS_PROCESS = True
     marker = _stop_marker()
     if marker is not None and _attempt() > 0 and marker.exists():
         os._exit(2)  # stopped by bad input: restarting cannot help (rank 0 printed why)
@@ -127,7 +132,8 @@ def _where(thread_id: int) -> str:
 class Watchdog:
     """Per-step deadline. timeout_s > 0: fixed limit for steps, checkpoints and evaluation; 0: automatic, the
     slow limit for the first WARMUP_STEPS steps, then max(60 s, 10x the median step time), capped at the slow
-    limit, which checkpoints and evaluation keep."""
+    limit, which checkpoints and evaluation keep. It watches only in a process that run_main started: a
+    caller of main() in its own process (a test, a benchmark) is never ended by it."""
 
     def __init__(self, timeout_s: float, rank: int, world: int):
         self.fixed, self.rank, self.world = timeout_s > 0, rank, world
@@ -135,7 +141,8 @@ class Watchdog:
         self.step, self.phase, self.started, self.deadline = 0, "start-up", 0.0, math.inf
         self.step_times: list[float] = []
         self.main_thread = threading.main_thread().ident
-        threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
+        if _OWNS_PROCESS:
+            threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
 
     def arm(self, step: int, phase: str, slow: bool = False) -> None:
         """Start the clock for `phase` of `step` (slow: a checkpoint or evaluation)."""
