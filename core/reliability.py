@@ -71,12 +71,16 @@ def run_main(main) -> None:
     try:
         main()
     except USER_ERRORS as e:
+        if marker is not None:  # every rank: whichever fails first, the restarts see it
+            tmp = marker.with_name(f"{marker.name}.{_rank()}")
+            tmp.write_text(str(e))
+            os.replace(tmp, marker)
         if _rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-            if marker is not None:
-                marker.write_text(str(e))
+        else:
+            time.sleep(1.0)  # rank 0, failing the same way, prints before torchrun stops the job
         sys.stdout.flush()
-        os._exit(2)  # at once: a clean exit would wait for peers blocked in collectives
+        os._exit(2)  # a clean exit would wait for peers blocked in collectives
 
 
 # ------------------------------------------------------------------------------------------------ faults

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["--steps", "4", "--seq-len", "64", "--ckpt-every", "2"]
+FAST = ["--steps", "4", "--seq-len", "64", "--ckpt-every", "2", "--eval-batches", "2"]
 
 
 def launch(script: Path, env: dict, *args: str, returncode: int = 0) -> str:
