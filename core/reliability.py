@@ -1,16 +1,17 @@
 """Keeping a long run alive and honest: one-line user errors, a per-step watchdog, the finiteness check that
 keeps a bad step from being applied, and fault injection for the tests of all three.
 
-- `run_main(main)`: a ValueError / FileNotFoundError (bad input) or StopRun prints `error: <message>` once, on rank 0, and
-  exits with code 2; a marker file (`_stop_marker`) makes the attempts torchrun restarts exit at once (the same input would fail again). Other exceptions keep their traceback and exit
-  non-zero, so that torchrun restarts the job and train.py resumes from the newest complete checkpoint.
+- `run_main(main)`: a ValueError / FileNotFoundError (bad input) or StopRun prints `error: <message>` once, on
+  rank 0, and exits with code 2; a marker file (`_stop_marker`) makes the attempts torchrun restarts exit at
+  once (the same input would fail again). Other exceptions keep their traceback and exit non-zero, so that
+  torchrun restarts the job and train.py resumes from the newest complete checkpoint.
 - `Watchdog`: a thread that, when the current step (or checkpoint save, evaluation) runs past its limit, prints
   which rank waits in which phase and collective, dumps every thread's Python stack and exits with code 3.
 - `step_is_finite`: one all-reduce that tells every rank whether any rank saw a non-finite loss or gradient.
 - MOE_TRAIN_FAULT (tests only): comma-separated `kind@step[:rank[:attempt]]` (rank and torchrun restart attempt
   default to 0). kind: `kill` (SIGKILL before the optimizer step), `kill-in-save` (SIGKILL after this rank wrote
   its part of the step's checkpoint, before it is complete), `nan` (a NaN in this rank's first gradient), `hang`
-  (sleep in the step).
+  (sleep at the start of the step).
 """
 
 import faulthandler
@@ -30,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 
-
 class StopRun(Exception):
     """The run cannot go on (e.g. --max-bad-steps non-finite steps in a row); the message says what to do."""
 
@@ -39,6 +39,7 @@ USER_ERRORS = (ValueError, FileNotFoundError, StopRun)
 SLOW_LIMIT_S = 900.0  # auto watchdog: the first steps (compilation, first connections), checkpoints, evaluation
 WARMUP_STEPS = 3  # auto watchdog: steps measured before the limit follows the step time
 PG_TIMEOUT_S = SLOW_LIMIT_S + 60  # collectives time out only after the watchdog, whose message says more
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _rank() -> int:
@@ -50,7 +51,7 @@ def _attempt() -> int:
 
 
 def _stop_marker() -> Path | None:
-    """Where rank 0 leaves the error that stopped the run: $MOE_TRAIN_STOP_FILE (launch.sh sets it and prints
+    """Where the ranks leave the error that stopped the run: $MOE_TRAIN_STOP_FILE (launch.sh sets it and prints
     the line again after torchrun's summary), else a temp file named after torchrun's run id."""
     if os.environ.get("MOE_TRAIN_STOP_FILE"):
         return Path(os.environ["MOE_TRAIN_STOP_FILE"])
@@ -120,8 +121,8 @@ def _where(thread_id: int) -> str:
         path, name = frame.f_code.co_filename, frame.f_code.co_name
         if "torch/distributed" in path.replace(os.sep, "/") and name not in ("wrapper", "inner"):
             collective = name  # the outermost torch.distributed function wins (all_reduce, not its helpers)
-        elif ours is None and re.search(r"(core|recipes|tools)[/\\]", path):
-            ours = f"{Path(path).parent.name}/{Path(path).name}:{frame.f_lineno} {name}"
+        elif ours is None and path.startswith(str(ROOT)):  # innermost frame of this repository's code
+            ours = f"{Path(path).relative_to(ROOT)}:{frame.f_lineno} {name}"
         if phase is None and name == "run" and path.endswith("pipeline.py"):
             for line in range(frame.f_lineno, 0, -1):  # the schedule's '# phase N: ...' comment above this line
                 m = re.search(r"# (phase \d+)", linecache.getline(path, line))
