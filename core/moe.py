@@ -256,8 +256,8 @@ class _ExpertMatmul(torch.autograd.Function):
         if not weight_grads.enabled:
             return dx_RK, weight_grad(), None
 
-        def accumulate():
-            dw = weight_grad()
+        def accumulate():  # under autocast the matmuls in weight_grad return bf16: cast to the parameter's dtype
+            dw = weight_grad().to(w.dtype)
             if w.grad is None:
                 w.grad = dw
             else:
