@@ -233,6 +233,7 @@ class DualPipeV:
             return
         tensors = self.outputs[phase][self.sent_f[phase]]
         self.sent_f[phase] += 1
+        assert [t.dtype for t in tensors] == [d for _, d in self.p2p_specs], ("p2p_specs", [t.dtype for t in tensors])
         peer = self.next_rank if phase == 0 else self.prev_rank
         self.ops += [dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group) for t in tensors]
 
@@ -249,6 +250,7 @@ class DualPipeV:
             return
         grads = self.input_grads[phase][self.sent_b[phase]]
         self.input_grads[phase][self.sent_b[phase]] = None
+        assert [g.dtype for g in grads] == [d for _, d in self.p2p_specs], ("p2p_specs", [g.dtype for g in grads])
         self.sent_b[phase] += 1
         peer = self.prev_rank if phase == 0 else self.next_rank
         self.ops += [dist.P2POp(dist.isend, g.contiguous(), peer, self.group) for g in grads]

@@ -28,6 +28,7 @@ from core.hf_io import CheckpointReader, read_hf_config, write_hf_folder
 from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.swiglu import swiglu
 from core.moe import expert_matmul, moe_forward
+from core.weight_cache import cast_weight
 
 
 @dataclass
@@ -100,9 +101,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # normalise in fp32, scale in the input dtype, as transformers does
+        # statistics in fp32, output in the input dtype (bf16 on the bf16 path), as transformers does for a model
+        # of that dtype
         x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.weight.to(x.dtype) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rope_cos_sin(position_ids_BS: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +117,7 @@ def rope_cos_sin(position_ids_BS: torch.Tensor, head_dim: int, theta: float, dty
 
 def apply_rope(x_BNSD, cos, sin):
     x1, x2 = x_BNSD.chunk(2, dim=-1)
+    cos, sin = cos.to(x_BNSD.dtype), sin.to(x_BNSD.dtype)  # in the activations' dtype, as transformers does
     return x_BNSD * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
@@ -337,10 +340,18 @@ class Model(nn.Module):
         if position_ids_BS is None:
             position_ids_BS = self.default_positions(B, S, input_ids_BS.device, cp_split)
         self.set_positions(position_ids_BS, cp_split)
-        state = [self.embed_tokens(input_ids_BS), torch.zeros(2, self.cfg.num_experts, device=input_ids_BS.device)]
+        state = [self.embed(input_ids_BS), torch.zeros(2, self.cfg.num_experts, device=input_ids_BS.device)]
         for layer in self.layers.values():
             state = layer(state)
         return self.norm(state[0]), state[1]
+
+    def embed(self, input_ids_BS):
+        """The embedding [B, S, H] in the compute dtype. Under bf16 autocast (which leaves the lookup in fp32) that
+        is bf16, and with it the residual stream, every norm's output and all that crosses ranks (hidden states
+        between pipeline stages, dispatched and combined rows); fp32 stays where numerics need it: norm statistics,
+        router softmax, loss, aux-loss statistics."""
+        h_BSH, device = self.embed_tokens(input_ids_BS), input_ids_BS.device.type
+        return h_BSH.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else h_BSH
 
     def forward(self, input_ids_BS, position_ids_BS=None):
         """Logits [B, S, V] of the whole model, for whole sequences (each cp rank computes them all)."""
@@ -355,7 +366,7 @@ class Model(nn.Module):
         h_TH, w_VH = h_BSH.flatten(0, 1), self.lm_head.weight
         if torch.is_autocast_enabled(h_TH.device.type):  # autocast does not reach into the fused kernel
             dtype = torch.get_autocast_dtype(h_TH.device.type)
-            h_TH, w_VH = h_TH.to(dtype), w_VH.to(dtype)
+            h_TH, w_VH = h_TH.to(dtype), cast_weight(w_VH, dtype)  # the weight cast once per step
         return linear_cross_entropy(h_TH, w_VH, labels_BS.flatten(), ignore_index=-100, reduction="sum")
 
     def aux_loss(self, aux_2E, tokens: int):
@@ -401,7 +412,7 @@ class PipelineStage:
         if not self.first:
             return inputs
         ids_BS = self.input_ids[mb]
-        return [self.model.embed_tokens(ids_BS), torch.zeros(2, self.model.cfg.num_experts, device=ids_BS.device)]
+        return [self.model.embed(ids_BS), torch.zeros(2, self.model.cfg.num_experts, device=ids_BS.device)]
 
     def post(self, state, mb):
         if not self.last:

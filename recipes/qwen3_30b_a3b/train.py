@@ -148,7 +148,8 @@ def main(argv=None):
         pipeline = DualPipeV([PipelineStage(model, stage_layers[s], s == 0, s == 2 * args.pp - 1) for s in stages],
                              pp_rank, args.pp, mesh.rank - step_ranks if pp_rank > 0 else None,
                              mesh.rank + step_ranks if pp_rank < args.pp - 1 else None, mesh.group("pp"),
-                             [((args.micro_batch, args.seq_len // args.cp, cfg.hidden_size), torch.float32),
+                             [((args.micro_batch, args.seq_len // args.cp, cfg.hidden_size),  # hidden state:
+                               torch.bfloat16 if use_bf16 else torch.float32),  # bf16 on the bf16 path (Model.embed)
                               ((2, cfg.num_experts), torch.float32)], device,
                              overlap=args.overlap, delay_weight_grads=args.delay_wgrad)
     aux_coef = cfg.router_aux_loss_coef if args.aux_loss_coef < 0 else args.aux_loss_coef
@@ -206,13 +207,14 @@ def main(argv=None):
             return loss_sum / num_labels + aux_coef * aux_loss / (n_micro * mesh.data_world)
 
         stats = torch.zeros(2, device=device)  # summed cross-entropy, summed aux loss (pp: on pp rank 0 only)
-        if pipeline is None:  # micro-batches one after the other
-            for mb in range(n_micro):
-                rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+        if pipeline is None:  # micro-batches one after the other, in one autocast region (as the pipeline runs:
+            # autocast casts each nn.Linear weight once per region, and backwards compute alike in both)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                for mb in range(n_micro):
+                    rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
                     out = model.forward_train(input_ids[rows], labels[rows], positions_BS)
-                micro_batch_loss(out.loss_sum, out.aux_loss).backward()
-                stats += torch.stack([out.loss_sum.detach(), out.aux_loss.detach()])
+                    micro_batch_loss(out.loss_sum, out.aux_loss).backward()
+                    stats += torch.stack([out.loss_sum.detach(), out.aux_loss.detach()])
         else:  # DualPipeV over the pp ranks (core/pipeline.py)
             model.set_positions(positions_BS)
             for stage in pipeline.stages:
@@ -226,7 +228,7 @@ def main(argv=None):
         grad_norm = optimizer.clip_grad_norm_(args.grad_clip)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()  # AdamW on this rank's shard, then all-gather the weights
-        fp8.CACHE.invalidate()  # new weights: the next step's first micro-batch re-quantises them (--fp8)
+        fp8.CACHE.invalidate()  # new weights: the next step's first micro-batch re-quantises / re-casts them
         scheduler.step()
         optimizer.zero_grad()
 
