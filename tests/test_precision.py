@@ -80,7 +80,8 @@ def test_bf16_layouts_match_one_process_and_differ_from_fp32(tmp_path, tiny_trai
     """pp2, ep2, cp2 (one spawn of 2 ranks), pp2 x ep2, cp2 x ep2 (one spawn of 4) under --dtype bf16, 6 layers (with
     --pp 2 the first rank then holds MoE layers whose first gradient is a delayed one): within bf16's rounding of
     a one-process bf16 run, and further from an fp32 run than fp32 layouts are (above zero: the run was in bf16)
-    but within bf16's error of it. Activations crossing ranks (dispatch, combine, stage hand-offs, cp K/V) are bf16."""
+    but within bf16's error of it. Activations crossing ranks (dispatch, combine, stage hand-offs, cp K/V) are bf16.
+    --recompute layer at pp2 and attention at cp2 give bitwise the same losses, grad norms and weights."""
     _, data = tiny_train_setup
     config = tmp_path / "six_layers.json"
     config.write_text(json.dumps({**TINY_TRAIN_CONFIG, "num_hidden_layers": 6}))
@@ -89,7 +90,8 @@ def test_bf16_layouts_match_one_process_and_differ_from_fp32(tmp_path, tiny_trai
         return pp_args(config, data, tmp_path / name, dtype="bf16", **extra)
 
     bf16, fp32 = run_train(args("bf16")), run_train(pp_args(config, data, tmp_path / "fp32"))
-    layouts = {2: {"pp2": dict(pp=2), "ep2": dict(ep=2), "cp2": dict(cp=2)},
+    layouts = {2: {"pp2": dict(pp=2), "ep2": dict(ep=2), "cp2": dict(cp=2), "pp2 recompute": dict(pp=2, recompute="layer"),
+                   "cp2 recompute": dict(cp=2, recompute="attention")},
                4: {"pp2xep2": dict(pp=2, ep=2), "cp2xep2": dict(cp=2, ep=2)}}
     results = {"one process": ([bf16], [], 1)}
     for world, runs in layouts.items():
@@ -109,4 +111,50 @@ def test_bf16_layouts_match_one_process_and_differ_from_fp32(tmp_path, tiny_trai
         assert all(dtype == torch.bfloat16 for _, dtype, _, _ in activations), (name, set(records))
         assert {call for call, *_ in activations} == {"one process": set(), "pp2": {"p2p"}, "ep2": {"all_to_all"},
                                                      "cp2": {"all_gather"}, "pp2xep2": {"p2p", "all_to_all"},
-                                                     "cp2xep2": {"all_gather", "all_to_all"}}[name]
+                                                     "cp2xep2": {"all_gather", "all_to_all"}}[name.removesuffix(" recompute")]
+    for name in ("pp2", "cp2"):  # recompute (with DualPipeV and delayed weight gradients; cp: K/V gathered again)
+        for (losses, norms, weights), recomputed in zip(results[name][0], results[name + " recompute"][0]):
+            assert (losses, norms) == recomputed[:2], name
+            assert all(torch.equal(w, recomputed[2][n]) for n, w in weights.items()), name
+
+
+def saved_tensor_bytes(model, fn) -> tuple:
+    """(fn(), bytes of the distinct tensors (by storage) autograd keeps for backward while fn runs, the model's
+    parameters excluded):
+    what recompute saves (torch.utils.checkpoint's own inner hooks hide what it recomputes; the inputs it keeps
+    are saved through this hook)."""
+    storages = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(storages.values())
+
+
+def test_recompute_changes_no_number_and_keeps_fewer_tensors():
+    """One process, 2 MoE layers and 1 dense layer: loss and every gradient bitwise equal with --recompute attention
+    and layer; the saved-tensor bytes fall from none to attention to layer."""
+    from recipes.qwen3_30b_a3b.model import Model, ModelConfig
+
+    fields = {k: v for k, v in TINY_TRAIN_CONFIG.items() if k != "model_type"}
+    cfg = ModelConfig(**{**fields, "num_hidden_layers": 3, "mlp_only_layers": [1]})
+    ids_BS = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for mode in ("none", "attention", "layer"):
+        torch.manual_seed(0)
+        model = Model(cfg, recompute=mode)
+        out, saved = saved_tensor_bytes(model, lambda: model.forward_train(ids_BS, ids_BS.roll(-1, 1)))
+        (out.loss_sum + out.aux_loss).backward()
+        results[mode] = (out.loss_sum.detach(), {n: p.grad for n, p in model.named_parameters()}, saved)
+    print({mode: r[2] for mode, r in results.items()})
+    loss, grads, saved = results["none"]
+    for mode in ("attention", "layer"):
+        assert torch.equal(results[mode][0], loss), mode
+        for name, g in grads.items():
+            assert torch.equal(results[mode][1][name], g), (mode, name)
+    assert saved > results["attention"][2] > results["layer"][2]

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from core.context import cp_attention, cp_attention_mask, cp_positions
 from core.fp8 import convert_linears, fp8_grouped_mm
@@ -216,14 +217,34 @@ class MoE(nn.Module):
         return weights_Tk, ids_Tk, aux_2E + torch.stack([probs_TE.float().sum(0), counts_E])
 
 
+RECOMPUTE = ("none", "attention", "layer")
+
+
+def _run(fn, *args, recompute: bool):
+    """fn(*args); with recompute, the tensors fn saves for backward are dropped and fn runs again in backward
+    (torch.utils.checkpoint, non-reentrant: it nests in core/pipeline.py's autograd segments, replays the autocast
+    state, and the delayed expert weight gradients capture the recomputed tensors). Nothing in fn draws random
+    numbers, so no RNG state is kept."""
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+    return fn(*args)
+
+
 class DecoderLayer(nn.Module):
     """One decoder layer as the three compute steps that core/pipeline.py interleaves (its contract): (1)
     `attention` (norms, attention, router), (3) `routed_experts`, (5) `finish` (residual add); the dispatch and
     combine all-to-alls (2) and (4) run between them in core/moe.py. `state` is [hidden x_BSH, aux_2E]. `rope`
-    holds (cos, sin, attention mask) of the current micro-batch shape, set by Model.set_positions."""
+    holds (cos, sin, attention mask) of the current micro-batch shape, set by Model.set_positions.
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, experts: tuple[int, int], ep_group, cp_group=None):
+    recompute (RECOMPUTE): "attention" keeps only the input of each attention block (input norm, projections,
+    q/k norms, rope, attention, output projection) and recomputes the rest in backward; "layer" keeps only the
+    inputs of step (1) without the router and of step (3) (the expert GEMMs and SwiGLU), or of a dense layer. The
+    all-to-alls and the router (whose expert counts are statistics) never run twice."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, experts: tuple[int, int], ep_group, cp_group=None,
+                 recompute: str = "none"):
         super().__init__()
+        self.recompute = recompute
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, cp_group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -234,13 +255,19 @@ class DecoderLayer(nn.Module):
 
     def attention(self, state):  # (1)
         x_BSH, aux_2E = state
-        h_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), *self.rope)
-        x_TH = self.post_attention_layernorm(h_BSH).flatten(0, 1)
+        h_BSH, x_TH = _run(self._attention_and_norm, x_BSH, recompute=self.recompute == "layer")
         weights_Tk, ids_Tk, aux_2E = self.mlp.route(x_TH, aux_2E)
         return [h_BSH, aux_2E], x_TH, ids_Tk, weights_Tk
 
+    def _attention_block(self, x_BSH):
+        return self.self_attn(self.input_layernorm(x_BSH), *self.rope)
+
+    def _attention_and_norm(self, x_BSH):
+        h_BSH = x_BSH + _run(self._attention_block, x_BSH, recompute=self.recompute == "attention")
+        return h_BSH, self.post_attention_layernorm(h_BSH).flatten(0, 1)
+
     def routed_experts(self, rows_RH, counts_L):  # (3)
-        return self.mlp.experts(rows_RH, counts_L)
+        return _run(self.mlp.experts, rows_RH, counts_L, recompute=self.recompute == "layer")
 
     def finish(self, state, out_TH):  # (5)
         h_BSH, aux_2E = state
@@ -248,8 +275,11 @@ class DecoderLayer(nn.Module):
 
     def dense(self, state):  # a layer without routed experts, whole
         x_BSH, aux_2E = state
-        h_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), *self.rope)
-        return [h_BSH + self.mlp(self.post_attention_layernorm(h_BSH)), aux_2E]
+        return [_run(self._dense, x_BSH, recompute=self.recompute == "layer"), aux_2E]
+
+    def _dense(self, x_BSH):
+        h_BSH = x_BSH + _run(self._attention_block, x_BSH, recompute=self.recompute == "attention")
+        return h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
 
     def forward(self, state):
         """The five steps back to back (the pipeline schedule runs them interleaved instead)."""
@@ -272,8 +302,10 @@ class TrainOutput:
 
 class Model(nn.Module):
     def __init__(self, cfg: ModelConfig, layers=None, experts: tuple[int, int] | None = None,
-                 embed: bool = True, head: bool = True, ep_group=None, cp_group=None):
+                 embed: bool = True, head: bool = True, ep_group=None, cp_group=None, recompute: str = "none"):
         super().__init__()
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute {recompute!r} is not one of {', '.join(RECOMPUTE)}")
         self.cfg, self.cp_group = cfg, cp_group
         # drawn before any module exists (their constructors draw too): the same on every rank and layout
         self.base_seed = int(torch.randint(0, 2**62, (), device="cpu"))
@@ -286,7 +318,8 @@ class Model(nn.Module):
             experts = (ep_rank * cfg.num_experts // ep, (ep_rank + 1) * cfg.num_experts // ep)
         experts = (0, cfg.num_experts) if experts is None else experts
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, experts, ep_group, cp_group) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, experts, ep_group, cp_group, recompute)
+                                     for i in layer_ids})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
         self.init_weights()

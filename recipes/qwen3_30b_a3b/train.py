@@ -62,6 +62,7 @@ class Args:
     dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     compile: bool | None = None  # torch.compile the dense parts of each layer; default on for CUDA, off for CPU
     # (there, compiling the C++ kernels takes longer than a whole tiny run and gains nothing at its sizes)
+    recompute: str = "none"  # none | attention | layer: activations recomputed in backward instead of kept (model.py)
     fp8: bool = False  # FP8 GEMMs (Hopper) for attention, dense MLP and expert weights; on CPU the same numerics
     steps: int = 300
     seq_len: int = 256
@@ -127,7 +128,8 @@ def main(argv=None):
     pp_rank = mesh.coord("pp")
     stages = (pp_rank, 2 * args.pp - 1 - pp_rank)
     parts = dict(layers=None if stage_layers is None else stage_layers[stages[0]] + stage_layers[stages[1]],
-                 embed=pp_rank == 0, head=pp_rank == 0, ep_group=mesh.group("ep"), cp_group=mesh.group("cp"))
+                 embed=pp_rank == 0, head=pp_rank == 0, ep_group=mesh.group("ep"), cp_group=mesh.group("cp"),
+                 recompute=args.recompute)
     if args.hf_checkpoint:
         with torch.device("meta"):
             model = Model(cfg, **parts)
