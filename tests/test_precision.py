@@ -158,3 +158,33 @@ def test_recompute_changes_no_number_and_keeps_fewer_tensors():
         for name, g in grads.items():
             assert torch.equal(results[mode][1][name], g), (mode, name)
     assert saved > results["attention"][2] > results["layer"][2]
+
+
+def test_bf16_weights_cast_once_per_step(tiny_train_setup, tmp_path):
+    """--dtype bf16, 2 steps of 4 micro-batches: every matrix parameter (attention, router, experts, LM head; the
+    embedding is looked up in fp32 and its rows cast) is cast to bf16 exactly once per step, counted at the ATen
+    level (the norms' weights, [H] each, are cast where they are used)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from recipes.qwen3_30b_a3b import train
+    from tests.test_train import train_args
+
+    class CountCasts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.casts = {}  # storage address of the source -> count
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float32 and \
+                    kwargs.get("dtype") == torch.bfloat16:
+                ptr = args[0].untyped_storage().data_ptr()
+                self.casts[ptr] = self.casts.get(ptr, 0) + 1
+            return func(*args, **kwargs)
+
+    config, data = tiny_train_setup
+    with CountCasts() as counter:
+        _, model = train.main(train_args(config, data, tmp_path, steps=2, dtype="bf16"))
+    matrices = {n: p for n, p in model.named_parameters() if p.dim() >= 2 and n != "embed_tokens.weight"}
+    assert {n: counter.casts.get(p.untyped_storage().data_ptr()) for n, p in matrices.items()} == \
+        {n: 2 for n in matrices}
