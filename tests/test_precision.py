@@ -73,7 +73,8 @@ def errors(ranks, ref, ep: int = 1) -> tuple[float, float, float]:
     (ref_losses, ref_norms, ref_weights), (losses, norms, _) = ref, ranks[0]
     worst = max(rel_err(w, ref_weights[name].chunk(ep)[rank % ep] if ".mlp.experts." in name else ref_weights[name])
                 for rank, (_, _, weights) in enumerate(ranks) for name, w in weights.items())
-    return rel_err(torch.tensor(losses), torch.tensor(ref_losses)), rel_err(torch.tensor(norms), torch.tensor(ref_norms)), worst
+    return (rel_err(torch.tensor(losses), torch.tensor(ref_losses)), rel_err(torch.tensor(norms), torch.tensor(ref_norms)),
+            worst)
 
 
 def test_bf16_layouts_match_one_process_and_differ_from_fp32(tmp_path, tiny_train_setup):
@@ -90,12 +91,13 @@ def test_bf16_layouts_match_one_process_and_differ_from_fp32(tmp_path, tiny_trai
         return pp_args(config, data, tmp_path / name, dtype="bf16", **extra)
 
     bf16, fp32 = run_train(args("bf16")), run_train(pp_args(config, data, tmp_path / "fp32"))
-    layouts = {2: {"pp2": dict(pp=2), "ep2": dict(ep=2), "cp2": dict(cp=2), "pp2 recompute": dict(pp=2, recompute="layer"),
-                   "cp2 recompute": dict(cp=2, recompute="attention")},
+    layouts = {2: {"pp2": dict(pp=2), "ep2": dict(ep=2), "cp2": dict(cp=2),
+                   "pp2 recompute": dict(pp=2, recompute="layer"), "cp2 recompute": dict(cp=2, recompute="attention")},
                4: {"pp2xep2": dict(pp=2, ep=2), "cp2xep2": dict(cp=2, ep=2)}}
-    results = {"one process": ([bf16], [], 1)}
+    results = {"single": ([bf16], [], 1)}
     for world, runs in layouts.items():
-        per_rank = run_ranks(world, recorded_runs, [_free_port() for _ in runs], [args(n, **e) for n, e in runs.items()])
+        ports, argvs = [_free_port() for _ in runs], [args(name, **extra) for name, extra in runs.items()]
+        per_rank = run_ranks(world, recorded_runs, ports, argvs)
         results.update({name: ([rank[i][0] for rank in per_rank], [r for rank in per_rank for r in rank[i][1]],
                                extra.get("ep", 1)) for i, (name, extra) in enumerate(runs.items())})
     for name, (ranks, records, ep) in results.items():
@@ -103,15 +105,18 @@ def test_bf16_layouts_match_one_process_and_differ_from_fp32(tmp_path, tiny_trai
         print(f"{name}: vs one-process bf16: losses {loss:.1e} grad norms {norm:.1e} worst weight {weight:.1e}; "
               f"vs fp32: losses {loss32:.1e} grad norms {norm32:.1e}")
         # bf16 layouts round in other places than one process (ep: other expert sums, cp: another attention
-        # kernel); Adam turns near-zero gradient differences into lr-sized steps, hence the weights' bound
-        assert loss < 5e-4 and norm < 3e-2 and weight < 0.1, name
+        # kernel); Adam turns near-zero gradient differences into lr-sized steps, hence the weights' bound. pp
+        # alone runs the same bf16 ops as one process: only the stage boundaries sum gradients in another order
+        tight = name.startswith("pp2") and "ep2" not in name
+        bounds = (1e-6, 1e-6, 1e-6) if tight else (5e-4, 3e-2, 0.1)
+        assert all(e < bound for e, bound in zip((loss, norm, weight), bounds)), name
         # fp32 layouts match fp32 to ~1e-7: an error above these floors means the run computed in bf16
         assert 5e-6 < loss32 < 1e-3 and 1e-3 < norm32 < 5e-2, name
         activations = [r for r in records if r[2] != (2, TINY_TRAIN_CONFIG["num_experts"])]  # not the aux statistics
         assert all(dtype == torch.bfloat16 for _, dtype, _, _ in activations), (name, set(records))
-        assert {call for call, *_ in activations} == {"one process": set(), "pp2": {"p2p"}, "ep2": {"all_to_all"},
+        assert {call for call, *_ in activations} == {"single": set(), "pp2": {"p2p"}, "ep2": {"all_to_all"},
                                                      "cp2": {"all_gather"}, "pp2xep2": {"p2p", "all_to_all"},
-                                                     "cp2xep2": {"all_gather", "all_to_all"}}[name.removesuffix(" recompute")]
+                                                     "cp2xep2": {"all_gather", "all_to_all"}}[name.split(" ")[0]]
     for name in ("pp2", "cp2"):  # recompute (with DualPipeV and delayed weight gradients; cp: K/V gathered again)
         for (losses, norms, weights), recomputed in zip(results[name][0], results[name + " recompute"][0]):
             assert (losses, norms) == recomputed[:2], name
@@ -119,10 +124,9 @@ def test_bf16_layouts_match_one_process_and_differ_from_fp32(tmp_path, tiny_trai
 
 
 def saved_tensor_bytes(model, fn) -> tuple:
-    """(fn(), bytes of the distinct tensors (by storage) autograd keeps for backward while fn runs, the model's
-    parameters excluded):
-    what recompute saves (torch.utils.checkpoint's own inner hooks hide what it recomputes; the inputs it keeps
-    are saved through this hook)."""
+    """(fn(), bytes of the distinct tensors (by storage) that autograd keeps for backward while fn runs, the model's
+    parameters excluded). torch.utils.checkpoint's inner hooks hide what it will recompute; the inputs it keeps
+    pass through this hook."""
     storages = {}
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
