@@ -114,6 +114,12 @@ def test_bf16_layouts_match_one_process_and_differ_from_fp32(tmp_path, tiny_trai
         assert 5e-6 < loss32 < 1e-3 and 1e-3 < norm32 < 5e-2, name
         activations = [r for r in records if r[2] != (2, TINY_TRAIN_CONFIG["num_experts"])]  # not the aux statistics
         assert all(dtype == torch.bfloat16 for _, dtype, _, _ in activations), (name, set(records))
+        moved = {}  # bytes per trained token (3 steps of 8 x 32): per MoE layer, per stage crossing, per layer
+        for call, _, shape, nbytes in activations:
+            kind = {"p2p": "pipeline", "all_gather": "cp K/V gather"}.get(call) or \
+                ("combine" if shape[-1] == TINY_TRAIN_CONFIG["hidden_size"] else "dispatch")
+            moved[kind] = moved.get(kind, 0) + nbytes / (3 * 8 * 32) / (2 if call == "p2p" else 6)
+        print(f"{name}: bytes sent per token", {kind: round(b, 1) for kind, b in sorted(moved.items())})
         assert {call for call, *_ in activations} == {"single": set(), "pp2": {"p2p"}, "ep2": {"all_to_all"},
                                                      "cp2": {"all_gather"}, "pp2xep2": {"p2p", "all_to_all"},
                                                      "cp2xep2": {"all_gather", "all_to_all"}}[name.split(" ")[0]]
