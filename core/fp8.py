@@ -16,8 +16,8 @@ Numerics (row-wise scaling; DeepSeek-V3 uses finer 1x128 blocks, torchao calls t
 
 Weight cache (core/weight_cache.py): a weight is quantised (both copies) the first time it is used after an update
 and the stored copy is returned on every later use: with n micro-batches per step, one quantisation instead of 2n.
-The GEMMs are torch custom ops, so the lookup also works inside a
-torch.compile graph (the op is opaque to the compiler and runs its Python at run time).
+The GEMMs are torch custom ops, so the lookup also works inside a torch.compile graph (the op is opaque to the
+compiler and runs its Python at run time).
 
 Paths: on CUDA, torch._scaled_mm and torch._scaled_grouped_mm (Hopper, out dtype bf16). Elsewhere the reference:
 torch._scaled_mm runs float8_e4m3fn on CPU (seen in torch 2.13), and the grouped GEMM is a loop over experts of it.
@@ -64,8 +64,6 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     (q_NK, s_N1) quantised over K for the forward, (q_KN, s_K1) quantised over N for the dgrad ([E, ...] leading)."""
     w_NK = w if w.dim() == 2 else w.transpose(-2, -1)
     return (*_quantize(w_NK), *_quantize(w_NK.transpose(-2, -1)))
-
-
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

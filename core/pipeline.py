@@ -28,6 +28,9 @@ generator, so each waits on a transfer only when it needs the result, with the o
 
 Weight-gradient delay: during zero-bubble backward chunks, expert GEMMs compute the input gradient at once and
 queue the weight gradient (core.moe.weight_grads); the schedule's W steps run the queue, oldest chunk first.
+
+Recompute: a layer may wrap parts of its compute steps in torch.utils.checkpoint (non-reentrant); each such region
+lies inside one autograd segment (never across an all-to-all), so it is recomputed when that segment's backward runs.
 """
 
 import time
