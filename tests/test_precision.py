@@ -3,13 +3,13 @@ their combinations; activations that cross ranks are bf16; weights are cast once
 changes no number and holds fewer saved tensors."""
 
 import json
-import os
 
 import torch
 import torch.distributed as dist
 
+from recipes.qwen3_30b_a3b import train
 from tests.conftest import TINY_TRAIN_CONFIG
-from tests.multiproc import _free_port, run_ranks
+from tests.multiproc import run_ranks
 from tests.test_train import rel_err, run_train
 from tests.test_train_pp import pp_args
 
@@ -56,14 +56,18 @@ class CommRecorder:
             setattr(dist, name, fn)
 
 
-def recorded_runs(ports: list[int], runs: list[list[str]]):
-    """Training runs one after the other in each spawned rank, each with its own rendezvous port (a rank that
-    finished the previous run early must not join that run's store); returns [(run_train result, records)]."""
+def recorded_runs(runs: list[list[str]]):
+    """Training runs one after the other in each spawned rank, all in one process group (train.py's closing
+    destroy_mesh waits for the last run: a new rendezvous per run races with slower ranks still leaving the
+    previous one); returns [(run_train result, records)]."""
+    dist.init_process_group("gloo")
+    train.destroy_mesh = lambda: None
     out = []
-    for port, argv in zip(ports, runs):
-        os.environ["MASTER_PORT"] = str(port)
+    for argv in runs:
         with CommRecorder() as recorder:
             out.append((run_train(argv), recorder.records))
+    dist.barrier()
+    dist.destroy_process_group()
     return out
 
 
@@ -73,8 +77,8 @@ def errors(ranks, ref, ep: int = 1) -> tuple[float, float, float]:
     (ref_losses, ref_norms, ref_weights), (losses, norms, _) = ref, ranks[0]
     worst = max(rel_err(w, ref_weights[name].chunk(ep)[rank % ep] if ".mlp.experts." in name else ref_weights[name])
                 for rank, (_, _, weights) in enumerate(ranks) for name, w in weights.items())
-    return (rel_err(torch.tensor(losses), torch.tensor(ref_losses)), rel_err(torch.tensor(norms), torch.tensor(ref_norms)),
-            worst)
+    return rel_err(torch.tensor(losses), torch.tensor(ref_losses)), \
+        rel_err(torch.tensor(norms), torch.tensor(ref_norms)), worst
 
 
 def test_bf16_layouts_match_one_process_and_differ_from_fp32(tmp_path, tiny_train_setup):
@@ -96,8 +100,7 @@ def test_bf16_layouts_match_one_process_and_differ_from_fp32(tmp_path, tiny_trai
                4: {"pp2xep2": dict(pp=2, ep=2), "cp2xep2": dict(cp=2, ep=2)}}
     results = {"single": ([bf16], [], 1)}
     for world, runs in layouts.items():
-        ports, argvs = [_free_port() for _ in runs], [args(name, **extra) for name, extra in runs.items()]
-        per_rank = run_ranks(world, recorded_runs, ports, argvs)
+        per_rank = run_ranks(world, recorded_runs, [args(name, **extra) for name, extra in runs.items()])
         results.update({name: ([rank[i][0] for rank in per_rank], [r for rank in per_rank for r in rank[i][1]],
                                extra.get("ep", 1)) for i, (name, extra) in enumerate(runs.items())})
     for name, (ranks, records, ep) in results.items():
@@ -129,9 +132,9 @@ def test_bf16_layouts_match_one_process_and_differ_from_fp32(tmp_path, tiny_trai
             assert all(torch.equal(w, recomputed[2][n]) for n, w in weights.items()), name
 
 
-def saved_tensor_bytes(model, fn) -> tuple:
-    """(fn(), bytes of the distinct tensors (by storage) that autograd keeps for backward while fn runs, the model's
-    parameters excluded). torch.utils.checkpoint's inner hooks hide what it will recompute; the inputs it keeps
+def saved_tensor_bytes(model, fn, *args) -> tuple:
+    """(fn(*args), bytes of the distinct tensors (by storage) that autograd keeps for backward while fn runs, the
+    model's parameters excluded). torch.utils.checkpoint's inner hooks hide what it will recompute; the inputs it keeps
     pass through this hook."""
     storages = {}
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -142,7 +145,7 @@ def saved_tensor_bytes(model, fn) -> tuple:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
+        out = fn(*args)
     return out, sum(storages.values())
 
 
@@ -158,7 +161,7 @@ def test_recompute_changes_no_number_and_keeps_fewer_tensors():
     for mode in ("none", "attention", "layer"):
         torch.manual_seed(0)
         model = Model(cfg, recompute=mode)
-        out, saved = saved_tensor_bytes(model, lambda: model.forward_train(ids_BS, ids_BS.roll(-1, 1)))
+        out, saved = saved_tensor_bytes(model, model.forward_train, ids_BS, ids_BS.roll(-1, 1))
         (out.loss_sum + out.aux_loss).backward()
         results[mode] = (out.loss_sum.detach(), {n: p.grad for n, p in model.named_parameters()}, saved)
     print({mode: r[2] for mode, r in results.items()})
@@ -176,7 +179,6 @@ def test_bf16_weights_cast_once_per_step(tiny_train_setup, tmp_path):
     level (the norms' weights, [H] each, are cast where they are used)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from recipes.qwen3_30b_a3b import train
     from tests.test_train import train_args
 
     class CountCasts(TorchDispatchMode):
