@@ -5,12 +5,13 @@ included); resume at ep=2 continues exactly; an export at pp2 x ep2 equals the o
 the recipe folder runs its launch.sh unchanged under its new name. One spawned process group per world size."""
 
 import json
-import os
 import shutil
 
 import torch
+import torch.distributed as dist
 
-from tests.multiproc import _free_port, run_ranks
+from recipes.gpt_oss_20b import train
+from tests.multiproc import run_ranks
 from tests.test_launch import ROOT, launch
 from tests.test_train import assert_matches_single, rel_err, run_train, train_args
 from tools.hf_parity import folder_tensors
@@ -28,18 +29,16 @@ def layout_args(config, data, out, **extra):
     return train_args(config, data, out, **{"steps": 3, "micro_batch": 1, "adam_eps": 1e-6, **extra})
 
 
-def runs_worker(runs):
-    """Several training runs one after the other in the same processes, each with its own rendezvous port (a
-    rank that finishes a run first must not meet the store of the run before)."""
-    results = []
-    for port, argv in runs:
-        os.environ["MASTER_PORT"] = str(port)
-        results.append(run_train(argv, "gpt_oss_20b"))
-    return results
-
-
-def with_ports(*argvs):
-    return [(_free_port(), argv) for argv in argvs]
+def runs_worker(argvs):
+    """Training runs one after the other in each spawned rank, all in one process group (train.py's closing
+    destroy_mesh waits for the last run: a new rendezvous per run races with slower ranks still leaving the
+    previous one, as in tests/test_precision.py)."""
+    dist.init_process_group("gloo")
+    train.destroy_mesh = lambda: None
+    out = [run_train(argv, "gpt_oss_20b") for argv in argvs]
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
 
 
 def test_layouts_equal_single_process(tiny_train_setup, tmp_path):
@@ -51,18 +50,18 @@ def test_layouts_equal_single_process(tiny_train_setup, tmp_path):
     assert single[0][-1] < single[0][0]
 
     resume_from = tmp_path / "ep2_a" / "checkpoints" / "step_00000002"
-    two = run_ranks(2, runs_worker, with_ports(layout_args(config, data, tmp_path / "ep2", ep=2),
+    two = run_ranks(2, runs_worker, [layout_args(config, data, tmp_path / "ep2", ep=2),
                                      layout_args(config, data, tmp_path / "pp2", pp=2),
                                      layout_args(config, data, tmp_path / "cp2", cp=2),
                                      layout_args(config, data, tmp_path / "ep2_a", ep=2, steps=4, ckpt_every=2),
-                                     layout_args(config, data, tmp_path / "ep2_b", ep=2, steps=4, resume=resume_from)))
-    four = run_ranks(4, runs_worker, with_ports(layout_args(config, data, tmp_path / "pp2ep2", pp=2, ep=2,
+                                     layout_args(config, data, tmp_path / "ep2_b", ep=2, steps=4, resume=resume_from)])
+    four = run_ranks(4, runs_worker, [layout_args(config, data, tmp_path / "pp2ep2", pp=2, ep=2,
                                                   export_hf=tmp_path / "hf_pp2ep2"),
-                                      layout_args(config, data, tmp_path / "cp2ep2", cp=2, ep=2)))
+                                      layout_args(config, data, tmp_path / "cp2ep2", cp=2, ep=2)])
     for i, (name, ep) in enumerate([("ep2", 2), ("pp2", 1), ("cp2", 1)]):
-        assert_matches_single(single, [rank[i] for rank in two], ep=ep), name
+        assert_matches_single(single, [rank[i] for rank in two], ep=ep)
     for i, name in enumerate(["pp2ep2", "cp2ep2"]):
-        assert_matches_single(single, [rank[i] for rank in four], ep=2), name
+        assert_matches_single(single, [rank[i] for rank in four], ep=2)
     for rank in two:  # resumed at step 2: the same losses and, bit for bit, the same weights
         (full_losses, _, full_weights), (resumed_losses, _, resumed_weights) = rank[3], rank[4]
         assert resumed_losses == full_losses[2:]
