@@ -13,6 +13,7 @@ import torch.distributed as dist
 from recipes.gpt_oss_20b import train
 from tests.multiproc import run_ranks
 from tests.test_launch import ROOT, launch
+from tests.test_precision import errors
 from tests.test_train import assert_matches_single, rel_err, run_train, train_args
 from tools.hf_parity import folder_tensors
 
@@ -58,10 +59,12 @@ def test_layouts_equal_single_process(tiny_train_setup, tmp_path):
     four = run_ranks(4, runs_worker, [layout_args(config, data, tmp_path / "pp2ep2", pp=2, ep=2,
                                                   export_hf=tmp_path / "hf_pp2ep2"),
                                       layout_args(config, data, tmp_path / "cp2ep2", cp=2, ep=2)])
-    for i, (name, ep) in enumerate([("ep2", 2), ("pp2", 1), ("cp2", 1)]):
-        assert_matches_single(single, [rank[i] for rank in two], ep=ep)
-    for i, name in enumerate(["pp2ep2", "cp2ep2"]):
-        assert_matches_single(single, [rank[i] for rank in four], ep=2)
+    layouts = {"ep2": ([r[0] for r in two], 2), "pp2": ([r[1] for r in two], 1), "cp2": ([r[2] for r in two], 1),
+               "pp2ep2": ([r[0] for r in four], 2), "cp2ep2": ([r[1] for r in four], 2)}
+    for name, (ranks, ep) in layouts.items():
+        print(f"{name}: losses / grad norms / worst weight vs one process " + " / ".join(
+            f"{e:.1e}" for e in errors(ranks, single, ep)))
+        assert_matches_single(single, ranks, ep=ep)
     for rank in two:  # resumed at step 2: the same losses and, bit for bit, the same weights
         (full_losses, _, full_weights), (resumed_losses, _, resumed_weights) = rank[3], rank[4]
         assert resumed_losses == full_losses[2:]
