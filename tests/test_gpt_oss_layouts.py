@@ -1,7 +1,7 @@
 """The GPT-OSS recipe trains identically under every parallel layout: ep=2, pp=2 (DualPipeV), cp=2 (sliding
 windows reaching across the cp chunk boundaries), pp2 x ep2 and cp2 x ep2 each equal one process running the
 same global batch and micro-batch split (losses, grad norms, every weight after 3 steps, sinks and biases
-included); resume at ep=2 continues exactly; an export at pp2 x ep2 equals the one-process export; and a copy of
+included); resume at ep=2 continues exactly; the released MXFP4 layout loads at ep=2; an export at pp2 x ep2 equals the one-process export; and a copy of
 the recipe folder runs its launch.sh unchanged under its new name. One spawned process group per world size."""
 
 import json
@@ -15,7 +15,8 @@ from tests.multiproc import run_ranks
 from tests.test_launch import ROOT, launch
 from tests.test_precision import errors
 from tests.test_train import assert_matches_single, rel_err, run_train, train_args
-from tools.hf_parity import folder_tensors
+from tests.test_gpt_oss_parity import write_released_layout
+from tools.hf_parity import folder_tensors, make_tiny_hf_model
 
 # window 6 over sequences of 32: at cp=2 the 4 chunks hold 8 tokens each, so a query early in a chunk sees keys of
 # the chunk before it, held by the other cp rank (chunks 0, 3 on rank 0 and 1, 2 on rank 1)
@@ -51,11 +52,14 @@ def test_layouts_equal_single_process(tiny_train_setup, tmp_path):
     assert single[0][-1] < single[0][0]
 
     resume_from = tmp_path / "ep2_a" / "checkpoints" / "step_00000002"
+    released = write_released_layout(make_tiny_hf_model(CONFIG, tmp_path / "hf_fp32"), tmp_path / "hf_mxfp4")
     two = run_ranks(2, runs_worker, [layout_args(config, data, tmp_path / "ep2", ep=2),
                                      layout_args(config, data, tmp_path / "pp2", pp=2),
                                      layout_args(config, data, tmp_path / "cp2", cp=2),
                                      layout_args(config, data, tmp_path / "ep2_a", ep=2, steps=4, ckpt_every=2),
-                                     layout_args(config, data, tmp_path / "ep2_b", ep=2, steps=4, resume=resume_from)])
+                                     layout_args(config, data, tmp_path / "ep2_b", ep=2, steps=4, resume=resume_from),
+                                     layout_args("unused", data, tmp_path / "ep2_mxfp4", ep=2, steps=1, lr=0.0,
+                                                 hf_checkpoint=tmp_path / "hf_mxfp4", export_hf=tmp_path / "hf_out")])
     four = run_ranks(4, runs_worker, [layout_args(config, data, tmp_path / "pp2ep2", pp=2, ep=2,
                                                   export_hf=tmp_path / "hf_pp2ep2"),
                                       layout_args(config, data, tmp_path / "cp2ep2", cp=2, ep=2)])
@@ -69,6 +73,13 @@ def test_layouts_equal_single_process(tiny_train_setup, tmp_path):
         (full_losses, _, full_weights), (resumed_losses, _, resumed_weights) = rank[3], rank[4]
         assert resumed_losses == full_losses[2:]
         assert all(torch.equal(resumed_weights[k], w) for k, w in full_weights.items())
+
+    # the released layout (MXFP4 experts) read at ep=2 and exported after a step of lr 0: transformers'
+    # dequantised experts and the bf16 dense tensors, exactly
+    exported, source = folder_tensors(tmp_path / "hf_out"), folder_tensors(tmp_path / "hf_mxfp4")
+    assert exported.keys() == released.keys() | {k for k in source if "_blocks" not in k and "_scales" not in k}
+    for name, t in exported.items():
+        assert torch.equal(t, released[name] if name in released else source[name].float()), name
 
     exported, reference = folder_tensors(tmp_path / "hf_pp2ep2"), folder_tensors(tmp_path / "hf_single")
     assert exported.keys() == reference.keys()

@@ -2,6 +2,7 @@
 MXFP4 checkpoint layout against transformers' own MXFP4 dequantisation."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,28 +107,35 @@ def quantize_mxfp4(w_EKM: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (codes[..., 0::2] | codes[..., 1::2] << 4).to(torch.uint8), (exp + 127).to(torch.uint8)
 
 
-def test_mxfp4_released_layout_matches_transformers_dequantisation(tmp_path):
-    """A released-layout folder (experts as MXFP4 blocks/scales, everything else bf16, the released
-    quantization_config): expert tensors equal transformers' convert_moe_packed_tensors bit for bit, an expert
-    shard reads only its rows, and the logits equal transformers' model loaded (and dequantised) from it."""
-    path = save_tiny(tmp_path / "fp32")
+def write_released_layout(src, dst, every_byte: bool = False) -> dict[str, torch.Tensor]:
+    """Copy the folder src in the released layout to dst: experts as MXFP4 blocks/scales, everything else bf16, the
+    released quantization_config. every_byte: layer 0's down_proj gets random bytes (every code) and scales
+    100-149 instead. Returns transformers' dequantisation (convert_moe_packed_tensors) of each expert tensor."""
     tensors, expected = {}, {}
-    for name, t in folder_tensors(path).items():
+    for name, t in folder_tensors(src).items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             blocks, scales = quantize_mxfp4(t)
-            if name.endswith("layers.0.mlp.experts.down_proj"):  # every byte value, extreme scales
+            if every_byte and name.endswith("layers.0.mlp.experts.down_proj"):
                 blocks = torch.randint(0, 256, blocks.shape, dtype=torch.uint8)
                 scales = torch.randint(100, 150, scales.shape, dtype=torch.uint8)
             tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
-            expected[name.removeprefix("model.")] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            expected[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
         else:
             tensors[name] = t.to(torch.bfloat16)
     released = json.loads(real_config_path().read_text())
-    config = {**json.loads((tmp_path / "fp32" / "config.json").read_text()), "dtype": "bfloat16",
+    config = {**json.loads((Path(src) / "config.json").read_text()), "dtype": "bfloat16",
               "quantization_config": released["quantization_config"]}
-    (tmp_path / "mxfp4").mkdir()
-    save_file(tensors, tmp_path / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
-    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
+    Path(dst).mkdir(parents=True)
+    save_file(tensors, Path(dst) / "model.safetensors", metadata={"format": "pt"})
+    (Path(dst) / "config.json").write_text(json.dumps(config))
+    return expected
+
+
+def test_mxfp4_released_layout_matches_transformers_dequantisation(tmp_path):
+    """A released-layout folder: expert tensors equal transformers' convert_moe_packed_tensors bit for bit, an
+    expert shard reads only its rows, and the logits equal transformers' model loaded (and dequantised) from it."""
+    expected = {k.removeprefix("model."): v for k, v in
+                write_released_layout(save_tiny(tmp_path / "fp32"), tmp_path / "mxfp4", every_byte=True).items()}
 
     model = Model(ModelConfig.from_hf(tmp_path / "mxfp4"))
     load_hf_checkpoint(model, tmp_path / "mxfp4")
