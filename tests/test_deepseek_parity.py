@@ -11,12 +11,14 @@ from tools.hf_parity import check_recipe, format_table, grads_by_checkpoint_name
 BASE = dict(vocab_size=96, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=3,
             num_attention_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
             v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1,
-            max_position_embeddings=128, rope_theta=10000.0)
-YARN = dict(type="yarn", factor=8, original_max_position_embeddings=16, beta_fast=32, beta_slow=1)
+            max_position_embeddings=1024, rope_theta=10000.0)
+# YaRN changes the rope frequencies at every length; with 256 and 16 rope dims the ramp is [0.2, 3.2] before the
+# truncation to whole dims
+YARN = dict(type="yarn", factor=4, original_max_position_embeddings=256, beta_fast=32, beta_slow=1)
 
 CONFIGS = {
-    # YaRN (sequence 24 > original 16) with mscale != mscale_all_dim: cos/sin scaled, softmax scale mscale^2
-    "yarn_2shared_1dense": dict(rope_scaling={**YARN, "mscale": 1.0, "mscale_all_dim": 0.707}),
+    # YaRN with mscale != mscale_all_dim: cos/sin scaled, softmax scale mscale^2; 16 rope dims
+    "yarn_2shared_1dense": dict(rope_scaling={**YARN, "mscale": 1.0, "mscale_all_dim": 0.707}, qk_rope_head_dim=16),
     # plain rope, top-1, routed_scaling_factor 2.5, one shared expert, 2 dense layers
     "top1_scaled_1shared_2dense": dict(num_experts_per_tok=1, routed_scaling_factor=2.5, n_shared_experts=1,
                                        first_k_dense_replace=2, num_hidden_layers=4),
