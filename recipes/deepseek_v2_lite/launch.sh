@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
 # Launch this recipe's train.py. Extra arguments pass through to train.py and override the defaults below.
 #
-#   bash recipes/qwen3_30b_a3b/launch.sh [train.py flags ...]
+#   bash recipes/deepseek_v2_lite/launch.sh [train.py flags ...]
 #
 # No GPU:       prepares the demo data if missing (the Python standard library's sources, with a
 #               sentencepiece tokenizer trained locally), trains the tiny config on 4 CPU ranks for 300 steps:
 #               DualPipeV over 2 pipeline ranks (pp=2), its 8 experts split over 2 (ep=2); then prints where the
 #               TensorBoard logs and checkpoints are.
 # GPUs (1 node): one process per GPU with the released config.json, experts split over the node's GPUs
-#               (ep = GPUs per node, at most 8; dp over the nodes). Set HF_CHECKPOINT=/path/to/Qwen3-30B-A3B
+#               (ep = GPUs per node, at most 8; dp over the nodes). Set HF_CHECKPOINT=/path/to/DeepSeek-V2-Lite
 #               to start from the released weights (the demo data is then tokenized with its tokenizer), or
 #               DATA=/path/to/shards for data made by `python -m tools.prepare_data`.
 # Multi-node:   run the same command on every node (torchrun c10d rendezvous on node 0):
 #                 NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=<host of node 0> MASTER_PORT=29500 bash .../launch.sh
 # Slurm:        inside an allocation the script starts itself once per node with srun and takes the node
 #               count, node rank and rendezvous host from Slurm:
-#                 sbatch --nodes=4 --gpus-per-node=8 --wrap "bash recipes/qwen3_30b_a3b/launch.sh --steps 1000"
-#                 salloc --nodes=2 --gpus-per-node=8  then  bash recipes/qwen3_30b_a3b/launch.sh
+#                 sbatch --nodes=4 --gpus-per-node=8 --wrap "bash recipes/deepseek_v2_lite/launch.sh --steps 1000"
+#                 salloc --nodes=2 --gpus-per-node=8  then  bash recipes/deepseek_v2_lite/launch.sh
 #
 # Environment: NPROC (processes per node; default: GPUs, or 4 on CPU), EP (expert-parallel ranks; default
 # NPROC up to 8 on GPU, 2 on CPU), PP (pipeline ranks; default 1 on GPU, 2 on CPU), NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, HF_CHECKPOINT, DATA, OUT (default runs/<recipe>).

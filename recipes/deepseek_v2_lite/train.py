@@ -1,13 +1,13 @@
-"""Train Qwen3-MoE: args -> mesh -> data -> model -> load -> optimizer -> resume -> loop (log, checkpoint) -> export.
+"""Train DeepSeek-V2: args -> mesh -> data -> model -> load -> optimizer -> resume -> loop (log, checkpoint) -> export.
 
-    torchrun --nproc-per-node 2 -m recipes.qwen3_30b_a3b.train --steps 300 --ep 2      (or: bash launch.sh)
+    torchrun --nproc-per-node 2 -m recipes.deepseek_v2_lite.train --steps 300 --ep 2      (or: bash launch.sh)
 
 The loss of a step is the cross-entropy summed over every non-ignored label of the global batch, divided by
 their number (counted across all ranks before the forward), plus aux_loss_coef x the mean per-micro-batch
-load-balancing loss. Each micro-batch's backward adds its share, and gradients are *summed* over the ranks
-replicating a parameter (dense: dp x cp x ep, routed experts: dp x cp, since each ep rank holds other experts
-and already received its ep group's tokens for them), so any layout equals one process running the same global
-batch and micro-batch split. The cp ranks of a group read the same sequences and each keeps its 2 of their
+sequence-wise balance loss (each a mean over its sequences). Each micro-batch's backward adds its share, and
+gradients are *summed* over the ranks replicating a parameter (dense: dp x cp x ep, routed experts: dp x cp,
+since each ep rank holds other experts and already received its ep group's tokens for them), so any layout
+equals one process running the same global batch and micro-batch split. The cp ranks of a group read the same sequences and each keeps its 2 of their
 2*cp chunks (core/context.py): every per-token sum (loss, label count, expert load) then adds over cp too.
 """
 
@@ -46,12 +46,12 @@ from .model import (
 
 @dataclass
 class Args:
-    """Train Qwen3-30B-A3B (or the tiny CPU config) with data, context and expert parallelism."""
+    """Train DeepSeek-V2-Lite (or the tiny CPU config) with data, context and expert parallelism."""
 
     config: str = str(tiny_config_path())  # HF config.json; ignored when --hf-checkpoint is given
     hf_checkpoint: str = ""  # start from these Hugging Face weights (its config.json is used)
     data: str = "data/stdlib"  # token shards from tools/prepare_data.py
-    out: str = "runs/qwen3_30b_a3b"  # tensorboard/ and checkpoints/ go here
+    out: str = "runs/deepseek_v2_lite"  # tensorboard/ and checkpoints/ go here
     pp: int = 1  # DualPipeV over this many ranks: 2*pp stages, each rank holds two (needs >= 2*pp micro-batches)
     overlap: bool = True  # pp: overlap one micro-batch's forward with another's backward at the all-to-alls
     delay_wgrad: bool = True  # pp: delay expert weight gradients into the schedule's W slots (zero bubble)
@@ -77,7 +77,7 @@ class Args:
     beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
-    aux_loss_coef: float = -1.0  # < 0: the config's router_aux_loss_coef
+    aux_loss_coef: float = -1.0  # < 0: the config's aux_loss_alpha (0 unless seq_aux)
     expert_bias_rate: float = 0.0  # > 0: aux-loss-free balancing, bias += rate * sign(mean - load) per step
     seed: int = 0
     ckpt_every: int = 100  # also saves after the last step; 0 disables checkpoints
@@ -149,7 +149,7 @@ def main(argv=None):
                              pp_rank, args.pp, mesh.rank - step_ranks if pp_rank > 0 else None,
                              mesh.rank + step_ranks if pp_rank < args.pp - 1 else None, mesh.group("pp"),
                              [((args.micro_batch, args.seq_len // args.cp, cfg.hidden_size), torch.float32),
-                              ((2, cfg.num_experts), torch.float32)], device,
+                              ((1,), torch.float32)], device,
                              overlap=args.overlap, delay_weight_grads=args.delay_wgrad)
     aux_coef = cfg.router_aux_loss_coef if args.aux_loss_coef < 0 else args.aux_loss_coef
     n_params = sum(p.numel() for p in model.parameters())
