@@ -22,8 +22,8 @@ def train_args(config, data, out, steps=5, **extra):
     return args
 
 
-def run_train(argv):
-    history, model = train.main(argv)
+def run_train(argv, main=train.main):
+    history, model = main(argv)
     return [h["loss"] for h in history], [h["grad_norm"] for h in history], {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
