@@ -64,9 +64,12 @@ def test_layouts_equal_single_process_and_resume(tiny_train_setup, tmp_path):
                                     resume=tmp_path / "full/checkpoints/step_00000002"))]
         results = list(zip(*run_ranks(world, layouts_worker, jobs, [_free_port() for _ in jobs])))  # per job: every rank's result
         for layout, ranks in zip(layouts, results):
-            assert_matches_single(single, ranks, ep=layout.get("ep", 1))
+            worst = assert_matches_single(single, ranks, ep=layout.get("ep", 1))
+            print(f"{layout}: losses / grad norms / worst weight {worst[0]:.1e} / {worst[1]:.1e} / {worst[2]:.1e}")
         for errors in results[len(layouts)]:
             assert max(errors.values()) <= 1e-5, {k: v for k, v in errors.items() if v > 1e-5}
+        print(f"model at cp2 x ep{world // 2}: worst of loss, balance loss, gradients "
+              f"{max(max(e.values()) for e in results[len(layouts)]):.1e}")
         if world == 2:
             (full, _, full_weights), (resumed, _, resumed_weights) = results[-2][0], results[-1][0]
             assert resumed == full[2:]
