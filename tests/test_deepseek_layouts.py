@@ -19,8 +19,8 @@ from tests.test_context_parallel import model_grads_worker
 from tests.test_launch import FAST, ROOT, launch
 from tests.test_train import assert_matches_single, run_train, train_args
 
-CONFIG = {  # 4 layers (the first dense), 4 experts top-2 with 1 shared, YaRN, strong balance loss
-    "model_type": "deepseek_v2", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+CONFIG = {  # 6 layers (the first dense; with pp=2 every stage holds some), 4 experts top-2 with 1 shared, YaRN
+    "model_type": "deepseek_v2", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4,
     "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
     "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
     "intermediate_size": 64, "first_k_dense_replace": 1, "aux_loss_alpha": 0.1, "seq_aux": True, "rope_theta": 10000.0,
