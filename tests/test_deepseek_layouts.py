@@ -62,7 +62,8 @@ def test_layouts_equal_single_process_and_resume(tiny_train_setup, tmp_path):
             jobs += [("train", args(config, data, tmp_path / "full", ep=2, steps=4, ckpt_every=2)),
                      ("train", args(config, data, tmp_path / "resumed", ep=2, steps=4,
                                     resume=tmp_path / "full/checkpoints/step_00000002"))]
-        results = list(zip(*run_ranks(world, layouts_worker, jobs, [_free_port() for _ in jobs])))  # per job: every rank's result
+        ports = [_free_port() for _ in jobs]
+        results = list(zip(*run_ranks(world, layouts_worker, jobs, ports)))  # per job: every rank's result
         for layout, ranks in zip(layouts, results):
             worst = assert_matches_single(single, ranks, ep=layout.get("ep", 1))
             print(f"{layout}: losses / grad norms / worst weight {worst[0]:.1e} / {worst[1]:.1e} / {worst[2]:.1e}")
@@ -86,7 +87,8 @@ def test_copied_recipe_folder_runs_its_launch_sh(tmp_path):
     for name in ("core", "tools"):
         (repo / name).symlink_to(ROOT / name)
     shutil.copy(ROOT / "recipes/__init__.py", repo / "recipes/__init__.py")
-    shutil.copytree(ROOT / "recipes/deepseek_v2_lite", repo / "recipes/my_arch", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "recipes/deepseek_v2_lite", repo / "recipes/my_arch",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     data = ROOT / "data/stdlib" if (ROOT / "data/stdlib/meta.json").is_file() else tmp_path / "data"
     out = launch(repo / "recipes/my_arch/launch.sh", {"DATA": str(data), "OUT": str(tmp_path / "run")}, *FAST,
                  "--export-hf", str(tmp_path / "hf"))

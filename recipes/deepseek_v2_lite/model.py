@@ -5,9 +5,9 @@ Numerics follow transformers' `DeepseekV2ForCausalLM` (checked by tests/test_dee
 loss, which transformers does not compute, follows DeepSeek-V2's definition (Model docstring).
 
 Legend: B batch, S sequence, T = B*S tokens, H hidden, N heads, D q/k head dim (= P + R), P no-rope part of a
-q/k head, R rope part (shared by all heads of k), U v head dim, C kv latent (kv_lora_rank), Q q latent
-(q_lora_rank), K whole (cp-gathered) sequence, V vocab, E experts (held by this rank), k experts per token,
-R' = T*k routed rows, I expert ffn width, J = 2*I, F dense ffn width.
+q/k head, R rope part (one rope key shared by all heads), U v head dim, C kv latent (kv_lora_rank), Q q latent
+(q_lora_rank), K whole (cp-gathered) sequence, X numbers side by side (named where built), V vocab, E experts
+(held by this rank), k experts per token, M routed rows (token, expert), I expert ffn width, J = 2*I.
 
 A Model may be partial: `layers` picks which decoder layers it holds (parameter names keep the global
 layer index, `layers.7.…`), `experts` which routed experts (a [lo, hi) range; with `ep_group` given, this
@@ -18,7 +18,7 @@ holds the embedding and the final norm + LM head. Checkpoint I/O then touches on
 import json
 import math
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -93,7 +93,8 @@ class ModelConfig:
         kwargs["rope_theta"], kwargs["rope_scaling"] = theta, ({"rope_type": "yarn", **rope} if kind == "yarn" else None)
         cfg = cls(**kwargs)
         if cfg.topk_method not in ("greedy", "group_limited_greedy"):
-            raise ValueError(f"{path}: topk_method {cfg.topk_method!r} is not supported; use greedy or group_limited_greedy")
+            raise ValueError(f"{path}: topk_method {cfg.topk_method!r} is not supported; "
+                             "use greedy or group_limited_greedy")
         if cfg.topk_method == "group_limited_greedy" and (not cfg.n_group or cfg.num_experts % cfg.n_group or not
                                                           cfg.topk_group or cfg.topk_group > cfg.n_group):
             raise ValueError(f"{path}: group_limited_greedy needs n_group dividing n_routed_experts={cfg.num_experts} "
@@ -263,7 +264,8 @@ class Router(nn.Module):
         if cfg.topk_method == "group_limited_greedy":  # experts of the topk_group groups with the best expert only
             G = cfg.n_group
             best_TG = scores_TE.view(-1, G, cfg.num_experts // G).amax(-1)
-            keep_TG = torch.zeros_like(best_TG, dtype=torch.bool).scatter_(1, best_TG.topk(cfg.topk_group, -1).indices, True)
+            best_groups_Tg = best_TG.topk(cfg.topk_group, -1).indices
+            keep_TG = torch.zeros_like(best_TG, dtype=torch.bool).scatter_(1, best_groups_Tg, True)
             scores_TE = scores_TE.masked_fill(~keep_TG.repeat_interleave(cfg.num_experts // G, 1), float("-inf"))
         ids_Tk = scores_TE.topk(cfg.num_experts_per_tok, dim=-1).indices
         weights_Tk = probs_TE.gather(1, ids_Tk) * cfg.routed_scaling_factor
@@ -280,10 +282,10 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(hi - lo, cfg.moe_intermediate_size, cfg.hidden_size))
         self.fp8 = False  # set by enable_fp8
 
-    def forward(self, rows_RH, counts_E):
+    def forward(self, rows_MH, counts_E):
         mm = fp8_grouped_mm if self.fp8 else expert_matmul  # expert_matmul: weight gradient may be delayed
-        h_RJ = mm(rows_RH, self.gate_up_proj, counts_E)
-        return mm(swiglu(h_RJ), self.down_proj, counts_E)  # fused silu(gate) * up (Triton on GPU)
+        h_MJ = mm(rows_MH, self.gate_up_proj, counts_E)
+        return mm(swiglu(h_MJ), self.down_proj, counts_E)  # fused silu(gate) * up (Triton on GPU)
 
 
 class MoE(nn.Module):
@@ -292,7 +294,8 @@ class MoE(nn.Module):
         self.gate = Router(cfg)
         self.experts = Experts(cfg, *experts)
         self.shared_experts = DenseMLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
-        self.num_experts, self.k, self.ep_group, self.cp_group = cfg.num_experts, cfg.num_experts_per_tok, ep_group, cp_group
+        self.num_experts, self.k = cfg.num_experts, cfg.num_experts_per_tok
+        self.ep_group, self.cp_group = ep_group, cp_group
         self.load_E = None  # (token, slot) pairs routed per expert since Model.take_expert_load
 
     def route(self, x_TH, batch: int, aux_1):
@@ -302,7 +305,8 @@ class MoE(nn.Module):
         load_E counts the routed slots that are kept (ids >= 0, core/moe.py's router contract). No host sync."""
         probs_TE, weights_Tk, ids_Tk = self.gate(x_TH)
         E, k = self.num_experts, self.k
-        counts_BE = probs_TE.new_zeros(batch, E).scatter_add_(1, ids_Tk.view(batch, -1), probs_TE.new_ones(ids_Tk.numel()).view(batch, -1))
+        ids_BX = ids_Tk.view(batch, -1)  # every slot of a sequence
+        counts_BE = probs_TE.new_zeros(batch, E).scatter_add_(1, ids_BX, probs_TE.new_ones(ids_BX.shape))
         cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
         if cp > 1:
             dist.all_reduce(counts_BE, group=self.cp_group)
@@ -340,8 +344,8 @@ class DecoderLayer(nn.Module):
         h_BSH = h_BSH + self.mlp.shared_experts(x_TH).view_as(h_BSH)
         return [h_BSH, aux_1], x_TH, ids_Tk, weights_Tk
 
-    def routed_experts(self, rows_RH, counts_L):  # (3)
-        return self.mlp.experts(rows_RH, counts_L)
+    def routed_experts(self, rows_MH, counts_L):  # (3) counts_L: rows per local expert
+        return self.mlp.experts(rows_MH, counts_L)
 
     def finish(self, state, out_TH):  # (5)
         h_BSH, aux_1 = state

@@ -7,8 +7,9 @@ their number (counted across all ranks before the forward), plus aux_loss_coef x
 sequence-wise balance loss (each a mean over its sequences). Each micro-batch's backward adds its share, and
 gradients are *summed* over the ranks replicating a parameter (dense: dp x cp x ep, routed experts: dp x cp,
 since each ep rank holds other experts and already received its ep group's tokens for them), so any layout
-equals one process running the same global batch and micro-batch split. The cp ranks of a group read the same sequences and each keeps its 2 of their
-2*cp chunks (core/context.py): every per-token sum (loss, label count, expert load) then adds over cp too.
+equals one process running the same global batch and micro-batch split. The cp ranks of a group read the same
+sequences and each keeps its 2 of their 2*cp chunks (core/context.py): every per-token sum (loss, label count,
+expert load) then adds over cp too.
 """
 
 import json
