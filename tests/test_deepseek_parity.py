@@ -129,3 +129,24 @@ def test_config_errors(tmp_path):
     with pytest.raises(ValueError, match=r"kv_a_proj_with_mqa.weight has shape \[24, 48\] but the model config "
                                          r"expects \[40, 48\]"):
         load_hf_checkpoint(Model(wrong), path)
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_expert_bias_moves_the_choice_not_the_weights(method):
+    """Aux-loss-free balancing: a large bias on expert 5 puts it in every token's top-k (also through the group
+    limit), and the routing weights stay the unbiased probabilities times routed_scaling_factor."""
+    from recipes.deepseek_v2_lite.model import Router
+
+    cfg = ModelConfig(hidden_size=16, num_experts=8, num_experts_per_tok=2, routed_scaling_factor=2.0,
+                      topk_method=method, n_group=4, topk_group=1)
+    router = Router(cfg)
+    torch.nn.init.normal_(router.weight, std=0.5, generator=torch.Generator().manual_seed(0))
+    x_TH = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    probs, _, ids = router(x_TH)
+    assert (ids != 5).all(1).any()
+    router.expert_bias[5] = 10.0
+    biased_probs, weights, biased_ids = router(x_TH)
+    assert (biased_ids == 5).any(1).all() and torch.equal(biased_probs, probs)
+    torch.testing.assert_close(weights, 2.0 * probs.gather(1, biased_ids), rtol=0, atol=0)
+    if method == "group_limited_greedy":  # one group: the other pick is expert 5's group mate, 4
+        assert set(biased_ids.flatten().tolist()) == {4, 5}
