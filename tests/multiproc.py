@@ -27,4 +27,4 @@ def run_ranks(world: int, fn, *args) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_worker, args=(world, _free_port(), out_dir, fn, args), nprocs=world,
                            join=True, start_method="spawn")
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(world)]

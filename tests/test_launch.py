@@ -1,5 +1,6 @@
-"""launch.sh end to end on CPU (data preparation, torchrun with 2 gloo ranks, checkpoint, sample), and a copied
-recipe folder running unchanged under its new name."""
+"""launch.sh end to end on CPU (data preparation, torchrun with 2 gloo ranks, checkpoint, sample), a copied
+recipe folder running unchanged under its new name, and a second launch into the same folder stopping with one
+line."""
 
 import os
 import shutil
@@ -7,13 +8,13 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["--steps", "4", "--seq-len", "64", "--ckpt-every", "2"]
+FAST = ["--steps", "4", "--seq-len", "64", "--ckpt-every", "2", "--eval-batches", "2"]
 
 
-def launch(script: Path, env: dict, *args: str) -> str:
+def launch(script: Path, env: dict, *args: str, returncode: int = 0) -> str:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **env}
     proc = subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
 
@@ -23,6 +24,7 @@ def test_launch_sh_and_a_copied_recipe(tmp_path):
                  *FAST, "--export-hf", str(tmp_path / "hf"))
     assert (data / "meta.json").is_file() and (data / "tokenizer.model").is_file()
     assert "mesh pp=2 dp=1 cp=1 ep=2" in out and "a2a rows" in out and "trained steps 1-4" in out
+    assert (data / "val/meta.json").is_file() and "step     4/4 | val loss" in out  # held-out split, evaluated
     assert (tmp_path / "run/checkpoints/step_00000004/.metadata").is_file()
     assert (tmp_path / "hf/config.json").is_file()
     assert list((tmp_path / "run/tensorboard").glob("events.out.tfevents.*"))
@@ -37,3 +39,9 @@ def test_launch_sh_and_a_copied_recipe(tmp_path):
     out = launch(repo / "recipes/my_arch/launch.sh", {"DATA": str(data), "OUT": str(tmp_path / "run_copy")}, *FAST)
     assert "-m recipes.my_arch.train" in out and "trained steps 1-4" in out
     assert (tmp_path / "run_copy/checkpoints/step_00000004/.metadata").is_file()
+
+    # bad input under torchrun: no restarts, no rank tracebacks, and the last line says what to do
+    out = launch(ROOT / "recipes/qwen3_30b_a3b/launch.sh", {"DATA": str(data), "OUT": str(tmp_path / "run"),
+                 "MAX_RESTARTS": "1"}, *FAST, returncode=1)
+    assert out.rstrip().splitlines()[-1].startswith("error: ") and "--resume auto" in out.rstrip().splitlines()[-1]
+    assert "[rank0]" not in out and "[rank1]" not in out
