@@ -115,5 +115,6 @@ def test_copied_recipe_folder_runs_its_launch_sh(tmp_path):
     out = launch(repo / "recipes/my_arch/launch.sh", {"DATA": str(data), "OUT": str(tmp_path / "run")}, *FAST,
                  "--export-hf", str(tmp_path / "hf"))
     assert "-m recipes.my_arch.train" in out and "mesh pp=2 dp=1 cp=1 ep=2" in out and "trained steps 1-4" in out
+    assert "step     4/4 | val loss" in out or not (data / "val").is_dir()  # evaluated under DualPipeV
     assert (tmp_path / "run/checkpoints/step_00000004/.metadata").is_file()
     assert json.loads((tmp_path / "hf/config.json").read_text())["architectures"] == ["DeepseekV2ForCausalLM"]
