@@ -150,3 +150,20 @@ def test_expert_bias_moves_the_choice_not_the_weights(method):
     torch.testing.assert_close(weights, 2.0 * probs.gather(1, biased_ids), rtol=0, atol=0)
     if method == "group_limited_greedy":  # one group: the other pick is expert 5's group mate, 4
         assert set(biased_ids.flatten().tolist()) == {4, 5}
+
+
+def test_hf_checkpoint_in_export_out(tiny_train_setup, tmp_path):
+    """train.py --hf-checkpoint loads the released layout (per-expert keys, shared experts, kv_a_proj_with_mqa);
+    with lr 0 the exported folder holds exactly those tensors."""
+    from recipes.deepseek_v2_lite import train
+    from tests.test_train import train_args
+    from tools.hf_parity import folder_tensors
+
+    _, data = tiny_train_setup
+    save_tiny(tmp_path / "hf_in", vocab_size=256)
+    train.main(train_args("unused", data, tmp_path / "run", steps=1, lr=0.0, hf_checkpoint=tmp_path / "hf_in",
+                          export_hf=tmp_path / "hf_out"))
+    before, after = folder_tensors(tmp_path / "hf_in"), folder_tensors(tmp_path / "hf_out")
+    assert before.keys() == after.keys()
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
