@@ -142,11 +142,17 @@ def test_model_gradients_equal_single_process(tiny_train_setup, dp, ep):
 
 
 def test_training_at_ep2_and_dp2_ep2_equals_single_process(tiny_train_setup, tmp_path):
+    """With aux-loss-free balancing on: the expert biases (updated from the global load) are bit-identical on every
+    rank and equal one process's; they moved, and so did the routing (the losses differ from a run without)."""
     config, data = tiny_train_setup
-    single_losses, single_norms, single_weights = run_train(train_args(config, data, tmp_path / "single"))
+    args = lambda out, **extra: train_args(config, data, tmp_path / out, expert_bias_rate=0.01, **extra)
+    single_losses, single_norms, single_weights = run_train(args("single"))
     assert max(single_norms) > 0.05, "clipping should be active so that the global norm is exercised"
+    biases = [w for name, w in single_weights.items() if name.endswith("expert_bias")]
+    assert len(biases) == 2 and all(b.any() for b in biases)
+    assert run_train(train_args(config, data, tmp_path / "no_bias", steps=2))[0][1] != single_losses[1]
     for world, extra in ((2, {"ep": 2}), (4, {"ep": 2, "dp": 2})):
-        results = run_ranks(world, run_train, train_args(config, data, tmp_path / f"w{world}", **extra))
+        results = run_ranks(world, run_train, args(f"w{world}", **extra))
         assert_matches_single((single_losses, single_norms, single_weights), results, ep=2)
 
 
@@ -192,3 +198,39 @@ def test_expert_bias_balances_load():
     bias = torch.zeros(4)
     update_expert_bias(bias, torch.tensor([10.0, 2.0, 4.0, 0.0]), rate=0.1)
     assert bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 0.1])  # mean 4: above goes down, below up
+
+
+def test_expert_bias_changes_the_choice_not_the_weights():
+    """The router picks top-k of softmax(logits) + bias (DeepSeek-V3's rule) but weights the chosen experts by the
+    unbiased softmax (renormalised over the k), with gradients through the unbiased probabilities; the aux-loss
+    statistics ignore the bias. Checked against the rule written out here in plain torch."""
+    from recipes.qwen3_30b_a3b.model import MoE
+
+    cfg = ModelConfig(hidden_size=H, num_experts=E, num_experts_per_tok=2, moe_intermediate_size=I)
+    g = torch.Generator().manual_seed(0)
+    moe = MoE(cfg, (0, E), None, None)
+    router_w = torch.randn(E, H, generator=g)
+    x = torch.randn(64, H, generator=g)
+    probe = torch.randn(64, 2, generator=g)
+    results = {}
+    for bias in (torch.zeros(E), torch.tensor([0.2, -0.1, 0.0, -0.15])):
+        moe.gate.weight = torch.nn.Parameter(router_w.clone())
+        moe.gate.expert_bias.copy_(bias)
+        xi = x.clone().requires_grad_()
+        weights, ids, aux = moe.route(xi, torch.zeros(2, E))
+        (weights * probe).sum().backward()
+        w_ref, x_ref = router_w.clone().requires_grad_(), x.clone().requires_grad_()
+        probs = (x_ref @ w_ref.T).softmax(-1)
+        ids_ref = (probs + bias).topk(2, dim=-1).indices
+        weights_ref = probs.gather(1, ids_ref)
+        weights_ref = weights_ref / weights_ref.sum(-1, keepdim=True)
+        (weights_ref * probe).sum().backward()
+        assert torch.equal(ids, ids_ref)
+        for a, b in ((weights, weights_ref), (moe.gate.weight.grad, w_ref.grad), (xi.grad, x_ref.grad)):
+            assert rel_err(a.detach(), b.detach()) <= 1e-6
+        results[bias.any().item()] = weights.detach(), ids, aux
+    (w0, ids0, aux0), (w1, ids1, aux1) = results[False], results[True]
+    same = (ids0 == ids1).all(-1)
+    assert 0 < same.sum() < 64  # the bias changed the choice of some tokens...
+    assert torch.equal(w0[same], w1[same])  # ...and nothing else about the tokens it did not move
+    assert torch.equal(aux0, aux1)  # the aux loss (transformers' definition) sees the unbiased top-k
