@@ -12,7 +12,8 @@ H200_BF16_FLOPS = 790e12
 
 def measure_cpu_flops(size: int = 512, repeats: int = 8) -> float:
     """Achieved fp32 matmul FLOP/s of this process's CPU threads: the 'peak' for MFU on a CPU run."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    g = torch.Generator().manual_seed(0)  # not the global RNG, which a resume has just restored
+    a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
     a @ b
     start = time.perf_counter()
     for _ in range(repeats):

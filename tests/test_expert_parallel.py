@@ -16,7 +16,7 @@ from core.optimizer import ReplicaSet, ShardedAdamW
 from recipes.qwen3_30b_a3b import train
 from recipes.qwen3_30b_a3b.model import Model, ModelConfig
 from tests.multiproc import run_ranks
-from tests.test_train import assert_matches_single, rel_err, run_train, train_args
+from tests.test_train import assert_matches_single, assert_same_checkpoint, rel_err, run_train, train_args
 
 H, I, E = 8, 6, 4  # hidden, expert ffn, experts for the core-level checks
 
@@ -157,14 +157,18 @@ def test_training_at_ep2_and_dp2_ep2_equals_single_process(tiny_train_setup, tmp
 
 
 def test_checkpoint_reshards_across_dp_and_ep(tiny_train_setup, tmp_path):
-    """Saved at ep=2, resumed at dp=2 (ep=1) and at one process: the same losses as the uninterrupted run."""
+    """Saved at ep=2, resumed at dp=2 (ep=1) and at one process: the same losses as the uninterrupted run, and the
+    same state at the end (weights, Adam state, lr, scheduler, data position; within layout rounding)."""
     config, data = tiny_train_setup
     full = run_ranks(2, run_train, train_args(config, data, tmp_path / "a", steps=4, ckpt_every=2, ep=2))
     checkpoint = tmp_path / "a" / "checkpoints" / "step_00000002"
-    at_dp2 = run_ranks(2, run_train, train_args(config, data, tmp_path / "b", steps=4, resume=checkpoint))
-    at_one, _, _ = run_train(train_args(config, data, tmp_path / "c", steps=4, resume=checkpoint))
-    for losses in (at_dp2[0][0], at_one):
-        assert rel_err(torch.tensor(losses), torch.tensor(full[0][0][2:])) <= 1e-5
+    at_dp2 = run_ranks(2, run_train, train_args(config, data, tmp_path / "b", steps=4, ckpt_every=2, resume=checkpoint))
+    at_one = run_train(train_args(config, data, tmp_path / "c", steps=4, ckpt_every=2, resume=checkpoint))
+    for resumed in (*at_dp2, at_one):  # losses, grad norms, and each ep rank's weights vs the resumed full model
+        assert_matches_single(resumed, [(losses[2:], norms[2:], w) for losses, norms, w in full], ep=2)
+    for run in ("b", "c"):
+        assert_same_checkpoint(tmp_path / run / "checkpoints/step_00000004", tmp_path / "a/checkpoints/step_00000004",
+                               tmp_path, tol=1e-5)
 
 
 def test_export_from_expert_sharded_run(tiny_train_setup, tmp_path):
