@@ -14,10 +14,21 @@ query i iff j <= i), optional sliding window (i - window < j <= i, GPT-OSS) and 
 packed sequences (same document only). Attention sinks (GPT-OSS: one logit per head in the softmax denominator,
 with no value) are applied over the gathered keys. World size / cp = 1 runs the same code, collective skipped.
 
+Two backends read one CPMask. On CUDA: flex_attention (compiled, flash-class) with a BlockMask built from the
+positions block by block (empty key blocks skipped, fully visible ones run without the mask function): memory
+O(S + K) per head plus an int32 [S/128, K/128] block table, instead of SDPA's math kernel that a boolean mask
+with GQA falls back to ([B, N, S, K] fp32 scores). Sinks enter through flex's log-sum-exp. Elsewhere (CPU
+training, tests): the explicit reference over a dense boolean [B, S, K]. flex_attention has no backward on CPU
+(torch 2.13), so the CPU cannot train on it; its forward runs there (unfused) and is tested against the
+reference. Per-chunk SDPA calls merged by log-sum-exp were not used: public SDPA returns no log-sum-exp to merge
+with, and window or document blocks would need a mask, which sends SDPA back to the math kernel.
+
 Legend: B batch, S local sequence (this rank's queries, = K / cp), K whole sequence (gathered keys), N query
 heads, G key/value heads, n = N / G query heads per kv head, D head dim of q and k, E head dim of v,
 C numbers per token of an MLA latent.
 """
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -106,20 +117,104 @@ def attention_mask(q_pos_S, k_pos_K, window: int | None = None, q_doc_BS=None, k
     return mask_SK & (q_doc_BS[:, :, None] == k_doc_BK[:, None, :])
 
 
+@dataclass(eq=False)
+class CPMask:
+    """Which of the K gathered keys (global positions 0..K-1) this rank's queries see. dense() for the reference,
+    block_mask() for flex_attention; each built once and cached (one mask serves every layer of a forward)."""
+
+    q_pos_S: torch.Tensor  # global positions of this rank's queries
+    seq_len: int  # K
+    window: int | None = None
+    q_doc_BS: torch.Tensor | None = None  # document ids of this rank's queries / of the whole sequence
+    k_doc_BK: torch.Tensor | None = None
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def dense(self) -> torch.Tensor:
+        """Boolean [B or 1, S, K]."""
+        if "dense" not in self._cache:
+            k_pos_K = torch.arange(self.seq_len, device=self.q_pos_S.device)
+            self._cache["dense"] = attention_mask(self.q_pos_S, k_pos_K, self.window, self.q_doc_BS, self.k_doc_BK)
+        return self._cache["dense"]
+
+    def mask_mod(self):
+        """flex_attention's mask function: the rule of attention_mask, one (query, key) index pair at a time (a
+        closure over tensors, which torch.compile takes as graph inputs: a new mask does not recompile)."""
+        q_pos_S, window, q_doc_BS, k_doc_BK = self.q_pos_S, self.window, self.q_doc_BS, self.k_doc_BK
+
+        def visible(b, h, q_idx, kv_idx):
+            i = q_pos_S[q_idx]
+            ok = kv_idx <= i
+            if window is not None:
+                ok = ok & (kv_idx > i - window)
+            if q_doc_BS is not None:
+                ok = ok & (q_doc_BS[b, q_idx] == k_doc_BK[b, kv_idx])
+            return ok
+
+        return visible
+
+    def block_kinds(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(partial, full), boolean [B or 1, ceil(S/block), ceil(K/block)], from each block's smallest and largest
+        position and document id, never from an [S, K] tensor. full: every pair visible (exact: all keys at or
+        before the earliest query, inside the window of the latest, one document). partial: some pair may be
+        visible and the block is not full (a superset is harmless: mask_mod decides inside it)."""
+        S, K = self.q_pos_S.numel(), self.seq_len
+        dev = self.q_pos_S.device
+
+        def ranges(x_BL):  # per block of the last dim: min, max (the last block padded with its last value)
+            pad = -x_BL.shape[-1] % block
+            x_BL = torch.cat([x_BL, x_BL[..., -1:].expand(*x_BL.shape[:-1], pad)], -1).unflatten(-1, (-1, block))
+            return x_BL.amin(-1), x_BL.amax(-1)
+
+        def padded(length):  # [blocks]: reaches past the end; never full, so that the padding meets mask_mod
+            return torch.arange(0, length, block, device=dev) + block > length
+
+        q_lo, q_hi = ranges(self.q_pos_S.long())
+        k_lo, k_hi = ranges(torch.arange(K, device=dev))
+        q_lo, q_hi, k_lo, k_hi = q_lo[:, None], q_hi[:, None], k_lo[None], k_hi[None]
+        any_QK, full_QK = k_lo <= q_hi, k_hi <= q_lo
+        if self.window is not None:
+            any_QK, full_QK = any_QK & (k_hi > q_lo - self.window), full_QK & (k_lo > q_hi - self.window)
+        full_QK = full_QK & ~padded(S)[:, None] & ~padded(K)[None]
+        any_BQK, full_BQK = any_QK[None], full_QK[None]
+        if self.q_doc_BS is not None:
+            dq_lo, dq_hi = ranges(self.q_doc_BS.long())
+            dk_lo, dk_hi = ranges(self.k_doc_BK.long())
+            dq_lo, dq_hi, dk_lo, dk_hi = dq_lo[:, :, None], dq_hi[:, :, None], dk_lo[:, None], dk_hi[:, None]
+            any_BQK = any_BQK & (dk_lo <= dq_hi) & (dq_lo <= dk_hi)
+            full_BQK = full_BQK & (dq_lo == dq_hi) & (dk_lo == dk_hi) & (dq_lo == dk_lo)
+        return any_BQK & ~full_BQK, full_BQK
+
+    def block_mask(self, block: int = 128):
+        """flex_attention's BlockMask [B or 1, 1, S, K] of blocks of block x block (query x key)."""
+        if ("block", block) not in self._cache:
+            from torch.nn.attention.flex_attention import BlockMask
+
+            def table(m_BQK):  # (count [B, 1, Q], indices [B, 1, Q, Kb]: the listed key blocks first, in order)
+                order = torch.sort(~m_BQK, dim=-1, stable=True).indices
+                return m_BQK.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+            partial, full = self.block_kinds(block)
+            self._cache[("block", block)] = BlockMask.from_kv_blocks(
+                *table(partial), *table(full), BLOCK_SIZE=block, mask_mod=self.mask_mod(),
+                seq_lengths=(self.q_pos_S.numel(), self.seq_len))
+        return self._cache[("block", block)]
+
+
 def cp_attention_mask(seq_len: int, cp_rank: int = 0, cp_size: int = 1, window: int | None = None,
-                      doc_ids_BK=None, device=None) -> torch.Tensor | None:
+                      doc_ids_BK=None, device=None) -> CPMask | None:
     """The mask of this rank's queries over the whole (gathered) sequence of length seq_len.
 
     doc_ids_BK are the document ids of the WHOLE sequence: every cp rank reads the whole sequence before it
     splits it, so they are known locally and cost no communication (see doc_ids_from_eos). Positions are not
     used for this because they run on across documents here (global positions for rope).
     Returns None for plain causal attention without cp: attend then takes SDPA's is_causal path."""
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window {window} must be >= 1 (a query always sees itself) or None for no window")
     if cp_size == 1 and window is None and doc_ids_BK is None:
         return None
     device = device if doc_ids_BK is None else doc_ids_BK.device
-    q_pos_S, k_pos_K = cp_positions(seq_len, cp_rank, cp_size, device), torch.arange(seq_len, device=device)
     q_doc_BS = None if doc_ids_BK is None else split_for_cp(doc_ids_BK, cp_rank, cp_size, dim=1)
-    return attention_mask(q_pos_S, k_pos_K, window, q_doc_BS, doc_ids_BK)
+    return CPMask(cp_positions(seq_len, cp_rank, cp_size, device), seq_len, window, q_doc_BS, doc_ids_BK)
 
 
 def doc_ids_from_eos(input_ids_BK: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -134,9 +229,12 @@ def doc_ids_from_eos(input_ids_BK: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 def attention_reference(q_BNSD, k_BGKD, v_BGKE, mask_BSK=None, scale=None, sinks_N=None) -> torch.Tensor:
     """Explicit attention (trains on CPU, any mask, sinks): logits in the input dtype, softmax in fp32 as
-    transformers does. mask None = causal with queries and keys at the same positions. Returns [B, N, S, E]."""
+    transformers does. mask: None = causal with queries and keys at the same positions, a CPMask, or a boolean
+    [B or 1, S, K]. Returns [B, N, S, E]."""
     B, N, S, D = q_BNSD.shape
     G, K = k_BGKD.shape[1], k_BGKD.shape[2]
+    if isinstance(mask_BSK, CPMask):
+        mask_BSK = mask_BSK.dense()
     if mask_BSK is None:
         assert S == K, "mask None means plain causal over the same positions"
         mask_BSK = torch.ones(S, K, dtype=torch.bool, device=q_BNSD.device).tril()[None]
@@ -154,33 +252,66 @@ def attention_reference(q_BNSD, k_BGKD, v_BGKE, mask_BSK=None, scale=None, sinks
     return out_BGnSE.reshape(B, N, S, v_BGKE.shape[-1])
 
 
-def attend(q_BNSD, k_BGKD, v_BGKE, mask_BSK=None, scale=None, sinks_N=None) -> torch.Tensor:
-    """Attention of local queries over (gathered) keys: SDPA (with is_causal when mask is None, else the boolean
-    mask) where it applies, the explicit form when there are sinks. Returns [B, N, S, E]."""
+def sink_rescale(out_BNSE, lse_BNS, sinks_N) -> torch.Tensor:
+    """Attention with sinks from attention without: the sink logit joins the softmax denominator, so every
+    probability, and the output, shrinks by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)."""
+    keep_BNS = torch.sigmoid(lse_BNS.float() - sinks_N.float()[:, None])
+    return out_BNSE * keep_BNS[..., None].to(out_BNSE.dtype)
+
+
+_compiled_flex = None
+
+
+def flex_attend(q_BNSD, k_BGKD, v_BGKE, mask: CPMask, scale=None, sinks_N=None, block: int = 128) -> torch.Tensor:
+    """flex_attention over mask.block_mask(block), compiled on CUDA (a fused kernel: no [S, K] scores in memory),
+    eager elsewhere (forward only, unfused: for tests). Under autocast it runs in the autocast dtype, like SDPA.
+    Returns [B, N, S, E]."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention  # torch >= 2.9
+
+    dev = q_BNSD.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q_BNSD.dtype
+    if dev == "cuda" and _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    with torch.autocast(dev, enabled=False):
+        out_BNSE, aux = (_compiled_flex if dev == "cuda" else flex_attention)(
+            q_BNSD.to(dtype), k_BGKD.to(dtype), v_BGKE.to(dtype), block_mask=mask.block_mask(block), scale=scale,
+            enable_gqa=q_BNSD.shape[1] != k_BGKD.shape[1], return_aux=AuxRequest(lse=True))
+        return out_BNSE if sinks_N is None else sink_rescale(out_BNSE, aux.lse, sinks_N)
+
+
+def attend(q_BNSD, k_BGKD, v_BGKE, mask=None, scale=None, sinks_N=None) -> torch.Tensor:
+    """Attention of local queries over (gathered) keys. mask: None (plain causal, same positions: SDPA's causal
+    kernel), a CPMask (CUDA: flex_attend; CPU: the dense form below) or a boolean [B or 1, S, K]. Dense masks
+    go to SDPA, or to the explicit form when there are sinks. Returns [B, N, S, E]."""
     N, G = q_BNSD.shape[1], k_BGKD.shape[1]
     if N % G:
         raise ValueError(f"{N} query heads cannot share {G} key/value heads; num_attention_heads must be a "
                          f"multiple of num_key_value_heads")
+    if isinstance(mask, CPMask):
+        if q_BNSD.is_cuda:
+            return flex_attend(q_BNSD, k_BGKD, v_BGKE, mask, scale, sinks_N)
+        mask = mask.dense()
     if sinks_N is not None:
-        return attention_reference(q_BNSD, k_BGKD, v_BGKE, mask_BSK, scale, sinks_N)
-    attn_mask = None if mask_BSK is None else mask_BSK[:, None]  # broadcast over heads
-    return F.scaled_dot_product_attention(q_BNSD, k_BGKD, v_BGKE, attn_mask=attn_mask, is_causal=mask_BSK is None,
+        return attention_reference(q_BNSD, k_BGKD, v_BGKE, mask, scale, sinks_N)
+    attn_mask = None if mask is None else mask[:, None]  # broadcast over heads
+    return F.scaled_dot_product_attention(q_BNSD, k_BGKD, v_BGKE, attn_mask=attn_mask, is_causal=mask is None,
                                           scale=scale, enable_gqa=N != G)
 
 
-def cp_attention(q_BNSD, k_BGSD, v_BGSE, mask_BSK=None, cp_group=None, scale=None, sinks_N=None) -> torch.Tensor:
+def cp_attention(q_BNSD, k_BGSD, v_BGSE, mask=None, cp_group=None, scale=None, sinks_N=None) -> torch.Tensor:
     """Context-parallel attention: gather K and V of the whole sequence (one collective, K and V side by side),
-    attend with this rank's queries under mask_BSK from cp_attention_mask. Returns [B, N, S, E]."""
+    attend with this rank's queries under mask (a CPMask from cp_attention_mask). Returns [B, N, S, E]."""
     D = k_BGSD.shape[-1]
     kv_BGKX = gather_sequence(torch.cat([k_BGSD, v_BGSE], -1), cp_group, dim=2)
     k_BGKD, v_BGKE = kv_BGKX[..., :D], kv_BGKX[..., D:]
-    return attend(q_BNSD, k_BGKD, v_BGKE, mask_BSK, scale, sinks_N)
+    return attend(q_BNSD, k_BGKD, v_BGKE, mask, scale, sinks_N)
 
 
 # MLA (DeepSeek-V2): gather the latent instead of the expanded K/V, then expand on every rank:
 #   latent_BKC = gather_sequence(torch.cat([c_kv_BSC, k_rope_BSR], -1), cp_group, dim=1)   # 512 + 64 per token
 #   k_nope, v = kv_b_proj(kv_a_layernorm(latent[..., :512])) ...; k = cat(k_nope, k_rope broadcast over heads)
-#   out = attend(q_BNSD, k_BNKD, v_BNKE, mask_BSK, scale)
+#   out = attend(q_BNSD, k_BNKD, v_BNKE, mask, scale)          # mask: cp_attention_mask(...)
 # The expansion of the whole sequence is repeated on each cp rank (a [K, 512] x [512, N*(128+128)] matmul, small
 # next to attention); its weight gradient is partial per rank and summed with the other dense gradients.
 

@@ -6,23 +6,46 @@ import time
 
 import torch
 
-# Dense bf16 matmul throughput measured on one H200 (datasheet 989 TFLOP/s); used for MFU on GPUs.
-H200_BF16_FLOPS = 790e12
+# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, matched against the device name; MFU on a
+# GPU is against these. The best bf16 matmul measured on one H200 reached ~790 TFLOP/s (shown beside, not used).
+DATASHEET_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("H100", 989e12),
+                        ("H200", 989e12), ("A100", 312e12))  # first match wins: "GH200" reads as H200 (989)
+MEASURED_H200_BF16_FLOPS = 790e12
+
+
+def measure_matmul_flops(device: torch.device, dtype=torch.float32, size: int = 512, repeats: int = 8) -> float:
+    """Achieved matmul FLOP/s of one device (a CPU: this process's threads): square GEMMs of `size`."""
+    g = torch.Generator(device=device).manual_seed(0)  # not the global RNG, which a resume has just restored
+    a, b = (torch.randn(size, size, device=device, dtype=dtype, generator=g) for _ in range(2))
+    a @ b
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    sync()
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
 def measure_cpu_flops(size: int = 512, repeats: int = 8) -> float:
     """Achieved fp32 matmul FLOP/s of this process's CPU threads: the 'peak' for MFU on a CPU run."""
-    g = torch.Generator().manual_seed(0)  # not the global RNG, which a resume has just restored
-    a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
-    a @ b
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    return 2 * size**3 * repeats / (time.perf_counter() - start)
+    return measure_matmul_flops(torch.device("cpu"), torch.float32, size, repeats)
+
+
+def peak_flops_and_source(device: torch.device) -> tuple[float, str]:
+    """(peak FLOP/s per device for MFU, where it comes from). CUDA: the datasheet's dense bf16 peak of this GPU;
+    a GPU not in the table: a measured bf16 matmul (8192^3); CPU: a measured fp32 matmul."""
+    if device.type != "cuda":
+        return measure_cpu_flops(), "measured fp32 matmul, CPU"
+    name = torch.cuda.get_device_name(device)
+    for key, flops in DATASHEET_BF16_FLOPS:
+        if key in name:
+            return flops, f"datasheet dense bf16, {name}"
+    return measure_matmul_flops(device, torch.bfloat16, 8192, 20), f"measured bf16 matmul, {name} (not in the table)"
 
 
 def peak_flops(device: torch.device) -> float:
-    return H200_BF16_FLOPS if device.type == "cuda" else measure_cpu_flops()
+    return peak_flops_and_source(device)[0]
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -1,7 +1,23 @@
 """Routed experts across the expert-parallel (ep) group: deduplicated all-to-all dispatch and combine,
 grouping rows by expert, grouped GEMM, and the aux-loss-free expert-bias update.
 
-Legend: T tokens on this rank, H hidden, k experts per token, E experts in the model, n ranks in the ep group,
+Router contract (what a recipe's router hands to this file; E experts, k slots per token):
+  topk_ids_Tk      int [T, k], global expert ids in [0, E), or negative (-1) for "no expert in this slot". The
+                   width k is fixed; how many slots a token keeps (0..k) may differ per token and per step. A
+                   masked slot moves no row and costs no compute; a token with every slot masked gets a zero
+                   routed output (the model adds whatever it computes outside the routed experts).
+  topk_weights_Tk  float [T, k], each slot's output weight, used as given (normalise in the router if wanted);
+                   a masked slot's weight is ignored and gets a zero gradient. Kept weights get exact gradients.
+  Statistics: expert load (log line, expert bias) counts kept slots only: `expert_counts(ids, E)` skips
+  negative ids and never syncs with the host. Balance losses are the recipe's own, computed in its router
+  (Qwen3: transformers' aux loss over the top-k of the router probabilities).
+  Inactive experts: an expert with no rows gets a zero weight gradient from the grouped GEMM; a .grad left None
+  is reduced as zero by ShardedAdamW, so AdamW steps every parameter with g = 0 (moments decay, weight decay
+  applies) identically on every rank and layout.
+  Example, k = 2, E = 4: ids [[2, 0], [3, -1], [-1, -1]], weights [[.7, .3], [1., .5], [0., 0.]] give
+  out[0] = .7 expert2(x0) + .3 expert0(x0), out[1] = expert3(x1), out[2] = 0.
+
+Legend: T tokens on this rank, H hidden, k slots per token, E experts in the model, n ranks in the ep group,
 L = E / n experts per rank (rank d holds experts [d*L, (d+1)*L)), P (token, destination rank) pairs this
 rank sends, Q pairs it receives, R (received row, local expert) pairs = rows of the grouped GEMM,
 X = H + k (a dispatched row carries the token and its k routing weights for that rank).
@@ -19,21 +35,22 @@ all-to-alls; `start_*` returns at once and `.wait()` gives the result with autog
     y_PH = plan.start_combine(y_QH).wait()                      # (4)
     out_TH = plan.unpermute(y_PH)                               # (5) before the residual add
 
-With ep_group None (one rank holds every expert) the same code runs with the all-to-alls skipped.
+With ep_group None (one rank holds every expert) the same code runs with the all-to-alls skipped. Host syncs:
+one per layer and micro-batch, in DispatchPlan (the row counts that size the all-to-alls and the GEMM rows);
+the backward reuses them and has none (on the grouped-GEMM path, see `grouped_mm`).
 """
 
 import torch
 import torch.distributed as dist
 
-from core.kernels.dispatch_index import group_by_expert
+from core.kernels.dispatch_index import expert_counts, group_by_expert
 
 # torch._grouped_mm (public as F.grouped_mm from torch 2.10 on); None in versions that have neither
 GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def grouped_mm_ref(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """Reference path: one matmul per expert (a host sync on counts). An expert with no rows gets a zero
-    weight gradient."""
+    """Reference path: one matmul per expert (a host sync on counts)."""
     sizes = counts_E.tolist()
     assert sum(sizes) == x_RK.shape[0] and len(sizes) == w_EKN.shape[0], (sizes, x_RK.shape, w_EKN.shape)
     return torch.cat([x_e @ w_EKN[e] for e, x_e in enumerate(x_RK.split(sizes))])
@@ -42,18 +59,34 @@ def grouped_mm_ref(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tens
 def grouped_mm_fused(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """One torch._grouped_mm over all experts: no host sync, one launch. Offsets are the int32 ends of each
     expert's rows (cumsum of counts, last = R, so no uninitialised tail rows). Runs on CPU too (tested there)."""
-    return GROUPED_MM(x_RK, w_EKN, offs=counts_E.cumsum(0, dtype=torch.int32))
+    return GROUPED_MM(x_RK.contiguous(), w_EKN, offs=counts_E.cumsum(0, dtype=torch.int32))
+
+
+def _fused_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes these operands: on CPU any float dtype, on CUDA bf16 (other dtypes
+    fall back to a loop inside torch), and rows of 16-byte multiples (K and N * element size)."""
+    return GROUPED_MM is not None and (a.device.type == "cpu" or a.dtype == torch.bfloat16) and \
+        all(t.shape[-1] * t.element_size() % 16 == 0 for t in (a, b))
 
 
 def grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """y[rows of expert e] = x[rows of expert e] @ w[e]; rows are contiguous per expert, counts_E [E] int.
-    Autograd flows to x and w. On CUDA in bf16 (or under bf16 autocast) the fused grouped GEMM runs; elsewhere
-    the per-expert loop (the reference: exact fp32 on CPU, and any torch version)."""
-    cuda_bf16 = x_RK.is_cuda and (torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda")
-                                  else x_RK.dtype) == torch.bfloat16
-    if cuda_bf16 and GROUPED_MM is not None:
-        return grouped_mm_fused(x_RK.to(torch.bfloat16), w_EKN.to(torch.bfloat16), counts_E)
-    return grouped_mm_ref(x_RK, w_EKN, counts_E)
+    Autograd flows to x and w. Runs in the autocast dtype when autocast is on, else x's dtype: the fused grouped
+    GEMM where it fits (_fused_fits), else the per-expert loop."""
+    device = x_RK.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_RK.dtype
+    x_RK, w_EKN = x_RK.to(dtype), w_EKN.to(dtype)
+    return (grouped_mm_fused if _fused_fits(x_RK, w_EKN) else grouped_mm_ref)(x_RK, w_EKN, counts_E)
+
+
+def grouped_weight_grad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """dW[e] = x_e^T dy_e [E, K, N] in dy's dtype (zeros for an expert without rows): one grouped GEMM in the
+    transposed-A form grouped_mm(x^T [K, R], dy [R, N], offs) where it fits, else the per-expert loop."""
+    x_RK, dy_RN = x_RK.to(dy_RN.dtype).contiguous(), dy_RN.contiguous()
+    if _fused_fits(x_RK, dy_RN):
+        return GROUPED_MM(x_RK.T, dy_RN, offs=counts_E.cumsum(0, dtype=torch.int32))
+    sizes = counts_E.tolist()
+    return torch.stack([x_e.T @ dy_e for x_e, dy_e in zip(x_RK.split(sizes), dy_RN.split(sizes))])
 
 
 # ------------------------------------------------------------------------ asynchronous all-to-all
@@ -133,6 +166,14 @@ class _Traffic:
 traffic = _Traffic()
 
 
+def _true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Flat indices of mask's `count` True entries, in order (nonzero without its host sync: count is known)."""
+    flat = mask.flatten()
+    slot = torch.where(flat, flat.cumsum(0) - 1, count)  # the False entries all land in the extra slot `count`
+    out = torch.zeros(count + 1, dtype=torch.int64, device=mask.device)
+    return out.scatter_(0, slot, torch.arange(flat.numel(), device=mask.device))[:count]
+
+
 class DispatchPlan:
     """Where one micro-batch's tokens go in the ep group, and how received rows map onto local experts."""
 
@@ -143,25 +184,37 @@ class DispatchPlan:
         T, k = topk_ids_Tk.shape
         L = num_experts // n
         self.group, self.num_tokens, self.k = group, T, k
-        dest_Tk = topk_ids_Tk // L
-        goes_TN = torch.zeros(T, n, dtype=torch.bool, device=topk_ids_Tk.device).scatter_(1, dest_Tk, True)
-        dest_P, self.token_P = goes_TN.T.nonzero(as_tuple=True)  # grouped by destination, tokens in order
-        self.here_Pk = dest_Tk[self.token_P] == dest_P[:, None]  # which of the token's slots live at that rank
-        local_ids_Pk = torch.where(self.here_Pk, topk_ids_Tk[self.token_P] - dest_P[:, None] * L, -1)
-        send_counts_N = goes_TN.sum(0)
-        # rows crossing ranks: deduplicated (this plan) vs one row per (token, slot) (a naive dispatch)
-        self.rows_moved = torch.stack([send_counts_N.sum() - send_counts_N[me], (dest_Tk != me).sum()])
+        ids_Tk = topk_ids_Tk.long()
+        keep_Tk = (ids_Tk >= 0) & (ids_Tk < num_experts)  # ids >= E are reported below, on every rank
+        dest_Tk = torch.where(keep_Tk, ids_Tk // L, n)  # rank n: nowhere (a masked slot)
+        goes_TN = torch.zeros(T, n + 1, dtype=torch.bool, device=ids_Tk.device).scatter_(1, dest_Tk, True)[:, :n]
+        # per destination: rows (tokens), (token, expert) pairs, and this rank's out-of-range ids
+        bad = (~keep_Tk & (ids_Tk >= 0)).sum()
+        header_N3 = torch.stack([goes_TN.sum(0), expert_counts(dest_Tk, n), bad.expand(n)], 1)
+        if group is None:
+            recv_N3 = header_N3
+        else:
+            recv_N3 = torch.empty_like(header_N3)
+            dist.all_to_all_single(recv_N3, header_N3, group=group)
+        sizes = torch.cat([header_N3[:, 0], recv_N3.flatten()]).tolist()  # the one host sync of the layer
+        self.send_splits, recv = sizes[:n], sizes[n:]
+        self.recv_splits, num_pairs, num_bad = recv[0::3], sum(recv[1::3]), sum(recv[2::3])
+        if num_bad:
+            raise ValueError(f"router expert ids must be < num_experts={num_experts} (or negative for an empty "
+                             f"slot); {num_bad} ids in this ep group are not")
+        # rows crossing ranks: deduplicated (this plan) vs one row per kept (token, slot) (a naive dispatch)
+        self.rows_moved = torch.stack([header_N3[:, 0].sum() - header_N3[me, 0], (keep_Tk & (dest_Tk != me)).sum()])
         traffic.rows = traffic.rows + self.rows_moved
+        flat_P = _true_positions(goes_TN.T, sum(self.send_splits))  # grouped by destination, tokens in order
+        dest_P, self.token_P = flat_P // max(T, 1), flat_P % max(T, 1)
+        self.here_Pk = dest_Tk[self.token_P] == dest_P[:, None]  # which of the token's slots live at that rank
+        local_ids_Pk = torch.where(self.here_Pk, ids_Tk[self.token_P] - dest_P[:, None] * L, -1)
         if group is None:
             local_ids_Qk = local_ids_Pk
-            self.send_splits = self.recv_splits = [T]
-        else:  # exchange the split sizes, then the local expert ids of every row (small, blocking)
-            recv_counts_N = torch.empty_like(send_counts_N)
-            dist.all_to_all_single(recv_counts_N, send_counts_N, group=group)
-            self.send_splits, self.recv_splits = send_counts_N.tolist(), recv_counts_N.tolist()
+        else:  # the local expert ids of every row (small, blocking)
             local_ids_Qk = local_ids_Pk.new_empty(sum(self.recv_splits), k)
             dist.all_to_all_single(local_ids_Qk, local_ids_Pk, self.recv_splits, self.send_splits, group=group)
-        self.order_R, self.counts_L = group_by_expert(local_ids_Qk, L)  # Triton on GPU
+        self.order_R, self.counts_L = group_by_expert(local_ids_Qk, L, num_pairs)  # Triton on GPU
 
     def dispatch_payload(self, x_TH: torch.Tensor, topk_weights_Tk: torch.Tensor) -> torch.Tensor:
         """Each token once per destination rank, with its routing weights for that rank's experts: [P, X]."""
@@ -247,17 +300,12 @@ class _ExpertMatmul(torch.autograd.Function):
         x_RK, counts_E = ctx.saved_tensors
         w = ctx.weight
         dx_RK = grouped_mm(dy_RN, w.to(dy_RN.dtype).transpose(1, 2), counts_E)
-
-        def weight_grad():  # dW[e] = x_e^T dy_e, accumulated in the parameter's dtype
-            sizes = counts_E.tolist()
-            return torch.stack([x_e.T.to(w.dtype) @ dy_e.to(w.dtype) if x_e.shape[0] else torch.zeros_like(w[e])
-                                for e, (x_e, dy_e) in enumerate(zip(x_RK.split(sizes), dy_RN.split(sizes)))])
-
+        # dW in the compute dtype (dy's), accumulated in the parameter's dtype
         if not weight_grads.enabled:
-            return dx_RK, weight_grad(), None
+            return dx_RK, grouped_weight_grad(x_RK, dy_RN, counts_E).to(w.dtype), None
 
         def accumulate():
-            dw = weight_grad()
+            dw = grouped_weight_grad(x_RK, dy_RN, counts_E).to(w.dtype)
             if w.grad is None:
                 w.grad = dw
             else:

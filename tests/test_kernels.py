@@ -135,6 +135,8 @@ def check_group_by_expert(refs):
         (order, counts), (order_ref, counts_ref) = dispatch_index.group_by_expert(ids, E), refs["group_by_expert_ref"](ids, E)
         assert order.dtype == counts.dtype == torch.int64, name
         assert torch.equal(order, order_ref) and torch.equal(counts, counts_ref), name
+        known_R = dispatch_index.group_by_expert(ids, E, int((ids >= 0).sum()))  # the caller's count: no host sync
+        assert torch.equal(known_R[0], order_ref) and torch.equal(known_R[1], counts_ref), name
     with_error = False
     try:
         dispatch_index.group_by_expert(torch.tensor([[0, 4]]), 4)

@@ -2,7 +2,10 @@
 dense parts. Tests marked `gpu` run the CUDA paths (tools/gpu_check.py); without CUDA they are skipped."""
 
 import copy
+import json
 import math
+import os
+import subprocess
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ import torch.nn.functional as F
 from core import fp8
 from core.moe import GROUPED_MM, grouped_mm_fused, grouped_mm_ref
 from recipes.qwen3_30b_a3b.model import Model, ModelConfig, compile_dense_parts, enable_fp8
+from tests.multiproc import run_ranks
 from tests.test_train import run_train, train_args
 
 TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
@@ -184,22 +188,47 @@ def test_gpu_grouped_mm_bf16_matches_the_loop():
     assert not dw[c == 0].any()
 
 
+def fp8_emulated(a_MK, b_NK):
+    """a @ b.T with both operands rounded to e4m3 with one scale per row over K (amax / 448), accumulated in fp32:
+    what a row-wise scaled FP8 GEMM computes, written out without core.fp8."""
+    def rounded(x):
+        scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448
+        return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    return rounded(a_MK) @ rounded(b_NK).T
+
+
 @pytest.mark.gpu
-def test_gpu_fp8_matches_the_cpu_reference():
-    """Hopper's _scaled_mm / _scaled_grouped_mm against the CPU reference on the same bf16 inputs (only the
-    accumulation order differs) and against fp32 (e4m3's error); outputs and both gradients."""
+def test_gpu_fp8_matches_an_emulation():
+    """Hopper's _scaled_mm / _scaled_grouped_mm against an FP8 emulation on the GPU (fp32 GEMMs of e4m3-rounded
+    operands; only accumulation order and the bf16 output differ), and against fp32 (e4m3's error): outputs and
+    both gradients (dgrad in FP8 over the weight's other dim, wgrad in high precision). No CPU _scaled_mm needed."""
     g = torch.Generator().manual_seed(0)
     counts = torch.tensor([0, 37, 0, 129, 5, 0, 300, 1])
-    x, w = torch.randn(int(counts.sum()), 256, generator=g), torch.randn(8, 256, 384, generator=g) * 0.05
-    x2, w2 = torch.randn(200, 256, generator=g), torch.randn(512, 256, generator=g) * 0.05
-    for fn, ref, (a, b) in ((fp8.fp8_linear, lambda x, w: x @ w.T, (x2, w2)),
-                            (lambda x, w: fp8.fp8_grouped_mm(x, w, counts.to(x.device)),
-                             lambda x, w: grouped_mm_ref(x, w, counts.cuda()), (x, w))):
-        y_cpu, grads_cpu = value_and_grads(fn, a.bfloat16(), b.bfloat16())
-        y_gpu, grads_gpu = value_and_grads(fn, a.cuda().bfloat16(), b.cuda().bfloat16())
-        y_ref, grads_ref = value_and_grads(ref, a.cuda(), b.cuda())
-        for out_gpu, out_cpu, out_ref in zip((y_gpu, *grads_gpu), (y_cpu, *grads_cpu), (y_ref, *grads_ref)):
-            assert rel_err(out_gpu.cpu(), out_cpu) < 1e-2 and rel_err(out_gpu, out_ref) < 5e-2
+    x = torch.randn(int(counts.sum()), 256, generator=g).cuda()
+    w = (torch.randn(8, 256, 384, generator=g) * 0.05).cuda()
+    x2, w2 = torch.randn(200, 256, generator=g).cuda(), (torch.randn(512, 256, generator=g) * 0.05).cuda()
+    dy2, dy = torch.randn(200, 512, generator=g).cuda(), torch.randn(int(counts.sum()), 384, generator=g).cuda()
+    xb, wb, x2b, w2b = x.bfloat16(), w.bfloat16(), x2.bfloat16(), w2.bfloat16()
+
+    def run(fn, *inputs, dy):
+        inputs = [t.detach().clone().requires_grad_() for t in inputs]
+        y = fn(*inputs)
+        return (y, *torch.autograd.grad(y, inputs, dy.to(y.dtype)))
+
+    got = run(fp8.fp8_linear, x2b, w2b, dy=dy2)
+    emulated = (fp8_emulated(x2b, w2b), fp8_emulated(dy2.bfloat16(), w2b.T), dy2.bfloat16().float().T @ x2b.float())
+    exact = run(lambda a, b: a @ b.T, x2, w2, dy=dy2)
+    c = counts.tolist()
+    got_g = run(lambda a, b: fp8.fp8_grouped_mm(a, b, counts.cuda()), xb, wb, dy=dy)
+    x_e, dy_e = xb.split(c), dy.bfloat16().split(c)
+    emulated_g = (torch.cat([fp8_emulated(x_e[e], wb[e].T) for e in range(8)]),
+                  torch.cat([fp8_emulated(dy_e[e], wb[e]) for e in range(8)]),
+                  torch.stack([x_e[e].float().T @ dy_e[e].float() for e in range(8)]))
+    exact_g = run(lambda a, b: grouped_mm_ref(a, b, counts.cuda()), x, w, dy=dy)
+    for outs, emus, refs in ((got, emulated, exact), (got_g, emulated_g, exact_g)):
+        for out, emu, ref in zip(outs, emus, refs):
+            assert rel_err(out, emu) < 1e-2 and rel_err(out, ref) < 5e-2
+        assert rel_err(outs[0], refs[0]) > 1e-2  # the forward really ran in FP8, not in bf16
 
 
 @pytest.mark.gpu
@@ -244,9 +273,11 @@ def test_bench_tool_runs_ours_and_transformers(capsys):
     from tools import bench
 
     res = bench.main(["--size", "tiny", "--layers", "1", "--seq-len", "32", "--batch", "2", "--micro-batch", "1",
-                      "--steps", "2", "--warmup", "1", "--vs-hf"])
+                      "--steps", "2", "--warmup", "1", "--vs-hf", "--dtype", "bf16"])
     ours, theirs = res["rows"]
     assert [ours["impl"], theirs["impl"]] == ["ours", "transformers"]
+    # transformers' experts get fp32 rows from its RMSNorm under autocast; their GEMMs must still run in bf16
+    assert res["hf_expert_gemm"]["gemm"] == "bfloat16" and res["same_precision"] and res["precision"] == "bf16"
     for r in (ours, theirs):
         assert r["tokens_per_s"] == pytest.approx(2 * 32 / (r["step_ms"] / 1000)) and 0 < r["mfu"] < 1
         assert r["best_ms"] <= r["step_ms"]
@@ -260,5 +291,48 @@ def test_gpu_check_plan_fits_an_h200():
 
     layers = gpu_check.layers_that_fit(139 * 2**30, seq_len=4096, micro_batch=2)
     assert 4 <= layers <= 12  # ~10 GB of weights, grads and Adam state per full-width layer
-    assert [name for name, _, _ in gpu_check.plan(layers, 5)][0] == "gpu tests"
-    assert sum(share for _, _, share in gpu_check.plan(layers, 5)) == pytest.approx(1.0)
+    for gpus in (0, 1, 2):
+        parts = gpu_check.plan(layers, 5, gpus)
+        assert sum(share for _, _, share in parts) == pytest.approx(1.0)
+        assert [name for name, _, _ in parts][0] == ("gpu tests" if gpus else "layouts: one process (reference)")
+        assert sum("layouts:" in name for name, _, _ in parts) == (0 if gpus == 1 else 4)
+
+
+def profiled_ep2_step(config):
+    from tools import gpu_check
+
+    flags = ["--config", str(config), "--seq-len", "64", "--global-batch", "8", "--micro-batch", "2", "--dtype",
+             "bf16", "--ep", "2"]
+    return gpu_check.profile_training(flags, "cpu")
+
+
+def test_gpu_check_profile_shares_on_a_cpu_trace(tiny_train_setup):
+    """tools/gpu_check's profile on CPU, ep=2 over 2 gloo ranks, bf16 autocast: every category the GPU table
+    reports is found in the trace (expert GEMMs, attention, all-to-all, weight casts under autocast), and the
+    categories plus idle account for the step (ops' own times on one thread add up to the step)."""
+    config, _ = tiny_train_setup
+    for res in run_ranks(2, profiled_ep2_step, config):
+        share = res["share"]
+        assert res["device"] == "cpu" and res["step_ms"] > 0
+        for category in ("expert GEMMs", "attention", "all-to-all", "weight casts", "other compute"):
+            assert share[category] > 0.001, (category, share)
+        assert 0.97 <= sum(share.values()) <= 1.03, share
+
+
+def test_gpu_check_layout_parity_on_gloo(tmp_path):
+    """The reduced CPU form runs the plan's own commands: the one-process reference and ep=2 under torchrun on
+    gloo; ep=2's losses equal the reference's, and a perturbed loss is reported as a failure."""
+    from tools import gpu_check
+
+    parts = {name: cmd for name, cmd, _ in gpu_check.plan(2, 2, gpus=0)}
+    results = []
+    for name in ("layouts: one process (reference)", "layouts: ep=2 on gloo"):
+        out = tmp_path / f"{len(results)}.jsonl"
+        r = subprocess.run([*parts[name], "--json", str(out)], cwd=gpu_check.ROOT, capture_output=True, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+        assert r.returncode == 0, (name, r.stdout[-2000:], r.stderr[-2000:])
+        results.append(json.loads(out.read_text()))
+    (row,) = gpu_check.layout_parity(results, tol=1e-5)
+    assert row[0] == "layout --ep 2 vs one process: losses" and row[1] == "ok", row
+    results[1]["losses"][-1] *= 1 + 1e-4
+    assert gpu_check.layout_parity(results, tol=1e-5)[0][1] == "FAILED"

@@ -8,8 +8,11 @@ Our step is recipes/qwen3_30b_a3b/train.py's own loop: train.main on a synthetic
 folder (data loader, micro-batches, forward + backward, gradient reduction, clipping, AdamW, metrics), so every
 layout of train.py runs here under torchrun. The transformers step runs Qwen3MoeForCausalLM with the same config
 (router aux loss on), the same batches, micro-batch split and precision (fp32 weights, bf16 autocast when our run
-uses it): forward with labels + backward + clipping + AdamW (fused on GPU, foreach on CPU), on one process, with
-transformers' default experts implementation (grouped_mm when torch has it) and attention (sdpa).
+uses it, and then the expert weights cast to bf16 in each forward: transformers' grouped GEMM casts its input to
+the weights' dtype, so it would otherwise run the experts in fp32): forward with labels + backward + clipping +
+AdamW (fused on GPU, foreach on CPU), on one process, with transformers' default experts implementation
+(grouped_mm when torch has it) and attention (sdpa). The dtypes and path of its expert GEMMs are printed.
+MFU is against the datasheet's dense bf16 peak on a GPU (core/metrics.py), with a measured bf16 matmul beside.
 Step times are medians (and minima: "best") over the measured steps, after warm-up steps (compilation, allocator, autotuning); with
 --rounds n the two implementations take turns n times (on a shared machine, load that comes and goes then hits
 both alike). Peak memory is the CUDA allocator's peak, or on CPU the process's resident high-water mark (reset
@@ -31,7 +34,7 @@ from pathlib import Path
 import torch
 
 from core.data import TokenLoader, write_shards
-from core.metrics import peak_flops
+from core.metrics import measure_matmul_flops, peak_flops_and_source
 from recipes.qwen3_30b_a3b import train
 from recipes.qwen3_30b_a3b.model import ModelConfig, flops_per_token, real_config_path, tiny_config_path
 
@@ -67,13 +70,52 @@ def synthetic_data(folder: Path, vocab: int, tokens: int, seed: int) -> None:
     write_shards(docs, folder, vocab_size=vocab, eos_id=2, tokenizer={"kind": "none"}, shard_tokens=n)
 
 
-def hf_model(cfg: ModelConfig, device: torch.device):
+class ExpertsInDtype(torch.nn.Module):
+    """transformers' experts with their weights cast to `dtype` in every forward, as autocast casts nn.Linear
+    weights and as our bf16 path runs its expert GEMMs: transformers' grouped GEMM casts its input to the weights'
+    dtype, so with fp32 master weights its experts would run in fp32 under autocast."""
+
+    def __init__(self, experts: torch.nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.inner, self.dtype = experts, dtype
+
+    def forward(self, *args, **kwargs):
+        params = {name: p.to(self.dtype) for name, p in self.inner.named_parameters()}
+        return torch.func.functional_call(self.inner, params, args, kwargs)
+
+
+def record_expert_gemms(seen: dict) -> None:
+    """Note the dtypes and the path of transformers' first grouped expert GEMM (transformers.integrations.moe)."""
+    from transformers.integrations import moe
+
+    gemm = getattr(moe, "_grouped_mm", None)
+    if gemm is None or getattr(gemm, "recording", False):
+        return
+
+    def recorded(input, weight, offs):
+        if not seen:
+            fast = getattr(moe, "_can_use_grouped_mm", lambda *a: True)(input, weight, offs)
+            path = ("torch.nn.functional.grouped_mm" if hasattr(torch.nn.functional, "grouped_mm") else
+                    "torch._grouped_mm") if fast else "transformers' fallback (loop over experts)"
+            seen.update(received=str(input.dtype).replace("torch.", ""), path=path,
+                        gemm=str(weight.dtype).replace("torch.", ""))  # the input is cast to the weights' dtype
+        return gemm(input, weight, offs)
+
+    recorded.recording = True
+    moe._grouped_mm = recorded
+
+
+def hf_model(cfg: ModelConfig, device: torch.device, use_bf16: bool):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**cfg.to_hf(), "output_router_logits": True}))
     cuda = device.type == "cuda"
+    if use_bf16:
+        for block in model.modules():
+            if isinstance(getattr(block, "experts", None), torch.nn.Module):
+                block.experts = ExpertsInDtype(block.experts, torch.bfloat16)
     print(f"transformers: experts {getattr(model.config, '_experts_implementation', '?')}, "
           f"attention {getattr(model.config, '_attn_implementation', '?')}", flush=True)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=cuda, foreach=not cuda)
@@ -152,7 +194,9 @@ def main(argv=None) -> dict:
                  *([] if args.compile is None else ["--compile" if args.compile else "--no-compile"]), *layout]
         device = torch.device("cuda" if cuda else "cpu")
         use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and cuda)
-        ours, theirs, mem_ours, mem_theirs, hf, losses = [], [], 0.0, 0.0, None, None
+        ours, theirs, mem_ours, mem_theirs, hf, losses, hf_gemm = [], [], 0.0, 0.0, None, None, {}
+        if args.vs_hf:
+            record_expert_gemms(hf_gemm)
         for _ in range(args.rounds if args.vs_hf else 1):
             reset_peak(device)
             log = io.StringIO()
@@ -172,7 +216,7 @@ def main(argv=None) -> dict:
                     torch.cuda.empty_cache()
                 reset_peak(device)
                 try:  # a failure on their side (say, out of memory) keeps our numbers
-                    hf = hf or hf_model(cfg, device)
+                    hf = hf or hf_model(cfg, device, use_bf16)
                     loader = TokenLoader(tmp / "data", args.seq_len, args.batch, seed=0)  # train.py's batches (seed 0)
                     theirs += hf_steps(*hf, loader, args, device, use_bf16)[args.warmup:]
                     mem_theirs = max(mem_theirs, peak_gib(device))
@@ -180,7 +224,10 @@ def main(argv=None) -> dict:
                     print(f"transformers step failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     args.vs_hf, hf = False, None
         is_main = int(os.environ.get("RANK", "0")) == 0
-        flops_tok, peak = flops_per_token(cfg, args.seq_len), peak_flops(device) * world
+        flops_tok = flops_per_token(cfg, args.seq_len)
+        peak_one, peak_source = peak_flops_and_source(device)
+        peak = peak_one * world
+        measured = measure_matmul_flops(device, torch.bfloat16, 8192, 20) if cuda else None
         tokens = args.batch * args.seq_len
         rows = [row("ours", ours, tokens, flops_tok, peak, mem_ours)]
         if args.vs_hf:
@@ -193,17 +240,30 @@ def main(argv=None) -> dict:
               "rows": rows, "losses": losses}
     if args.vs_hf:
         result["ratio_vs_hf"] = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
+        result["hf_expert_gemm"] = hf_gemm
+        result["same_precision"] = hf_gemm.get("gemm", "bfloat16" if use_bf16 else "float32") == \
+            ("bfloat16" if use_bf16 else "float32")
+    result["peak_flops"], result["peak_source"] = peak_one, peak_source
+    if measured:
+        result["mfu_vs_measured_matmul"] = [r["tokens_per_s"] * flops_tok / (measured * world) for r in rows]
     if is_main:
         print(f"qwen3_30b_a3b {args.size}: {cfg.num_hidden_layers} layers, {n_params / 1e6:,.1f}M params per rank, "
               f"{device.type} x{world} ({result['layout']}), {args.batch} x {args.seq_len} tokens per step in micro-batches "
               f"of {args.micro_batch}, {result['precision']}, compile {'on' if result['compile'] else 'off'}, "
               f"{args.warmup} warm-up + {args.steps} measured steps x {len(ours) // args.steps} rounds; MFU against "
-              f"{peak / 1e12:,.3g} TFLOP/s")
+              f"{peak_one / 1e12:,.3g} TFLOP/s per device ({peak_source})"
+              + (f"; bf16 matmul measured here {measured / 1e12:,.0f} TFLOP/s" if measured else ""))
         print(f"{'impl':<14} {'tokens/s':>12} {'MFU':>8} {'step ms':>10} {'best ms':>10} {'peak mem GiB':>13}")
         for r in rows:
             print(f"{r['impl']:<14} {r['tokens_per_s']:>12,.0f} {100 * r['mfu']:>7.2f}% {r['step_ms']:>10.1f} "
                   f"{r['best_ms']:>10.1f} {r['peak_mem_gib']:>13.2f}")
         if args.vs_hf:
+            gemm = (f"receive {hf_gemm['received']}, run {hf_gemm['gemm']} through {hf_gemm['path']}" if hf_gemm else
+                    "no grouped GEMM call (per-expert modules)")
+            print(f"transformers' expert GEMMs: {gemm}; ours: {result['precision']}")
+            if not result["same_precision"]:
+                print("WARNING: transformers' experts ran in another precision than ours: the ratio compares "
+                      "unlike runs")
             print(f"ours / transformers tokens/s: {result['ratio_vs_hf']:.2f}x")
         if args.json:
             with open(args.json, "a") as f:

@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from core.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 from core.kernels.dispatch_index import group_by_expert, group_by_expert_ref
 from core.kernels.swiglu import gptoss_swiglu, swiglu
-
-PEAK_TFLOPS = 790.0  # measured dense bf16 on H200 (DESIGN.md)
+from core.metrics import peak_flops_and_source
 
 
 def bench_ms(fn, iters: int, cuda: bool) -> float:
@@ -61,7 +60,9 @@ def main(argv=None):
     big = torch.empty(2**30 if cuda else 2**26, dtype=torch.uint8, device=dev)
     copy_gbs = 2 * big.numel() / bench_ms(big.clone, args.iters, cuda) / 1e6
     del big
-    print(f"device {torch.cuda.get_device_name() if cuda else 'cpu'}  dtype {args.dtype}  copy bandwidth {copy_gbs:.0f} GB/s")
+    peak, peak_source = peak_flops_and_source(torch.device(dev))
+    print(f"device {torch.cuda.get_device_name() if cuda else 'cpu'}  dtype {args.dtype}  "
+          f"copy bandwidth {copy_gbs:.0f} GB/s  peak {peak / 1e12:.0f} TFLOP/s ({peak_source})")
     if not cuda:
         print("note: no GPU, so the Triton kernels are not timed (the interpreter is not a benchmark); eager only")
     print(f"{'kernel':<40} {'impl':<7} {'ms':>9} {'GB/s':>8} {'of copy':>8}")
@@ -94,15 +95,15 @@ def main(argv=None):
         step = lambda f=f: torch.autograd.grad(f(h, w, labels), (h, w))
         ms = bench_ms(step, max(1, args.iters // 2), cuda)
         tflops = 6 * T * H * V / ms / 1e9
-        peak = ""
+        mem = ""
         if cuda:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             step()
-            peak = f"  peak +{(torch.cuda.max_memory_allocated() - base) / 2**30:.2f} GiB"
+            mem = f"  peak memory +{(torch.cuda.max_memory_allocated() - base) / 2**30:.2f} GiB"
         print(f"{f'cross_entropy fwd+bwd T={T} H={H} V={V}':<40} {impl:<7} {ms:9.3f}  {tflops:.2f} TFLOP/s "
-              f"{tflops / PEAK_TFLOPS:6.1%} of {PEAK_TFLOPS:.0f}{peak}")
+              f"{tflops / (peak / 1e12):6.1%} of peak{mem}")
 
     E, k = args.experts, args.topk
     ids = torch.rand(R // k, E, device=dev).topk(k, dim=-1).indices  # [T, k] distinct experts per token

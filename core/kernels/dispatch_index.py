@@ -4,7 +4,7 @@ Legend: N = Q*k flattened (row, slot) pairs, Q rows (tokens, or rows received by
 row, E experts (local to this rank), R pairs kept (id >= 0), NB blocks of BLOCK pairs.
 
 group_by_expert(ids_Qk, E) -> order_R, counts_E serves both ends of dispatch:
-  - a plain MoE layer: ids = topk_ids [T, k], all >= 0; rows = x[order // k] is grouped by expert;
+  - a plain MoE layer: ids = topk_ids [T, k] (< 0: a masked slot); rows = x[order // k] is grouped by expert;
   - the receiver of a deduplicated expert-parallel all-to-all: each token arrives once per rank, with the local
     expert ids of its k slots and -1 for slots whose expert lives elsewhere; order // k is the received row to
     expand, order % k the slot (for its routing weight), so the expansion is rows[order // k].
@@ -12,8 +12,8 @@ order is stable (pairs keep their flat order inside an expert), identical to the
 
 Triton path (CUDA, or TRITON_INTERPRET=1): (1) per-block histograms hist[NB, E]; (2) torch exclusive cumsums give
 each (block, expert) its first output slot; (3) each block writes its pairs at base + rank among the earlier
-equal ids of the block. No atomics, so the result is deterministic. One host sync reads R to size the output
-(the reference needs it too).
+equal ids of the block. No atomics, so the result is deterministic. R sizes the output: a caller that knows it
+passes `num_kept` (core/moe.py gets it with the split sizes of the all-to-all); otherwise one host sync reads it.
 """
 
 import os
@@ -25,11 +25,21 @@ import triton.language as tl
 BLOCK = 64  # pairs per program; the rank step compares [BLOCK, BLOCK] ids
 
 
-def group_by_expert_ref(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64: how many of `ids` (any shape) name each expert in [0, E); other ids (negative: an empty slot)
+    are not counted. No host sync (torch.bincount syncs on CUDA to size its output)."""
+    flat_N = ids.reshape(-1).long()
+    slot_N = torch.where((flat_N >= 0) & (flat_N < num_experts), flat_N, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, slot_N, torch.ones_like(slot_N))[:num_experts]
+
+
+def group_by_expert_ref(ids: torch.Tensor, num_experts: int, num_kept: int | None = None):
     flat_N = ids.reshape(-1)
     keep_N = flat_N >= 0
-    order_R = torch.argsort(torch.where(keep_N, flat_N, num_experts), stable=True)[: int(keep_N.sum())]
-    return order_R, torch.bincount(flat_N[keep_N], minlength=num_experts)
+    R = int(keep_N.sum()) if num_kept is None else num_kept
+    order_R = torch.argsort(torch.where(keep_N, flat_N, num_experts), stable=True)[:R]
+    return order_R, expert_counts(flat_N, num_experts)
 
 
 @triton.jit
@@ -55,9 +65,10 @@ def _scatter_kernel(ids_ptr, base_ptr, order_ptr, N, E, BLOCK: tl.constexpr):
     tl.store(order_ptr + base + rank, offs.to(tl.int64), mask=keep)
 
 
-def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def group_by_expert(ids: torch.Tensor, num_experts: int, num_kept: int | None = None):
     """ids [Q, k] (or any shape) expert ids in [0, E), or < 0 for 'not here' -> (order [R] int64: flat indices of
-    the kept pairs grouped by expert, stable; counts [E] int64: pairs per expert)."""
+    the kept pairs grouped by expert, stable; counts [E] int64: pairs per expert). num_kept: R, when the caller
+    knows it (then no host sync, and the ids are trusted to be < E)."""
     if ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"group_by_expert: ids must be int64 or int32, got {ids.dtype}")
     if num_experts < 1:
@@ -65,17 +76,20 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     E, flat_N = num_experts, ids.reshape(-1).contiguous()
     N = flat_N.numel()
     if not (ids.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        if N and int(flat_N.max()) >= E:
+        if num_kept is None and N and int(flat_N.max()) >= E:
             raise ValueError(f"group_by_expert: expert id {int(flat_N.max())} is out of range for {E} experts")
-        return group_by_expert_ref(ids, E)
+        return group_by_expert_ref(ids, E, num_kept)
     NB = triton.cdiv(N, BLOCK)
     hist_BE = torch.zeros(NB, E, dtype=torch.int32, device=ids.device)
     if NB:
         _hist_kernel[(NB,)](flat_N, hist_BE, N, E, BLOCK=BLOCK, E_PAD=triton.next_power_of_2(E))
     counts_E = hist_BE.sum(0, dtype=torch.int64)
-    R, kept = torch.stack([counts_E.sum(), (flat_N >= 0).sum()]).tolist()  # the one host sync
-    if R != kept:
-        raise ValueError(f"group_by_expert: {kept - R} expert ids are >= num_experts={E}")
+    if num_kept is None:
+        R, kept = torch.stack([counts_E.sum(), (flat_N >= 0).sum()]).tolist()  # the one host sync
+        if R != kept:
+            raise ValueError(f"group_by_expert: {kept - R} expert ids are >= num_experts={E}")
+    else:
+        R = num_kept
     order_R = torch.empty(R, dtype=torch.int64, device=ids.device)
     if R:
         # slot of the first pair of (block b, expert e): pairs of all experts < e, then of expert e in blocks < b

@@ -27,7 +27,7 @@ from core.fp8 import convert_linears, fp8_grouped_mm
 from core.hf_io import CheckpointReader, read_hf_config, write_hf_folder
 from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.swiglu import swiglu
-from core.moe import expert_matmul, moe_forward
+from core.moe import expert_counts, expert_matmul, moe_forward
 
 
 @dataclass
@@ -133,7 +133,7 @@ class Attention(nn.Module):
     def forward(self, x_BSH, cos, sin, mask_BSK=None):
         """mask_BSK None: plain causal over these S tokens (SDPA's causal fast path). Otherwise x holds this rank's
         split_for_cp part of each sequence: K and V of the whole sequence (K = S * cp) are gathered over the cp
-        group and this rank's queries attend to them under mask_BSK (core.context.cp_attention_mask)."""
+        group and this rank's queries attend to them under mask_BSK (a core.context.CPMask: flex_attention on CUDA)."""
         B, S, _ = x_BSH.shape
         q_BNSD = self.q_norm(self.q_proj(x_BSH).view(B, S, self.N, self.D)).transpose(1, 2)
         k_BGSD = self.k_norm(self.k_proj(x_BSH).view(B, S, self.G, self.D)).transpose(1, 2)
@@ -202,13 +202,14 @@ class MoE(nn.Module):
     def route(self, x_TH, aux_2E):
         """Router, plus this layer's share of the load-balancing loss statistics added to aux_2E: row 0 the summed
         router probabilities per expert (differentiable), row 1 the top-k counts per expert of the whole
-        micro-batch (summed over the cp ranks, which hold the other tokens; no gradient). See Model.aux_loss."""
+        micro-batch (summed over the cp ranks, which hold the other tokens; no gradient). See Model.aux_loss.
+        load_E counts the routed slots that are kept (ids >= 0, core/moe.py's router contract). No host sync."""
         logits_TE, weights_Tk, ids_Tk = self.gate(x_TH)
         probs_TE = logits_TE.softmax(dim=-1)
-        counts_E = torch.bincount(probs_TE.topk(self.k, dim=-1).indices.flatten(), minlength=self.num_experts).float()
+        counts_E = expert_counts(probs_TE.topk(self.k, dim=-1).indices, self.num_experts).float()
         if self.cp_group is not None:
             dist.all_reduce(counts_E, group=self.cp_group)
-        load_E = torch.bincount(ids_Tk.flatten(), minlength=self.num_experts)
+        load_E = expert_counts(ids_Tk, self.num_experts)
         self.load_E = load_E if self.load_E is None else self.load_E + load_E
         return weights_Tk, ids_Tk, aux_2E + torch.stack([probs_TE.float().sum(0), counts_E])
 
@@ -313,7 +314,7 @@ class Model(nn.Module):
 
         With a cp group and cp_split, a micro-batch holds this rank's split_for_cp part of each sequence (S =
         seq_len / cp): keys and values are gathered over the cp group and masked causally by global position
-        [1, S, S * cp]. No document mask for packed sequences: Qwen3 in transformers attends across documents.
+        (CPMask, S x S * cp). No document mask for packed sequences: Qwen3 in transformers attends across documents.
         cp_split=False: whole sequences, computed by every cp rank alone (generation, evaluation)."""
         B, S = position_ids_BS.shape
         cp, cp_rank = (1, 0) if self.cp_group is None or not cp_split else \
