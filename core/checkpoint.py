@@ -3,12 +3,17 @@
 Layout: <dir>/step_00000100/ holds one DCP checkpoint (model, optimizer, scheduler, data position, RNG of
 every rank, step). It is written as step_00000100.tmp/ and renamed only after every rank has finished, so
 a crash during a save leaves the previous step_* folder as the newest complete one; a leftover .tmp folder
-is ignored and overwritten. The model and optimizer state comes from `ShardedAdamW.checkpoint_state`:
+is ignored and overwritten. `--resume auto` falls back to the previous checkpoint if the newest cannot be read.
+After a torchrun restart an empty --resume means auto; on a first attempt it refuses to start over a folder that
+already holds checkpoints (it would overwrite them). The model and optimizer state comes from `ShardedAdamW.checkpoint_state`:
 tensors named by parameter, sharded ones as DTensors with their global shapes, so DCP reshards a checkpoint
-onto another (dp, ep) layout at load.
+onto another (dp, ep) layout at load. Loading unpickles nothing but DCP's own metadata classes, torch.Size and
+dtypes (.metadata), and plain values with torch.load(weights_only=True) (the scheduler, data and RNG state).
 """
 
+import io
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -17,6 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+from core.reliability import inject_fault
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -26,12 +36,45 @@ def _barrier():
         dist.barrier()
 
 
-def _dcp(fn, state, path):
+def _dcp(fn, state, path, **kwargs):
     """dcp.save / dcp.load; without a process group (world size 1) DCP runs in-process, which is intended
     here, so its warning about that is silenced."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        fn(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        fn(state, checkpoint_id=path, no_dist=not dist.is_initialized(), **kwargs)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle: allow only the classes DCP writes into it (no code from a checkpoint)."""
+
+    ALLOWED = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+               ("collections", "OrderedDict")}
+
+    def find_class(self, module, name):
+        if (module.startswith("torch.distributed.checkpoint.") or (module, name) in self.ALLOWED
+                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's .metadata")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafePlanner(dcp.DefaultLoadPlanner):
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        """Non-tensor values with weights_only=True (DCP's default unpickles them in full)."""
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def _rng_state() -> dict:
@@ -61,6 +104,7 @@ def save_checkpoint(ckpt_dir, step: int, state: dict, extra: dict, rank: int, ke
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     _barrier()
     _dcp(dcp.save, {**state, "step": step, **extra, f"rng_rank{rank}": _rng_state()}, tmp)
+    inject_fault("kill-in-save", step)
     _barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -71,18 +115,29 @@ def save_checkpoint(ckpt_dir, step: int, state: dict, extra: dict, rank: int, ke
     return final
 
 
-def resolve_resume(resume: str, ckpt_dir) -> Path | None:
-    """'' -> None (fresh start); 'auto' -> newest complete checkpoint in ckpt_dir or None; else a path."""
+def resume_candidates(resume: str, ckpt_dir) -> list[Path]:
+    """Checkpoints to try, in order (empty: fresh start). '' -> none, or after a torchrun restart the same as
+    'auto'; 'auto' -> the complete ones in ckpt_dir, newest first; else that one folder."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    found = complete_checkpoints(ckpt_dir)[::-1]
+    if resume == "auto" or (not resume and restarted):
+        return found
     if not resume:
-        return None
-    if resume == "auto":
-        found = complete_checkpoints(ckpt_dir)
-        return found[-1] if found else None
+        if found:
+            raise ValueError(f"{ckpt_dir} already holds checkpoints of an earlier run (newest {found[0].name}); "
+                             f"pass --resume auto to continue it, or another --out (or delete the folder) to start over")
+        return []
     path = Path(resume)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"--resume {path}: no DCP checkpoint there (missing {path / '.metadata'}); "
                                 f"pass a step_* folder or 'auto'")
-    return path
+    return [path]
+
+
+def resolve_resume(resume: str, ckpt_dir) -> Path | None:
+    """The checkpoint a run starts from (None: fresh start); see resume_candidates."""
+    found = resume_candidates(resume, ckpt_dir)
+    return found[0] if found else None
 
 
 def load_checkpoint(path, state: dict, extra: dict, rank: int) -> dict:
@@ -90,18 +145,32 @@ def load_checkpoint(path, state: dict, extra: dict, rank: int) -> dict:
     save) and 'step' from the checkpoint. Restores this rank's RNG when the checkpoint has it."""
     path = Path(path)
     state = {**state, "step": 0, **extra}
-    reader = dcp.FileSystemReader(path)
+    try:
+        keys = _SafeReader(path).read_metadata().state_dict_metadata
+    except Exception as e:  # a truncated or foreign .metadata file
+        raise ValueError(f"checkpoint {path} is corrupt: its .metadata cannot be read ({type(e).__name__}); "
+                         f"resume from another step_* folder") from e
     rng_key = f"rng_rank{rank}"
-    has_rng = any(k.startswith(rng_key + ".") for k in reader.read_metadata().state_dict_metadata)
+    has_rng = any(k.startswith(rng_key + ".") for k in keys)
     if has_rng:
         state[rng_key] = _rng_state()
     try:
-        _dcp(dcp.load, state, path)
-    except Exception as e:  # DCP raises CheckpointException wrapping per-rank errors
-        raise ValueError(f"checkpoint {path} could not be loaded into this model/optimizer ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''}); was it written with the same config?") from e
+        _dcp(dcp.load, state, path, storage_reader=_SafeReader(path), planner=_SafePlanner())
+    except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps per-rank errors
+        raise ValueError(f"checkpoint {path} could not be loaded into this model/optimizer ({_first_error(e)}); "
+                         f"was it written with the same config, and is it complete?") from e
     if has_rng:
         torch.set_rng_state(state[rng_key]["cpu"])
         if "cuda" in state[rng_key] and torch.cuda.is_available():
             torch.cuda.set_rng_state(state[rng_key]["cuda"])
     return state
+
+
+def _first_error(e: Exception) -> str:
+    """The root cause inside DCP's CheckpointException (a dict of per-rank failures) in one line."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        inner = next(iter(failures.values()))
+        e = inner[0] if isinstance(inner, tuple) else inner
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return type(e).__name__ + (f": {lines[-1][:300]}" if lines else " (the file is truncated or empty)")

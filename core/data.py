@@ -27,8 +27,9 @@ def _dtype(name: str) -> np.dtype:
 
 
 def write_shards(token_docs: Iterable[list[int]], out_dir, vocab_size: int, eos_id: int, tokenizer: dict,
-                 shard_tokens: int = 2**26) -> dict:
-    """Pack documents (each followed by eos_id) into shards of shard_tokens tokens; return the meta written."""
+                 shard_tokens: int = 2**26, extra: dict | None = None) -> dict:
+    """Pack documents (each followed by eos_id) into shards of shard_tokens tokens; return the meta written
+    (with `extra`'s fields added)."""
     assert shard_tokens > 0 and 0 <= eos_id < vocab_size
     os.makedirs(out_dir, exist_ok=True)
     # drop the old meta.json first: while we overwrite shards the directory must not look complete
@@ -62,7 +63,7 @@ def write_shards(token_docs: Iterable[list[int]], out_dir, vocab_size: int, eos_
     if fill:
         flush()
     meta = {"format": FORMAT, "dtype": dtype_name, "vocab_size": int(vocab_size), "eos_id": int(eos_id),
-            "num_tokens": num_tokens, "num_documents": num_docs, "shards": shards, "tokenizer": tokenizer}
+            "num_tokens": num_tokens, "num_documents": num_docs, "shards": shards, "tokenizer": tokenizer, **(extra or {})}
     tmp = os.path.join(out_dir, "meta.json.tmp")
     with open(tmp, "w") as f:
         json.dump(meta, f, indent=1)
@@ -72,12 +73,21 @@ def write_shards(token_docs: Iterable[list[int]], out_dir, vocab_size: int, eos_
 
 def read_meta(data_dir) -> dict:
     path = os.path.join(data_dir, "meta.json")
+    if os.path.isfile(data_dir):
+        raise FileNotFoundError(f"dataset {data_dir} is a file; pass the folder tools.prepare_data wrote (with meta.json)")
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"dataset directory {data_dir} does not exist; {PREPARE_HINT}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no dataset at {path}; {PREPARE_HINT}")
-    with open(path) as f:
-        meta = json.load(f)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is corrupt ({e}); rerun tools.prepare_data --force") from None
+    missing = [k for k in ("format", "dtype", "vocab_size", "eos_id", "num_tokens", "shards", "tokenizer")
+               if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise ValueError(f"{path} is not a dataset description (missing {', '.join(missing)}); rerun tools.prepare_data --force")
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path} has format {meta.get('format')}, this loader reads {FORMAT}; rerun tools.prepare_data")
     return meta

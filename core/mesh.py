@@ -11,6 +11,7 @@ a node, pp outermost so that pipeline neighbours are the only traffic crossing n
 import math
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -95,8 +96,10 @@ class Mesh:
         return self.rank == 0
 
 
-def build_mesh(pp: int = 1, dp: int = -1, cp: int = 1, ep: int = 1, device: str = "auto") -> Mesh:
-    """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*)."""
+def build_mesh(pp: int = 1, dp: int = -1, cp: int = 1, ep: int = 1, device: str = "auto",
+               timeout_s: float | None = None) -> Mesh:
+    """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*).
+    timeout_s: how long a collective may wait before it fails (None: torch's default)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -113,7 +116,13 @@ def build_mesh(pp: int = 1, dp: int = -1, cp: int = 1, ep: int = 1, device: str 
     device_mesh = None
     if world > 1:
         if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
+            # torchrun keeps one store across restarts: a per-attempt prefix keeps a restarted rank from reading the
+            # dead ranks' addresses
+            store, _, _ = next(dist.rendezvous("env://"))
+            store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+            dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None,
+                                    timeout=None if timeout_s is None else timedelta(seconds=timeout_s), store=store,
+                                    rank=rank, world_size=world)
         device_mesh = init_device_mesh(dev.type, (pp, dp, cp, ep), mesh_dim_names=DIMS)
     return Mesh(pp=pp, dp=dp, cp=cp, ep=ep, rank=rank, world=world, device=dev, device_mesh=device_mesh)
 

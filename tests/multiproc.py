@@ -56,4 +56,4 @@ def run_ranks(world: int, fn, *args, timeout: float | None = None) -> list:
                 stacks.append(f"---- rank {r} (exit code {context.processes[r].exitcode}):\n{text}")
             raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish in {timeout:.0f} s (a deadlock?); "
                                f"the ranks' stacks at the deadline:\n" + "".join(stacks))
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(world)]

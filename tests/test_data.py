@@ -187,6 +187,36 @@ def test_prepare_data_trains_sentencepiece(tmp_path):
     assert meta2["num_documents"] == 2 and meta2["tokenizer"] == meta["tokenizer"]
 
 
+def test_prepare_data_holds_out_a_validation_split(tmp_path):
+    """--val-fraction 0.25: every 4th document goes to <out>/val, a dataset of its own with the same tokenizer;
+    together the two hold every document exactly once."""
+    corpus = make_corpus(tmp_path / "corpus")
+    whole = prepare(["--input", str(corpus), "--train-sp", "400", "--out", str(tmp_path / "whole"), "--val-fraction", "0"])
+    assert not (tmp_path / "whole/val").exists()
+    meta = prepare(["--input", str(corpus), "--sp-model", str(tmp_path / "whole/tokenizer.model"),
+                    "--out", str(tmp_path / "split"), "--val-fraction", "0.25"])
+    val = json.loads((tmp_path / "split/val/meta.json").read_text())
+    n = whole["num_documents"]
+    assert val["num_documents"] == n // 4 and meta["num_documents"] == n - n // 4
+    assert val["tokenizer"] == meta["tokenizer"] and val["vocab_size"] == meta["vocab_size"]
+
+    def docs(folder, m):  # the documents of a dataset, as token tuples
+        stream = np.concatenate([np.fromfile(folder / s, dtype=m["dtype"]) for s in m["shards"]]).tolist()
+        out, cur = [], []
+        for t in stream:
+            if t == m["eos_id"]:
+                out.append(tuple(cur))
+                cur = []
+            else:
+                cur.append(t)
+        return out
+
+    everything = docs(tmp_path / "whole", whole)
+    held_out = docs(tmp_path / "split/val", val)
+    assert held_out == everything[3::4] and sorted(docs(tmp_path / "split", meta) + held_out) == sorted(everything)
+    assert TokenLoader(tmp_path / "split/val", 8, 2).next_batch()[0].shape == (2, 8)
+
+
 def test_prepare_data_hf_tokenizer(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     from transformers import PreTrainedTokenizerFast

@@ -1,6 +1,7 @@
 """launch.sh end to end on CPU: data preparation, torchrun with 4 gloo ranks (pp=2 x ep=2, the default), the first
-loss of the fresh model at ln(vocab), checkpoint, export, TensorBoard logs; and a copied recipe folder running
-unchanged under its new name on 2 ranks (ep=2, no pipeline), printing a sample that continues the prompt."""
+loss of the fresh model at ln(vocab), validation, checkpoint, export, TensorBoard logs; a copied recipe folder
+running unchanged under its new name on 2 ranks (ep=2, no pipeline), printing a sample that continues the prompt;
+and a second launch into the same folder stopping with one line."""
 
 import json
 import math
@@ -11,13 +12,13 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["--steps", "4", "--seq-len", "64", "--ckpt-every", "2"]
+FAST = ["--steps", "4", "--seq-len", "64", "--ckpt-every", "2", "--eval-batches", "2"]
 
 
-def launch(script: Path, env: dict, *args: str) -> str:
+def launch(script: Path, env: dict, *args: str, returncode: int = 0) -> str:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **env}
     proc = subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
 
@@ -30,6 +31,7 @@ def test_launch_sh_and_a_copied_recipe(tmp_path):
     first_loss = float(re.search(r"step +1/4 \| loss ([0-9.]+)", out).group(1))
     vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
     assert abs(first_loss - math.log(vocab)) < 0.1, (first_loss, vocab)  # a fresh model predicts ~uniformly
+    assert (data / "val/meta.json").is_file() and "step     4/4 | val loss" in out  # held-out split, evaluated
     assert (tmp_path / "run/checkpoints/step_00000004/.metadata").is_file()
     assert (tmp_path / "hf/config.json").is_file()
     assert list((tmp_path / "run/tensorboard").glob("events.out.tfevents.*"))
@@ -47,3 +49,9 @@ def test_launch_sh_and_a_copied_recipe(tmp_path):
     sample = re.search(r"sample: '(.*)'", out).group(1)
     assert sample.startswith("def") and len(sample) > len("def "), sample  # the prompt, then generated text
     assert (tmp_path / "run_copy/checkpoints/step_00000004/.metadata").is_file()
+
+    # bad input under torchrun: no restarts, no rank tracebacks, and the last line says what to do
+    out = launch(ROOT / "recipes/qwen3_30b_a3b/launch.sh", {"DATA": str(data), "OUT": str(tmp_path / "run"),
+                 "MAX_RESTARTS": "1"}, *FAST, returncode=1)
+    assert out.rstrip().splitlines()[-1].startswith("error: ") and "--resume auto" in out.rstrip().splitlines()[-1]
+    assert "[rank0]" not in out and "[rank1]" not in out

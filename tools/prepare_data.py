@@ -4,7 +4,9 @@
   python -m tools.prepare_data --input corpus/ --hf-tokenizer /models/Qwen3-30B-A3B --out data/corpus
   python -m tools.prepare_data --input a.jsonl notes/ --train-sp 32000 --out data/mine
 
-A .jsonl line is one document (its --jsonl-key field); any other file is one document. Everything runs
+A .jsonl line is one document (its --jsonl-key field); any other file is one document. --val-fraction of the
+documents (evenly spread: every 1/fraction-th) go to a held-out dataset in <out>/val/ instead, which train.py
+evaluates (--eval-every) and tools/evaluate.py reads like any dataset. Everything runs
 offline: Hugging Face tokenizers are read from a local folder, sentencepiece models from a file or trained here.
 """
 
@@ -12,12 +14,14 @@ import argparse
 import io
 import json
 import os
+import shutil
 import sysconfig
 import time
 from fnmatch import fnmatch
 from pathlib import Path
 
 from core.data import load_tokenizer, write_shards
+from core.reliability import run_main
 
 # stdlib folders that are tests, demos, generated tables or third-party code rather than ordinary library source
 STDLIB_SKIP = {"test", "tests", "idlelib", "turtledemo", "encodings", "pydoc_data", "site-packages", "dist-packages",
@@ -131,8 +135,11 @@ def main(argv=None):
     tok_group.add_argument("--train-sp", metavar="VOCAB", type=int, help="train a sentencepiece model of this vocab size")
     p.add_argument("--max-bytes", type=int, default=8_000_000, help="size cap of the --default corpus")
     p.add_argument("--shard-tokens", type=int, default=2**26, help="tokens per shard file")
+    p.add_argument("--val-fraction", type=float, default=0.01, help="share of the documents held out in <out>/val")
     p.add_argument("--force", action="store_true", help="rebuild even if --out already holds this dataset")
     args = p.parse_args(argv)
+    if not 0 <= args.val_fraction < 1:
+        p.error(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     if args.default == bool(args.input):
         p.error("give either --input PATH ... or --default")
     if args.default:
@@ -156,7 +163,8 @@ def main(argv=None):
     meta_path = out / "meta.json"
     if args.default and not args.force and meta_path.exists() and Path(tok_meta["path"]).exists():
         meta = json.loads(meta_path.read_text())
-        if meta["tokenizer"] == tok_meta and (not args.train_sp or meta["vocab_size"] == args.train_sp):
+        if (meta["tokenizer"] == tok_meta and (not args.train_sp or meta["vocab_size"] == args.train_sp)
+                and meta.get("val_fraction", 0.0) == args.val_fraction):
             print(f"{out} is ready: {meta['num_tokens']:,} tokens (use --force to rebuild)")
             return meta
 
@@ -172,13 +180,26 @@ def main(argv=None):
 
     bar = Progress(sum(f.stat().st_size for f in files))
 
+    val_docs = []
+
     def token_docs():
+        i = 0
         for text, nbytes in read_documents(files, args.jsonl_key):
             bar.update(nbytes)
             if text:  # an empty document would be a lone eos
-                yield tok.encode(text)
+                ids = tok.encode(text)
+                if int((i + 1) * args.val_fraction) > int(i * args.val_fraction):  # every 1/fraction-th
+                    val_docs.append(ids)
+                else:
+                    yield ids
+                i += 1
 
-    meta = write_shards(token_docs(), out, tok.vocab_size, tok.eos_id, tok_meta, args.shard_tokens)
+    meta = write_shards(token_docs(), out, tok.vocab_size, tok.eos_id, tok_meta, args.shard_tokens,
+                        {"val_fraction": args.val_fraction})
+    shutil.rmtree(out / "val", ignore_errors=True)
+    if val_docs:
+        val = write_shards(val_docs, out / "val", tok.vocab_size, tok.eos_id, tok_meta, args.shard_tokens)
+        print(f"held out {val['num_documents']:,} documents, {val['num_tokens']:,} tokens -> {out / 'val'}")
     bar.close()
     print(f"{meta['num_documents']:,} documents, {meta['num_tokens']:,} tokens ({meta['dtype']}, "
           f"{len(meta['shards'])} shards) -> {out} in {time.time() - t0:.1f}s")
@@ -186,4 +207,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

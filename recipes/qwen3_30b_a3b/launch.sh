@@ -18,8 +18,13 @@
 #                 sbatch --nodes=4 --gpus-per-node=8 --wrap "bash recipes/qwen3_30b_a3b/launch.sh --steps 1000"
 #                 salloc --nodes=2 --gpus-per-node=8  then  bash recipes/qwen3_30b_a3b/launch.sh
 #
+# Restarts:     a failed rank (crash, lost node, watchdog timeout of a hung step, --step-timeout) makes torchrun
+#               restart every rank, up to MAX_RESTARTS times; train.py then resumes from the newest complete
+#               checkpoint by itself. Bad input (a wrong flag, missing data) stops at once with one `error:` line.
+#               A second launch into an OUT that holds checkpoints asks for --resume auto (continue) or a new OUT.
+#
 # Environment: NPROC (processes per node; default: GPUs, or 4 on CPU), EP (expert-parallel ranks; default
-# NPROC up to 8 on GPU, 2 on CPU), PP (pipeline ranks; default 1 on GPU, 2 on CPU), NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, HF_CHECKPOINT, DATA, OUT (default runs/<recipe>).
+# NPROC up to 8 on GPU, 2 on CPU), PP (pipeline ranks; default 1 on GPU, 2 on CPU), NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, HF_CHECKPOINT, DATA, OUT (default runs/<recipe>), MAX_RESTARTS (default 3).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -57,8 +62,9 @@ if [[ "$GPUS" -gt 0 ]]; then
 else
   NPROC="${NPROC:-4}"
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one core per rank
+  # aux-loss-free balancing on: with the aux loss alone, near-uniform router probabilities hide a collapsed top-k
   DEFAULTS=(--pp "${PP:-2}" --ep "${EP:-2}" --seq-len 256 --global-batch 8 --micro-batch 1 --lr 3e-3 --warmup-steps 20 --steps 300
-            --ckpt-every 100)
+            --ckpt-every 100 --expert-bias-rate 1e-2)
 fi
 DATA="${DATA:-data/stdlib}"
 
@@ -75,6 +81,14 @@ else
   RDZV=(--standalone --nnodes 1)
 fi
 
-set -x
-torchrun "${RDZV[@]}" --nproc-per-node "$NPROC" -m "recipes.$RECIPE.train" \
+export MOE_TRAIN_STOP_FILE="${TMPDIR:-/tmp}/moe-train-stop-$$"  # the error that stopped the run (core/reliability.py)
+rm -f "$MOE_TRAIN_STOP_FILE"
+set -x +e
+torchrun "${RDZV[@]}" --nproc-per-node "$NPROC" --max-restarts "${MAX_RESTARTS:-3}" -m "recipes.$RECIPE.train" \
   --data "$DATA" --out "$OUT" "${DEFAULTS[@]}" "$@"
+{ rc=$?; set +x; } 2>/dev/null
+if [[ -f "$MOE_TRAIN_STOP_FILE" ]]; then  # repeated after torchrun's failure report, so that it is the last line
+  echo "error: $(cat "$MOE_TRAIN_STOP_FILE")" >&2
+  rm -f "$MOE_TRAIN_STOP_FILE"
+fi
+exit $rc

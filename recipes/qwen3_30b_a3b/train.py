@@ -12,15 +12,18 @@ batch and micro-batch split. The cp ranks of a group read the same sequences and
 """
 
 import json
+import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from core import fp8
-from core.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from core.checkpoint import complete_checkpoints, load_checkpoint, resume_candidates, save_checkpoint
 from core.context import cp_positions, split_for_cp
 from core.data import TokenLoader, load_tokenizer
 from core.mesh import build_mesh, destroy_mesh
@@ -28,7 +31,9 @@ from core.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from core.moe import traffic, update_expert_bias
 from core.optimizer import ReplicaSet, ShardedAdamW
 from core.pipeline import DualPipeV, split_layers
-from core.training import lr_factor, parse_args
+from core.reliability import (PG_TIMEOUT_S, StopRun, Watchdog, collapse_warning, grads_finite, inject_fault, run_main,
+                              step_is_finite)
+from core.training import check_args, lr_factor, parse_args
 
 from .model import (
     Model,
@@ -58,8 +63,8 @@ class Args:
     dp: int = -1  # -1: world size / (pp * cp * ep)
     cp: int = 1  # each sequence split over this many ranks (keys/values gathered); --seq-len divisible by 2*cp
     ep: int = 1  # routed experts split over this many ranks (tokens reach them by all-to-all)
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     compile: bool | None = None  # torch.compile the dense parts of each layer; default on for CUDA, off for CPU
     # (there, compiling the C++ kernels takes longer than a whole tiny run and gains nothing at its sizes)
     fp8: bool = False  # FP8 GEMMs (Hopper) for attention, dense MLP and expert weights; on CPU the same numerics
@@ -70,7 +75,7 @@ class Args:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
-    lr_schedule: str = "cosine"  # cosine | wsd
+    lr_schedule: Literal["cosine", "wsd"] = "cosine"
     decay_fraction: float = 0.2  # wsd: share of the steps spent decaying
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -81,8 +86,16 @@ class Args:
     expert_bias_rate: float = 0.0  # > 0: aux-loss-free balancing, bias += rate * sign(mean - load) per step
     seed: int = 0
     ckpt_every: int = 100  # also saves after the last step; 0 disables checkpoints
-    keep_checkpoints: int = 2
-    resume: str = ""  # '' | auto (newest in <out>/checkpoints) | a step_* folder
+    keep_checkpoints: int = 2  # 0: keep all
+    resume: str = ""  # '' (fresh; after a torchrun restart: auto) | auto (newest complete in <out>/checkpoints) | a step_* folder
+    # ---- reliability and evaluation
+    step_timeout: float = 0.0  # seconds a step may take before the watchdog stops the rank; 0: 10x the step time after warm-up
+    max_bad_steps: int = 5  # stop after this many steps in a row with a non-finite loss or gradient (each is skipped)
+    deterministic: bool = False  # deterministic algorithms (bit-identical reruns; slower on GPU)
+    eval_every: int = -1  # validation loss every this many steps; -1: with every checkpoint when the data has a val/ split
+    eval_data: str = ""  # validation dataset; default <data>/val (tools/prepare_data.py writes it)
+    eval_batches: int = 8  # global batches per evaluation (fewer if the validation set is smaller)
+    eval_only: bool = False  # evaluate the loaded weights (--resume / --hf-checkpoint) on the validation data and exit
     export_hf: str = ""  # write the trained model here as a Hugging Face folder
     sample_tokens: int = 0  # print a sample of this many tokens at the end
     sample_prompt: str = "def "
@@ -90,17 +103,25 @@ class Args:
 
 def main(argv=None):
     args = parse_args(Args, argv)
+    check_arguments(args)
+    schedule = dict(schedule=args.lr_schedule, warmup=args.warmup_steps, total=args.steps,
+                    min_ratio=args.min_lr_ratio, decay_fraction=args.decay_fraction)
+    lr_factor(0, **schedule)  # a wrong --lr-schedule fails here, before any work
+    if args.deterministic:  # before any CUDA work; cuBLAS reads its workspace setting at start-up
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)  # an op without a deterministic kernel warns
+        torch.backends.cudnn.benchmark = False
 
     # ---- mesh (the layout is checked against the world size before any process group exists)
     if args.cp >= 1 and args.seq_len % (2 * args.cp):  # (cp < 1 is rejected with the mesh)
         raise ValueError(f"--seq-len {args.seq_len} is not divisible by 2*cp = {2 * args.cp}: context parallelism "
                          f"cuts each sequence into 2*cp chunks; use a --seq-len that is a multiple of {2 * args.cp}")
-    cfg = ModelConfig.from_hf(args.hf_checkpoint or args.config)
+    cfg = load_config(args.hf_checkpoint or args.config)
     stage_layers = split_layers(cfg.num_hidden_layers, args.pp) if args.pp > 1 else None  # clear error if too few
     if cfg.num_experts % args.ep:
         raise ValueError(f"{cfg.num_experts} experts cannot be split evenly over --ep {args.ep}; "
                          f"choose an ep that divides {cfg.num_experts}")
-    mesh = build_mesh(args.pp, args.dp, args.cp, args.ep, args.device)
+    mesh = build_mesh(args.pp, args.dp, args.cp, args.ep, args.device, timeout_s=max(PG_TIMEOUT_S, args.step_timeout + 60))
     data_group = mesh.group("dp", "cp", "ep")  # ranks that hold different tokens of the batch
     device = mesh.device
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
@@ -115,11 +136,23 @@ def main(argv=None):
     torch.manual_seed(args.seed)  # same seed everywhere: identical replicas at init
 
     # ---- data (before the model, so that a missing or mismatched dataset fails in seconds)
-    cfg = ModelConfig.from_hf(args.hf_checkpoint or args.config)
     loader = TokenLoader(args.data, args.seq_len, args.global_batch, mesh.data_rank, mesh.data_world, args.seed)
     if loader.meta["vocab_size"] > cfg.vocab_size:
         raise ValueError(f"dataset {args.data} has vocab {loader.meta['vocab_size']} but the model only "
                          f"{cfg.vocab_size}; tokenize with a matching tokenizer or use a bigger config")
+    # ---- validation data: <data>/val from tools/prepare_data.py unless --eval-data names another dataset
+    default_val = os.path.join(args.data, "val")
+    eval_dir = args.eval_data or (default_val if os.path.isdir(default_val) else "")
+    eval_every = args.eval_every if args.eval_every >= 0 else (args.ckpt_every if eval_dir else 0)
+    if (eval_every > 0 or args.eval_only) and not eval_dir:
+        raise ValueError(f"evaluation needs validation data but {default_val} does not exist; rerun tools.prepare_data "
+                         f"(it writes a val/ split) or pass --eval-data DIR (or --eval-every 0)")
+    eval_loader = None
+    if eval_dir and (eval_every > 0 or args.eval_only):
+        eval_loader = TokenLoader(eval_dir, args.seq_len, args.global_batch, mesh.data_rank, mesh.data_world, args.seed)
+        if eval_loader.meta["vocab_size"] > cfg.vocab_size:
+            raise ValueError(f"validation data {eval_dir} has vocab {eval_loader.meta['vocab_size']} but the model "
+                             f"only {cfg.vocab_size}; use data made with the model's tokenizer")
 
     # ---- model: this rank's 1/ep of the routed experts, everything else whole (HF weights or random init)
     # with --pp, this rank's two stages of the V: stage r (holding the embedding on rank 0) and stage 2pp-1-r
@@ -132,7 +165,10 @@ def main(argv=None):
         with torch.device("meta"):
             model = Model(cfg, **parts)
         model.to_empty(device=device)
-        model.init_weights()  # buffers (expert bias); the weights come from the checkpoint
+        model.init_weights()  # the weights come from the checkpoint
+        for name, buf in model.named_buffers():  # to_empty left them uninitialised (HF folders have no expert bias)
+            if name.endswith("expert_bias"):
+                buf.zero_()
         load_hf_checkpoint(model, args.hf_checkpoint)
     else:
         with torch.device(device):
@@ -161,22 +197,33 @@ def main(argv=None):
                               ReplicaSet(experts, mesh.group("dp", "cp"), mesh.replica_mesh(experts=True))],
                              args.lr, args.weight_decay, (args.beta1, args.beta2), args.adam_eps,
                              norm_group=dist.group.WORLD if mesh.world > 1 else None)
-    schedule = dict(schedule=args.lr_schedule, warmup=args.warmup_steps, total=args.steps,
-                    min_ratio=args.min_lr_ratio, decay_fraction=args.decay_fraction)
-    lr_factor(0, **schedule)  # a wrong --lr-schedule fails here, not after the first step
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda s: lr_factor(s, **schedule))
 
     # ---- resume
     ckpt_dir = Path(args.out) / "checkpoints"
-    start_step = 0
-    resume_from = resolve_resume(args.resume, ckpt_dir)
-    if resume_from is not None:
-        extra = load_checkpoint(resume_from, optimizer.checkpoint_state(model),
-                                {"scheduler": scheduler.state_dict(), "data": loader.state_dict()}, mesh.rank)
-        optimizer.after_load(extra)
-        scheduler.load_state_dict(extra["scheduler"])
-        loader.load_state_dict(extra["data"])
-        start_step = extra["step"]
+    start_step, resume_from = 0, None
+    if args.eval_only and not (args.resume or args.hf_checkpoint):
+        raise ValueError("--eval-only evaluates loaded weights: give --resume STEP_DIR or --hf-checkpoint FOLDER")
+    candidates = [] if args.eval_only and not args.resume else resume_candidates(args.resume, ckpt_dir)
+    for candidate in candidates:  # newest first; with auto an unreadable one falls back to the one before
+        try:
+            if args.eval_only:  # the weights only
+                start_step = load_checkpoint(candidate, {"model": optimizer.checkpoint_state(model)["model"]}, {},
+                                             mesh.rank)["step"]
+            else:
+                extra = load_checkpoint(candidate, optimizer.checkpoint_state(model),
+                                        {"scheduler": scheduler.state_dict(), "data": loader.state_dict()}, mesh.rank)
+                optimizer.after_load(extra)
+                scheduler.load_state_dict(extra["scheduler"])
+                loader.load_state_dict(extra["data"])
+                start_step = extra["step"]
+            resume_from = candidate
+            break
+        except ValueError as e:
+            if candidate == candidates[-1]:
+                raise
+            if mesh.is_main:
+                print(f"warning: {e}; trying the previous checkpoint", flush=True)
     state_held, state_full = optimizer.state_bytes()
     if mesh.is_main:
         print(f"model {n_params / 1e6:.1f}M params on rank 0 | Adam state {state_held / 2**20:.1f} MiB "
@@ -192,8 +239,21 @@ def main(argv=None):
     positions_BS = cp_positions(args.seq_len, mesh.coord("cp"), mesh.cp, device).expand(args.micro_batch, -1) \
         if mesh.cp > 1 else torch.arange(args.seq_len, device=device).expand(args.micro_batch, -1)
     model.train()
+    if args.eval_only:
+        val = evaluate(model, pipeline, eval_loader, args, mesh, positions_BS, use_bf16)
+        if mesh.is_main:
+            print(f"{resume_from or args.hf_checkpoint} on {eval_dir}: val loss {val['val_loss']:.4f} | "
+                  f"val ppl {val['val_ppl']:.2f} | {val['val_tokens']:,} tokens | load max/mean per layer "
+                  f"{' '.join(f'{x:.2f}' for x in val['val_load_max_over_mean'])}", flush=True)
+        destroy_mesh()
+        return [val], model
+    watchdog = Watchdog(args.step_timeout, mesh.rank, mesh.world)
+    moe_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    bad_in_a_row, skipped, timeline, window_LE = 0, 0, [], 0  # window_LE: expert load since the last collapse check
     for step in range(start_step + 1, args.steps + 1):
         start = time.perf_counter()
+        watchdog.arm(step, "data")
+        inject_fault("hang", step)  # MOE_TRAIN_FAULT (tests only; core/reliability.py)
         input_ids, labels = (t.to(device) for t in loader.next_batch())
         if mesh.cp > 1:  # this rank's chunks r and 2cp-1-r of every sequence: [local_batch, seq_len / cp]
             input_ids, labels = (split_for_cp(t, mesh.coord("cp"), mesh.cp) for t in (input_ids, labels))
@@ -206,6 +266,7 @@ def main(argv=None):
             return loss_sum / num_labels + aux_coef * aux_loss / (n_micro * mesh.data_world)
 
         stats = torch.zeros(2, device=device)  # summed cross-entropy, summed aux loss (pp: on pp rank 0 only)
+        watchdog.set_phase("forward-backward" if pipeline is None else "DualPipeV schedule")
         if pipeline is None:  # micro-batches one after the other
             for mb in range(n_micro):
                 rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
@@ -220,23 +281,33 @@ def main(argv=None):
                 stage.loss_fn, stage.stats = micro_batch_loss, stats
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
                 pipeline.run(n_micro)
-            stats = pipeline.stages[1].stats
+            stats, timeline = pipeline.stages[1].stats, pipeline.timeline
 
+        # ---- reliability: a step with a non-finite loss or gradient on any rank is skipped on every rank
+        for fault in ("nan", "kill"):
+            inject_fault(fault, step, model)
+        finite_P, grad_names = grads_finite(model)  # before the reduction mixes the ranks' gradients
+        watchdog.set_phase("gradient reduce-scatter and norm")
         optimizer.reduce_gradients()  # reduce-scatter over each parameter's replicas
         grad_norm = optimizer.clip_grad_norm_(args.grad_clip)
+        watchdog.set_phase("finiteness all-reduce")
+        stats, bad_ranks, bad_names = step_is_finite(stats, finite_P, grad_names, grad_norm, mesh.rank, mesh.world)
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()  # AdamW on this rank's shard, then all-gather the weights
-        fp8.CACHE.invalidate()  # new weights: the next step's first micro-batch re-quantises them (--fp8)
-        scheduler.step()
+        watchdog.set_phase("optimizer step")
+        if not bad_ranks:
+            optimizer.step()  # AdamW on this rank's shard, then all-gather the weights
+            fp8.CACHE.invalidate()  # new weights: the next step's first micro-batch re-quantises them (--fp8)
+            scheduler.step()
+        bad_in_a_row, skipped = (bad_in_a_row + 1, skipped + 1) if bad_ranks else (0, skipped)
         optimizer.zero_grad()
 
         # statistics of the global batch: every rank holds other tokens (dp, cp, ep) or other layers (pp)
+        watchdog.set_phase("statistics all-reduce")
         load_LE, a2a_rows = model.take_expert_load(), torch.zeros(2, device=device) + traffic.take()
         if mesh.world > 1:
-            for t in (stats, load_LE, a2a_rows):
+            for t in (load_LE, a2a_rows):
                 dist.all_reduce(t)
-        if args.expert_bias_rate > 0:  # global load, so the bias stays identical on every rank
-            moe_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+        if args.expert_bias_rate > 0 and not bad_ranks:  # global load, so the bias stays identical on every rank
             for layer_id, load_E in zip(moe_ids, load_LE):
                 if str(layer_id) in routers:
                     update_expert_bias(routers[str(layer_id)].expert_bias, load_E, args.expert_bias_rate)
@@ -244,24 +315,50 @@ def main(argv=None):
             torch.cuda.synchronize()
         load_per_layer = (load_LE.max(-1).values / load_LE.mean(-1)).tolist() if load_LE.numel() else []
         scalars = {"loss": (stats[0] / num_labels).item(), "aux_loss": (stats[1] / (n_micro * mesh.data_world)).item(),
-                   "lr": lr, "grad_norm": grad_norm.item(), "peak_mem_gib": peak_memory_gib(device)}
+                   "lr": lr, "grad_norm": grad_norm.item(), "peak_mem_gib": peak_memory_gib(device),
+                   "skipped_steps": skipped}
         if a2a_rows[1] > 0:  # rows sent to other ranks, deduplicated vs one per (token, expert)
             scalars["a2a_rows_vs_naive"] = (a2a_rows[0] / a2a_rows[1]).item()
         history.append(logger.log(step, time.perf_counter() - start, args.global_batch * args.seq_len, scalars,
                                   {"expert_load_max_over_mean": load_per_layer}))
+        watchdog.step_done(history[-1]["step_time"])
+        window_LE = window_LE + load_LE
+        if step % 25 == 0 or step == args.steps:  # over 25 steps: one batch's content would be noise
+            warning = collapse_warning(step, (window_LE.max(-1).values / window_LE.mean(-1)).tolist(), moe_ids)
+            if warning and mesh.is_main and step > args.warmup_steps:
+                print(warning, flush=True)
+            window_LE = 0
+
+        # ---- validation loss (every eval_every steps and after the last one)
+        if eval_every > 0 and (step % eval_every == 0 or step == args.steps):
+            watchdog.arm(step, "evaluation", slow=True)
+            history[-1].update(evaluate(model, pipeline, eval_loader, args, mesh, positions_BS, use_bf16))
+            if mesh.is_main:
+                print(f"step {step:>5}/{args.steps} | val loss {history[-1]['val_loss']:.4f} | val ppl "
+                      f"{history[-1]['val_ppl']:.2f} | {history[-1]['val_tokens']:,} tokens | load max/mean per layer "
+                      f"{' '.join(f'{x:.2f}' for x in history[-1]['val_load_max_over_mean'])}", flush=True)
+                for name in ("val_loss", "val_ppl"):
+                    logger.writer.add_scalar(f"val/{name[4:]}", history[-1][name], step)
+        if mesh.is_main:  # the same records, machine-readable; a resumed run appends
+            with open(Path(args.out) / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({**history[-1], "expert_load_max_over_mean": load_per_layer}) + "\n")
+        if bad_ranks:  # after --max-bad-steps in a row this stops the run, before it saves a checkpoint
+            report_bad_step(step, bad_ranks, bad_names, bad_in_a_row, args, mesh, ckpt_dir)
 
         # ---- checkpoint (every ckpt_every steps and after the last one)
         if args.ckpt_every > 0 and (step % args.ckpt_every == 0 or step == args.steps):
+            watchdog.arm(step, "checkpoint save", slow=True)
             path = save_checkpoint(ckpt_dir, step, optimizer.checkpoint_state(model),
                                    {"scheduler": scheduler.state_dict(), "data": loader.state_dict()},
                                    mesh.rank, args.keep_checkpoints)
             if mesh.is_main:
                 print(f"saved checkpoint {path}", flush=True)
+        watchdog.disarm()
     logger.close()
     if pipeline is not None:  # the last step's schedule, one list of (op, start, end) per pp rank, for
         # python -m tools.pipeline_timeline --from-json <out>/pipeline_timeline.json
         timelines = [None] * mesh.world
-        dist.all_gather_object(timelines, pipeline.timeline)
+        dist.all_gather_object(timelines, timeline)
         if mesh.is_main:
             per_pp_rank = timelines[:: mesh.world // args.pp]
             (Path(args.out) / "pipeline_timeline.json").write_text(json.dumps(per_pp_rank))
@@ -289,6 +386,104 @@ def main(argv=None):
     return history, model
 
 
+def check_arguments(args: Args) -> None:
+    """Bad flags fail here, in one line each, before any work (the layout is checked with the mesh)."""
+    check_args({
+        f"--steps must be >= 1, got {args.steps}": args.steps >= 1,
+        f"--lr must be >= 0, got {args.lr}": args.lr >= 0,
+        f"--warmup-steps must be >= 0, got {args.warmup_steps}": args.warmup_steps >= 0,
+        f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}": 0 <= args.min_lr_ratio <= 1,
+        f"--decay-fraction must be in [0, 1], got {args.decay_fraction}": 0 <= args.decay_fraction <= 1,
+        f"--beta1 and --beta2 must be in [0, 1), got {args.beta1}, {args.beta2}": 0 <= args.beta1 < 1 and 0 <= args.beta2 < 1,
+        f"--adam-eps must be > 0, got {args.adam_eps}": args.adam_eps > 0,
+        f"--weight-decay must be >= 0, got {args.weight_decay}": args.weight_decay >= 0,
+        f"--grad-clip must be >= 0 (0: off), got {args.grad_clip}": args.grad_clip >= 0,
+        f"--expert-bias-rate must be >= 0 (0: off), got {args.expert_bias_rate}": args.expert_bias_rate >= 0,
+        f"--ckpt-every must be >= 0 (0: off), got {args.ckpt_every}": args.ckpt_every >= 0,
+        f"--keep-checkpoints must be >= 0 (0: all), got {args.keep_checkpoints}": args.keep_checkpoints >= 0,
+        f"--max-bad-steps must be >= 1, got {args.max_bad_steps}": args.max_bad_steps >= 1,
+        f"--step-timeout must be >= 0 (0: automatic), got {args.step_timeout}": args.step_timeout >= 0,
+        f"--eval-batches must be >= 1, got {args.eval_batches}": args.eval_batches >= 1,
+        f"--sample-tokens must be >= 0, got {args.sample_tokens}": args.sample_tokens >= 0,
+        f"--export-hf {args.export_hf} is a file; name a folder": not os.path.isfile(args.export_hf),
+    })
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create --out {args.out} ({e.strerror}); choose a writable folder") from None
+
+
+def load_config(path) -> ModelConfig:
+    """The model config, with the mistakes a hand-edited config.json can hold reported in one line."""
+    try:
+        cfg = ModelConfig.from_hf(path)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path} lacks or mistypes a field ({type(e).__name__}: {e}); compare it with "
+                         f"{tiny_config_path()}") from None
+    check_args({
+        f"{path}: num_experts_per_tok ({cfg.num_experts_per_tok}) must be in 1..num_experts ({cfg.num_experts})":
+            1 <= cfg.num_experts_per_tok <= cfg.num_experts,
+        f"{path}: num_attention_heads ({cfg.num_attention_heads}) must be a multiple of num_key_value_heads "
+        f"({cfg.num_key_value_heads})": cfg.num_key_value_heads >= 1 and cfg.num_attention_heads % cfg.num_key_value_heads == 0,
+        f"{path}: hidden_size, head_dim, intermediate sizes, vocab_size and num_hidden_layers must be >= 1":
+            min(cfg.hidden_size, cfg.head_dim, cfg.moe_intermediate_size, cfg.intermediate_size, cfg.vocab_size,
+                cfg.num_hidden_layers) >= 1,
+    })
+    return cfg
+
+
+def report_bad_step(step, bad_ranks, bad_names, bad_in_a_row, args, mesh, ckpt_dir):
+    """Log a skipped step; after --max-bad-steps in a row, stop the run (every rank raises the same)."""
+    names = ", ".join(bad_names[:6]) + (f" and {len(bad_names) - 6} more" if len(bad_names) > 6 else "")
+    if mesh.is_main:
+        print(f"warning: step {step} skipped (no weight, optimizer or lr change): non-finite loss or gradient on "
+              f"ranks {bad_ranks}; parameters with non-finite gradients: {names or 'none (the loss)'} "
+              f"[{bad_in_a_row} in a row, --max-bad-steps {args.max_bad_steps}]", flush=True)
+    if bad_in_a_row >= args.max_bad_steps:
+        found = complete_checkpoints(ckpt_dir)
+        raise StopRun(f"{bad_in_a_row} steps in a row ({step - bad_in_a_row + 1}-{step}) had a non-finite loss or "
+                      f"gradient (ranks {bad_ranks}; {names or 'the loss'}), so the run stopped; "
+                      + (f"the newest checkpoint {found[-1]} holds the last good weights: resume from it" if found else
+                         "no checkpoint was written: restart")
+                      + " with a lower --lr or --grad-clip, or check the data around this step")
+
+
+@torch.no_grad()
+def evaluate(model, pipeline, loader, args, mesh, positions_BS, use_bf16) -> dict:
+    """Validation loss (cross-entropy per label) and perplexity over the first --eval-batches global batches of
+    `loader` (the same windows every time), under any layout; every rank takes part (pp: the forward-only
+    schedule). Also the expert load max/mean per layer over those tokens; these routing counts stay out of the
+    training statistics and the expert bias."""
+    device, n_micro = positions_BS.device, args.global_batch // mesh.data_world // args.micro_batch
+    totals = torch.zeros(2, device=device)  # summed cross-entropy, labels (pp: on pp rank 0, which holds the loss)
+    loader.step = 0
+    for _ in range(max(1, min(args.eval_batches, loader.num_samples // args.global_batch))):
+        input_ids, labels = (t.to(device) for t in loader.next_batch())
+        if mesh.cp > 1:
+            input_ids, labels = (split_for_cp(t, mesh.coord("cp"), mesh.cp) for t in (input_ids, labels))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+            if pipeline is None:
+                for ids, lab in zip(input_ids.split(args.micro_batch), labels.split(args.micro_batch)):
+                    totals[0] += model.forward_train(ids, lab, positions_BS).loss_sum.float()
+            else:
+                model.set_positions(positions_BS)
+                for stage in pipeline.stages:
+                    stage.input_ids, stage.labels = input_ids.split(args.micro_batch), labels.split(args.micro_batch)
+                    stage.loss_fn, stage.stats = (lambda ce, aux: ce), torch.zeros(2, device=device)
+                pipeline.run(n_micro, forward_only=True)
+                totals[0] += pipeline.stages[1].stats[0]
+        if pipeline is None or mesh.coord("pp") == 0:
+            totals[1] += (labels != -100).sum()
+    load_LE = model.take_expert_load()
+    traffic.take()
+    if mesh.world > 1:
+        for t in (totals, load_LE):
+            dist.all_reduce(t)
+    loss = (totals[0] / totals[1].clamp(min=1)).item()
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(totals[1]),
+            "val_load_max_over_mean": (load_LE.max(-1).values / load_LE.mean(-1)).tolist() if load_LE.numel() else []}
+
+
 @torch.no_grad()
 def sample(model, meta, args, device) -> str:
     """Temperature-0.8 top-40 sampling without a KV cache (the tiny demo model only)."""
@@ -306,4 +501,4 @@ def sample(model, meta, args, device) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -1,0 +1,227 @@
+"""Keeping a long run alive and honest: one-line user errors, a per-step watchdog, the finiteness check that
+keeps a bad step from being applied, and fault injection for the tests of all three.
+
+- `run_main(main)`: a ValueError / FileNotFoundError (bad input) or StopRun prints `error: <message>` once, on
+  rank 0, and exits with code 2; a marker file (`_stop_marker`) makes the attempts torchrun restarts exit at
+  once (the same input would fail again). Other exceptions keep their traceback and exit non-zero, so that
+  torchrun restarts the job and train.py resumes from the newest complete checkpoint.
+- `Watchdog`: a thread that, when the current step (or checkpoint save, evaluation) runs past its limit, prints
+  which rank waits in which phase and collective, dumps every thread's Python stack and exits with code 3.
+- `step_is_finite`: one all-reduce that tells every rank whether any rank saw a non-finite loss or gradient.
+- MOE_TRAIN_FAULT (tests only): comma-separated `kind@step[:rank[:attempt]]` (rank and torchrun restart attempt
+  default to 0). kind: `kill` (SIGKILL before the optimizer step), `kill-in-save` (SIGKILL after this rank wrote
+  its part of the step's checkpoint, before it is complete), `nan` (a NaN in this rank's first gradient), `hang`
+  (sleep at the start of the step).
+"""
+
+import faulthandler
+import linecache
+import math
+import os
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class StopRun(Exception):
+    """The run cannot go on (e.g. --max-bad-steps non-finite steps in a row); the message says what to do."""
+
+
+USER_ERRORS = (ValueError, FileNotFoundError, StopRun)
+SLOW_LIMIT_S = 900.0  # auto watchdog: the first steps (compilation, first connections), checkpoints, evaluation
+WARMUP_STEPS = 3  # auto watchdog: steps measured before the limit follows the step time
+PG_TIMEOUT_S = SLOW_LIMIT_S + 60  # collectives time out only after the watchdog, whose message says more
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _stop_marker() -> Path | None:
+    """Where the ranks leave the error that stopped the run: $MOE_TRAIN_STOP_FILE (launch.sh sets it and prints
+    the line again after torchrun's summary), else a temp file named after torchrun's run id."""
+    if os.environ.get("MOE_TRAIN_STOP_FILE"):
+        return Path(os.environ["MOE_TRAIN_STOP_FILE"])
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return Path(tempfile.gettempdir()) / f"moe-train-stop-{run_id}" if run_id else None
+
+
+_OWNS_PROCESS = False  # set by run_main: only then may the watchdog end the process
+
+
+def run_main(main) -> None:
+    """The `__main__` entry of a train.py or tool (see the module docstring)."""
+    global _OWNS_PROCESS
+    _OWNS_PROCESS = True
+    marker = _stop_marker()
+    if marker is not None and _attempt() > 0 and marker.exists():
+        os._exit(2)  # stopped by bad input: restarting cannot help (rank 0 printed why)
+    try:
+        main()
+    except USER_ERRORS as e:
+        if marker is not None:  # every rank: whichever fails first, the restarts see it
+            tmp = marker.with_name(f"{marker.name}.{_rank()}")
+            tmp.write_text(str(e))
+            os.replace(tmp, marker)
+        if _rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(1.0)  # rank 0, failing the same way, prints before torchrun stops the job
+        sys.stdout.flush()
+        os._exit(2)  # a clean exit would wait for peers blocked in collectives
+
+
+# ------------------------------------------------------------------------------------------------ faults
+
+
+def _faults() -> list[tuple[str, int, int, int]]:
+    out = []
+    for item in filter(None, os.environ.get("MOE_TRAIN_FAULT", "").split(",")):
+        kind, _, rest = item.partition("@")
+        step, rank, attempt = ([int(x) for x in rest.split(":")] + [0, 0])[:3]
+        out.append((kind, step, rank, attempt))
+    return out
+
+
+def inject_fault(kind: str, step: int, model: torch.nn.Module | None = None) -> None:
+    """Raise the fault MOE_TRAIN_FAULT asks for at this point, if any (tests only)."""
+    for k, s, r, a in _faults():
+        if (k, s, r, a) != (kind, step, _rank(), _attempt()):
+            continue
+        print(f"fault injection: {kind} on rank {r} at step {s}", file=sys.stderr, flush=True)
+        if kind in ("kill", "kill-in-save"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "hang":
+            time.sleep(3600)
+        elif kind == "nan":
+            next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+
+
+# --------------------------------------------------------------------------------------------- watchdog
+
+
+def _where(thread_id: int) -> str:
+    """'waiting in <torch.distributed call> from <file:line function>' (or 'at <file:line function>' when the
+    innermost wait is in C++, as a p2p request's) and '(pipeline phase N)' inside DualPipeV, for a thread."""
+    frame, collective, ours, phase = sys._current_frames().get(thread_id), None, None, None
+    while frame is not None:
+        path, name = frame.f_code.co_filename, frame.f_code.co_name
+        if "torch/distributed" in path.replace(os.sep, "/") and name not in ("wrapper", "inner"):
+            collective = name  # the outermost torch.distributed function wins (all_reduce, not its helpers)
+        elif ours is None and path.startswith(str(ROOT)):  # innermost frame of this repository's code
+            ours = f"{Path(path).relative_to(ROOT)}:{frame.f_lineno} {name}"
+        if phase is None and name == "run" and path.endswith("pipeline.py"):
+            for line in range(frame.f_lineno, 0, -1):  # the schedule's '# phase N: ...' comment above this line
+                m = re.search(r"# (phase \d+)", linecache.getline(path, line))
+                if m:
+                    phase = m.group(1)
+                    break
+        frame = frame.f_back
+    where = f"waiting in {collective}" + (f" from {ours}" if ours else "") if collective else f"at {ours}"
+    return where + (f" (pipeline {phase})" if phase else "")
+
+
+class Watchdog:
+    """Per-step deadline. timeout_s > 0: fixed limit for steps, checkpoints and evaluation; 0: automatic, the
+    slow limit for the first WARMUP_STEPS steps, then max(60 s, 10x the median step time), capped at the slow
+    limit, which checkpoints and evaluation keep. It watches only in a process that run_main started: a
+    caller of main() in its own process (a test, a benchmark) is never ended by it."""
+
+    def __init__(self, timeout_s: float, rank: int, world: int):
+        self.fixed, self.rank, self.world = timeout_s > 0, rank, world
+        self.step_limit = timeout_s if self.fixed else SLOW_LIMIT_S
+        self.step, self.phase, self.started, self.deadline = 0, "start-up", 0.0, math.inf
+        self.step_times: list[float] = []
+        self.main_thread = threading.main_thread().ident
+        if _OWNS_PROCESS:
+            threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
+
+    def arm(self, step: int, phase: str, slow: bool = False) -> None:
+        """Start the clock for `phase` of `step` (slow: a checkpoint or evaluation)."""
+        limit = self.step_limit if self.fixed or not slow else SLOW_LIMIT_S
+        self.step, self.phase, self.started = step, phase, time.monotonic()
+        self.limit, self.deadline = limit, self.started + limit
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+
+    def step_done(self, seconds: float) -> None:
+        self.deadline = math.inf
+        self.step_times.append(seconds)
+        if not self.fixed and len(self.step_times) >= WARMUP_STEPS:
+            median = statistics.median(self.step_times[WARMUP_STEPS - 1:][-50:])
+            self.step_limit = min(SLOW_LIMIT_S, max(60.0, 10 * median))
+
+    def disarm(self) -> None:
+        self.deadline = math.inf
+
+    def _watch(self):
+        while True:
+            time.sleep(0.2)
+            if time.monotonic() > self.deadline:
+                waited = time.monotonic() - self.started
+                print(f"watchdog: rank {self.rank} of {self.world} stuck {waited:.1f} s (limit {self.limit:.1f} s, "
+                      f"--step-timeout) in step {self.step}, phase {self.phase}, {_where(self.main_thread)}; "
+                      f"its Python stacks follow, then it exits so that torchrun restarts the job",
+                      file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                sys.stderr.flush()
+                time.sleep(min(5.0, self.limit / 2))  # peers waiting on this rank report too before the links drop
+                os._exit(3)
+
+
+# ------------------------------------------------------------------------------------ finiteness check
+
+
+def grads_finite(model: torch.nn.Module) -> tuple[torch.Tensor, list[str]]:
+    """(bool tensor: every local gradient finite, parameter names in order of the per-tensor check). One fused
+    norm per tensor: a non-finite element makes its tensor's norm non-finite."""
+    named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    if not named:
+        return torch.ones((), dtype=torch.bool), []
+    norms = torch.stack(torch._foreach_norm([g for _, g in named]))
+    return norms.isfinite(), [n for n, _ in named]
+
+
+def step_is_finite(stats: torch.Tensor, finite_P: torch.Tensor, names: list[str], grad_norm: torch.Tensor,
+                   rank: int, world: int) -> tuple[torch.Tensor, list[int], list[str]]:
+    """One all-reduce of this rank's (loss statistics, 'anything non-finite here' flag) over every rank.
+    Returns (the summed stats, the ranks that saw a non-finite loss or gradient, the names of the parameters
+    with non-finite gradients on any rank; both empty for a good step). The names are gathered only then."""
+    flags_W = torch.zeros(world, device=stats.device)
+    flags_W[rank] = float(not (bool(stats.isfinite().all()) and bool(finite_P.all())))
+    both = torch.cat([stats.float(), flags_W])
+    if world > 1:
+        dist.all_reduce(both)
+    stats, bad_ranks = both[: len(stats)], both[len(stats):].nonzero().flatten().tolist()
+    if not bad_ranks and bool(torch.isfinite(grad_norm)):
+        return stats, [], []
+    bad_names = [n for n, ok in zip(names, finite_P.view(-1).tolist()) if not ok]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, bad_names)
+        bad_names = sorted(set().union(*gathered))
+    return stats, bad_ranks or list(range(world)), bad_names
+
+
+def collapse_warning(step: int, load_per_layer: list[float], moe_layer_ids: list[int], threshold: float = 2.0) -> str:
+    """A log line naming the layers whose expert load max/mean (over the last steps) exceeds threshold ('' if
+    none). With top-k of E experts the worst case is E/k: every token sent to the same k experts."""
+    bad = [f"layer {i} {x:.2f}x" for i, x in zip(moe_layer_ids, load_per_layer) if x > threshold]
+    if not bad:
+        return ""
+    return (f"warning: step {step}: expert load max/mean over the last steps {', '.join(bad)} (balanced: 1.0): routing "
+            f"is collapsing onto a few experts; raise --expert-bias-rate (aux-loss-free balancing) or --aux-loss-coef")
