@@ -56,7 +56,7 @@ def checkpoint_contents(path, tmp_path) -> dict:
                 walk(f"{prefix}.{k}" if prefix else str(k), v)
         else:
             flat[prefix] = value
-    walk("", torch.load(tmp_path / "whole.pt", weights_only=False))
+    walk("", torch.load(tmp_path / "whole.pt", weights_only=True))
     return flat
 
 
