@@ -133,7 +133,7 @@ def check(results, num_micro, ep, ref=None):
     ref_losses, ref_grads = ref or reference(num_micro)
     check_losses(results, ref_losses, rtol=1e-5)
     seen, worst = set(), 0.0
-    for losses, grads, _peak, _ops, ep_rank, _ in results:
+    for _, grads, _peak, _ops, ep_rank, _ in results:
         for name, g in grads.items():
             ref = ref_grads[name]
             if name.endswith((".w1", ".w2")):  # both ep ranks feed the same micro-batches: their experts see them twice
