@@ -14,12 +14,10 @@ Numerics (row-wise scaling; DeepSeek-V3 uses finer 1x128 blocks, torchao calls t
   Straight-through: the quantisation counts as identity in backward; x is saved in the compute dtype (as bf16
   training would), not in FP8.
 
-Weight cache: `CACHE.get(w)` quantises a weight (both copies) the first time it is used after an update and
-returns the stored copy on every later use: with n micro-batches per step, one quantisation instead of 2n. An
-entry is stale when the parameter's version counter moved (any in-place update through autograd-visible ops) or
-after `CACHE.invalidate()`, which the training loop calls after each optimizer.step() (updates through `.data`
-do not move the version counter). The GEMMs are torch custom ops, so the lookup also works inside a
-torch.compile graph (the op is opaque to the compiler and runs its Python at run time).
+Weight cache (core/weight_cache.py): a weight is quantised (both copies) the first time it is used after an update
+and the stored copy is returned on every later use: with n micro-batches per step, one quantisation instead of 2n.
+The GEMMs are torch custom ops, so the lookup also works inside a torch.compile graph (the op is opaque to the
+compiler and runs its Python at run time).
 
 Paths: on CUDA, torch._scaled_mm and torch._scaled_grouped_mm (Hopper, out dtype bf16). Elsewhere the reference:
 torch._scaled_mm runs float8_e4m3fn on CPU (seen in torch 2.13), and the grouped GEMM is a loop over experts of it.
@@ -31,6 +29,7 @@ import torch
 from torch import nn
 
 from core.moe import GROUPED_MM
+from core.weight_cache import CACHE
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -67,31 +66,6 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (*_quantize(w_NK), *_quantize(w_NK.transpose(-2, -1)))
 
 
-class FP8WeightCache:
-    """FP8 copies of weights, one entry per parameter, reused until the parameter changes (see the module doc).
-    Keyed by storage address, shape and dtype rather than the tensor object, since torch.compile may hand the op
-    an alias of the parameter (aliases share the version counter); the entry keeps the weight alive."""
-
-    def __init__(self):
-        self.entries: dict[tuple, tuple] = {}  # key -> (weight, version, quantize_weight(weight))
-        self.quantizations = 0  # weights quantised so far (the tests count them)
-
-    def get(self, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        key = (w.data_ptr(), w.dtype, tuple(w.shape))
-        entry = self.entries.get(key)
-        if entry is None or entry[1] != w._version:
-            entry = self.entries[key] = (w, w._version, quantize_weight(w))
-            self.quantizations += 1
-        return entry[2]
-
-    def invalidate(self) -> None:
-        """Call after optimizer.step(): the next use of each weight quantises it again."""
-        self.entries.clear()
-
-
-CACHE = FP8WeightCache()  # the FP8 copies of this process's weights (entries are per parameter)
-
-
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype FP8 GEMM inputs are cast to and outputs written in: bf16 on CUDA (what Hopper's row-wise scaled
     GEMMs write), else the autocast dtype or x's own (the CPU reference also runs fp32)."""
@@ -115,13 +89,13 @@ def _scaled_mm(a_MK: torch.Tensor, q_NK: torch.Tensor, s_N1: torch.Tensor) -> to
 
 @torch.library.custom_op("moe_fp8::linear", mutates_args=())
 def _linear(x_TK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    q_NK, s_N1, _, _ = CACHE.get(w_NK)
+    q_NK, s_N1, _, _ = CACHE.get(w_NK, "fp8", quantize_weight)
     return _scaled_mm(x_TK, q_NK, s_N1)
 
 
 @torch.library.custom_op("moe_fp8::linear_dgrad", mutates_args=())
 def _linear_dgrad(dy_TN: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    _, _, q_KN, s_K1 = CACHE.get(w_NK)
+    _, _, q_KN, s_K1 = CACHE.get(w_NK, "fp8", quantize_weight)
     return _scaled_mm(dy_TN, q_KN, s_K1)
 
 
@@ -194,13 +168,13 @@ def _grouped(x_RK, q_ENK, s_EN1, counts_E):
 
 @torch.library.custom_op("moe_fp8::grouped_mm", mutates_args=())
 def _grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    q_ENK, s_EN1, _, _ = CACHE.get(w_EKN)
+    q_ENK, s_EN1, _, _ = CACHE.get(w_EKN, "fp8", quantize_weight)
     return _grouped(x_RK, q_ENK, s_EN1, counts_E)
 
 
 @torch.library.custom_op("moe_fp8::grouped_mm_dgrad", mutates_args=())
 def _grouped_mm_dgrad(dy_RN: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    _, _, q_EKN, s_EK1 = CACHE.get(w_EKN)
+    _, _, q_EKN, s_EK1 = CACHE.get(w_EKN, "fp8", quantize_weight)
     return _grouped(dy_RN, q_EKN, s_EK1, counts_E)
 
 

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from core.kernels.dispatch_index import expert_counts, group_by_expert
+from core.weight_cache import cast_weight
 
 # torch._grouped_mm (public as F.grouped_mm from torch 2.10 on); None in versions that have neither
 GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -293,13 +294,13 @@ class _ExpertMatmul(torch.autograd.Function):
     def forward(ctx, x_RK, w_EKN, counts_E):
         ctx.save_for_backward(x_RK, counts_E)
         ctx.weight = w_EKN  # the parameter itself (an input, so no reference cycle): its .grad may be filled later
-        return grouped_mm(x_RK, w_EKN.to(x_RK.dtype), counts_E)
+        return grouped_mm(x_RK, cast_weight(w_EKN, x_RK.dtype), counts_E)  # bf16 copy made once per step
 
     @staticmethod
     def backward(ctx, dy_RN):
         x_RK, counts_E = ctx.saved_tensors
         w = ctx.weight
-        dx_RK = grouped_mm(dy_RN, w.to(dy_RN.dtype).transpose(1, 2), counts_E)
+        dx_RK = grouped_mm(dy_RN, cast_weight(w, dy_RN.dtype).transpose(1, 2), counts_E)
         # dW in the compute dtype (dy's), accumulated in the parameter's dtype
         if not weight_grads.enabled:
             return dx_RK, grouped_weight_grad(x_RK, dy_RN, counts_E).to(w.dtype), None

@@ -28,6 +28,9 @@ generator, so each waits on a transfer only when it needs the result, with the o
 
 Weight-gradient delay: during zero-bubble backward chunks, expert GEMMs compute the input gradient at once and
 queue the weight gradient (core.moe.weight_grads); the schedule's W steps run the queue, oldest chunk first.
+
+Recompute: a layer may wrap parts of its compute steps in torch.utils.checkpoint (non-reentrant); each such region
+lies inside one autograd segment (never across an all-to-all), so it is recomputed when that segment's backward runs.
 """
 
 import time
@@ -233,6 +236,7 @@ class DualPipeV:
             return
         tensors = self.outputs[phase][self.sent_f[phase]]
         self.sent_f[phase] += 1
+        assert [t.dtype for t in tensors] == [d for _, d in self.p2p_specs], ("p2p_specs", [t.dtype for t in tensors])
         peer = self.next_rank if phase == 0 else self.prev_rank
         self.ops += [dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group) for t in tensors]
 
@@ -249,6 +253,7 @@ class DualPipeV:
             return
         grads = self.input_grads[phase][self.sent_b[phase]]
         self.input_grads[phase][self.sent_b[phase]] = None
+        assert [g.dtype for g in grads] == [d for _, d in self.p2p_specs], ("p2p_specs", [g.dtype for g in grads])
         self.sent_b[phase] += 1
         peer = self.prev_rank if phase == 0 else self.next_rank
         self.ops += [dist.P2POp(dist.isend, g.contiguous(), peer, self.group) for g in grads]

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from core.context import cp_attention, cp_attention_mask, cp_positions
 from core.fp8 import convert_linears, fp8_grouped_mm
@@ -28,6 +29,7 @@ from core.hf_io import CheckpointReader, read_hf_config, write_hf_folder
 from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.swiglu import swiglu
 from core.moe import expert_counts, expert_matmul, moe_forward
+from core.weight_cache import cast_weight
 
 
 @dataclass
@@ -100,9 +102,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # normalise in fp32, scale in the input dtype, as transformers does
+        # statistics in fp32, output in the input dtype (bf16 on the bf16 path), as transformers does for a model
+        # of that dtype
         x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.weight.to(x.dtype) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rope_cos_sin(position_ids_BS: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +118,7 @@ def rope_cos_sin(position_ids_BS: torch.Tensor, head_dim: int, theta: float, dty
 
 def apply_rope(x_BNSD, cos, sin):
     x1, x2 = x_BNSD.chunk(2, dim=-1)
+    cos, sin = cos.to(x_BNSD.dtype), sin.to(x_BNSD.dtype)  # in the activations' dtype, as transformers does
     return x_BNSD * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
@@ -214,14 +218,34 @@ class MoE(nn.Module):
         return weights_Tk, ids_Tk, aux_2E + torch.stack([probs_TE.float().sum(0), counts_E])
 
 
+RECOMPUTE = ("none", "attention", "layer")
+
+
+def _run(fn, *args, recompute: bool):
+    """fn(*args); with recompute, the tensors fn saves for backward are dropped and fn runs again in backward
+    (torch.utils.checkpoint, non-reentrant: it nests in core/pipeline.py's autograd segments, replays the autocast
+    state, and the delayed expert weight gradients capture the recomputed tensors). Nothing in fn draws random
+    numbers, so no RNG state is kept."""
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+    return fn(*args)
+
+
 class DecoderLayer(nn.Module):
     """One decoder layer as the three compute steps that core/pipeline.py interleaves (its contract): (1)
     `attention` (norms, attention, router), (3) `routed_experts`, (5) `finish` (residual add); the dispatch and
     combine all-to-alls (2) and (4) run between them in core/moe.py. `state` is [hidden x_BSH, aux_2E]. `rope`
-    holds (cos, sin, attention mask) of the current micro-batch shape, set by Model.set_positions."""
+    holds (cos, sin, attention mask) of the current micro-batch shape, set by Model.set_positions.
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, experts: tuple[int, int], ep_group, cp_group=None):
+    recompute (RECOMPUTE): "attention" keeps only the input of each attention block (input norm, projections,
+    q/k norms, rope, attention, output projection) and recomputes the rest in backward; "layer" keeps only the
+    inputs of step (1) without the router and of step (3) (the expert GEMMs and SwiGLU), or of a dense layer. The
+    all-to-alls and the router (whose expert counts are statistics) never run twice."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, experts: tuple[int, int], ep_group, cp_group=None,
+                 recompute: str = "none"):
         super().__init__()
+        self.recompute = recompute
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, cp_group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -232,13 +256,19 @@ class DecoderLayer(nn.Module):
 
     def attention(self, state):  # (1)
         x_BSH, aux_2E = state
-        h_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), *self.rope)
-        x_TH = self.post_attention_layernorm(h_BSH).flatten(0, 1)
+        h_BSH, x_TH = _run(self._attention_and_norm, x_BSH, recompute=self.recompute == "layer")
         weights_Tk, ids_Tk, aux_2E = self.mlp.route(x_TH, aux_2E)
         return [h_BSH, aux_2E], x_TH, ids_Tk, weights_Tk
 
+    def _attention_block(self, x_BSH):
+        return self.self_attn(self.input_layernorm(x_BSH), *self.rope)
+
+    def _attention_and_norm(self, x_BSH):
+        h_BSH = x_BSH + _run(self._attention_block, x_BSH, recompute=self.recompute == "attention")
+        return h_BSH, self.post_attention_layernorm(h_BSH).flatten(0, 1)
+
     def routed_experts(self, rows_RH, counts_L):  # (3)
-        return self.mlp.experts(rows_RH, counts_L)
+        return _run(self.mlp.experts, rows_RH, counts_L, recompute=self.recompute == "layer")
 
     def finish(self, state, out_TH):  # (5)
         h_BSH, aux_2E = state
@@ -246,8 +276,11 @@ class DecoderLayer(nn.Module):
 
     def dense(self, state):  # a layer without routed experts, whole
         x_BSH, aux_2E = state
-        h_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), *self.rope)
-        return [h_BSH + self.mlp(self.post_attention_layernorm(h_BSH)), aux_2E]
+        return [_run(self._dense, x_BSH, recompute=self.recompute == "layer"), aux_2E]
+
+    def _dense(self, x_BSH):
+        h_BSH = x_BSH + _run(self._attention_block, x_BSH, recompute=self.recompute == "attention")
+        return h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
 
     def forward(self, state):
         """The five steps back to back (the pipeline schedule runs them interleaved instead)."""
@@ -270,8 +303,10 @@ class TrainOutput:
 
 class Model(nn.Module):
     def __init__(self, cfg: ModelConfig, layers=None, experts: tuple[int, int] | None = None,
-                 embed: bool = True, head: bool = True, ep_group=None, cp_group=None):
+                 embed: bool = True, head: bool = True, ep_group=None, cp_group=None, recompute: str = "none"):
         super().__init__()
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute {recompute!r} is not one of {', '.join(RECOMPUTE)}")
         self.cfg, self.cp_group = cfg, cp_group
         # drawn before any module exists (their constructors draw too): the same on every rank and layout
         self.base_seed = int(torch.randint(0, 2**62, (), device="cpu"))
@@ -284,7 +319,8 @@ class Model(nn.Module):
             experts = (ep_rank * cfg.num_experts // ep, (ep_rank + 1) * cfg.num_experts // ep)
         experts = (0, cfg.num_experts) if experts is None else experts
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, experts, ep_group, cp_group) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, experts, ep_group, cp_group, recompute)
+                                     for i in layer_ids})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
         self.init_weights()
@@ -338,10 +374,18 @@ class Model(nn.Module):
         if position_ids_BS is None:
             position_ids_BS = self.default_positions(B, S, input_ids_BS.device, cp_split)
         self.set_positions(position_ids_BS, cp_split)
-        state = [self.embed_tokens(input_ids_BS), torch.zeros(2, self.cfg.num_experts, device=input_ids_BS.device)]
+        state = [self.embed(input_ids_BS), torch.zeros(2, self.cfg.num_experts, device=input_ids_BS.device)]
         for layer in self.layers.values():
             state = layer(state)
         return self.norm(state[0]), state[1]
+
+    def embed(self, input_ids_BS):
+        """The embedding [B, S, H] in the compute dtype. Under bf16 autocast (which leaves the lookup in fp32) that
+        is bf16, and with it the residual stream, every norm's output and all that crosses ranks (hidden states
+        between pipeline stages, dispatched and combined rows); fp32 stays where numerics need it: norm statistics,
+        router softmax, loss, aux-loss statistics."""
+        h_BSH, device = self.embed_tokens(input_ids_BS), input_ids_BS.device.type
+        return h_BSH.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else h_BSH
 
     def forward(self, input_ids_BS, position_ids_BS=None):
         """Logits [B, S, V] of the whole model, for whole sequences (each cp rank computes them all)."""
@@ -356,7 +400,7 @@ class Model(nn.Module):
         h_TH, w_VH = h_BSH.flatten(0, 1), self.lm_head.weight
         if torch.is_autocast_enabled(h_TH.device.type):  # autocast does not reach into the fused kernel
             dtype = torch.get_autocast_dtype(h_TH.device.type)
-            h_TH, w_VH = h_TH.to(dtype), w_VH.to(dtype)
+            h_TH, w_VH = h_TH.to(dtype), cast_weight(w_VH, dtype)  # the weight cast once per step
         return linear_cross_entropy(h_TH, w_VH, labels_BS.flatten(), ignore_index=-100, reduction="sum")
 
     def aux_loss(self, aux_2E, tokens: int):
@@ -402,7 +446,7 @@ class PipelineStage:
         if not self.first:
             return inputs
         ids_BS = self.input_ids[mb]
-        return [self.model.embed_tokens(ids_BS), torch.zeros(2, self.model.cfg.num_experts, device=ids_BS.device)]
+        return [self.model.embed(ids_BS), torch.zeros(2, self.model.cfg.num_experts, device=ids_BS.device)]
 
     def post(self, state, mb):
         if not self.last:

@@ -67,6 +67,7 @@ class Args:
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     compile: bool | None = None  # torch.compile the dense parts of each layer; default on for CUDA, off for CPU
     # (there, compiling the C++ kernels takes longer than a whole tiny run and gains nothing at its sizes)
+    recompute: Literal["none", "attention", "layer"] = "none"  # activations recomputed in backward instead of kept (model.py)
     fp8: bool = False  # FP8 GEMMs (Hopper) for attention, dense MLP and expert weights; on CPU the same numerics
     steps: int = 300
     seq_len: int = 256
@@ -160,7 +161,8 @@ def main(argv=None):
     pp_rank = mesh.coord("pp")
     stages = (pp_rank, 2 * args.pp - 1 - pp_rank)
     parts = dict(layers=None if stage_layers is None else stage_layers[stages[0]] + stage_layers[stages[1]],
-                 embed=pp_rank == 0, head=pp_rank == 0, ep_group=mesh.group("ep"), cp_group=mesh.group("cp"))
+                 embed=pp_rank == 0, head=pp_rank == 0, ep_group=mesh.group("ep"), cp_group=mesh.group("cp"),
+                 recompute=args.recompute)
     if args.hf_checkpoint:
         with torch.device("meta"):
             model = Model(cfg, **parts)
@@ -184,7 +186,8 @@ def main(argv=None):
         pipeline = DualPipeV([PipelineStage(model, stage_layers[s], s == 0, s == 2 * args.pp - 1) for s in stages],
                              pp_rank, args.pp, mesh.rank - step_ranks if pp_rank > 0 else None,
                              mesh.rank + step_ranks if pp_rank < args.pp - 1 else None, mesh.group("pp"),
-                             [((args.micro_batch, args.seq_len // args.cp, cfg.hidden_size), torch.float32),
+                             [((args.micro_batch, args.seq_len // args.cp, cfg.hidden_size),  # hidden state:
+                               torch.bfloat16 if use_bf16 else torch.float32),  # bf16 on the bf16 path (Model.embed)
                               ((2, cfg.num_experts), torch.float32)], device,
                              overlap=args.overlap, delay_weight_grads=args.delay_wgrad)
     aux_coef = cfg.router_aux_loss_coef if args.aux_loss_coef < 0 else args.aux_loss_coef
@@ -267,13 +270,14 @@ def main(argv=None):
 
         stats = torch.zeros(2, device=device)  # summed cross-entropy, summed aux loss (pp: on pp rank 0 only)
         watchdog.set_phase("forward-backward" if pipeline is None else "DualPipeV schedule")
-        if pipeline is None:  # micro-batches one after the other
-            for mb in range(n_micro):
-                rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+        if pipeline is None:  # micro-batches one after the other, in one autocast region (as the pipeline runs:
+            # autocast casts each nn.Linear weight once per region, and backwards compute alike in both)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                for mb in range(n_micro):
+                    rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
                     out = model.forward_train(input_ids[rows], labels[rows], positions_BS)
-                micro_batch_loss(out.loss_sum, out.aux_loss).backward()
-                stats += torch.stack([out.loss_sum.detach(), out.aux_loss.detach()])
+                    micro_batch_loss(out.loss_sum, out.aux_loss).backward()
+                    stats += torch.stack([out.loss_sum.detach(), out.aux_loss.detach()])
         else:  # DualPipeV over the pp ranks (core/pipeline.py)
             model.set_positions(positions_BS)
             for stage in pipeline.stages:
@@ -296,7 +300,7 @@ def main(argv=None):
         watchdog.set_phase("optimizer step")
         if not bad_ranks:
             optimizer.step()  # AdamW on this rank's shard, then all-gather the weights
-            fp8.CACHE.invalidate()  # new weights: the next step's first micro-batch re-quantises them (--fp8)
+            fp8.CACHE.invalidate()  # new weights: the next step's first micro-batch re-quantises / re-casts them
             scheduler.step()
         bad_in_a_row, skipped = (bad_in_a_row + 1, skipped + 1) if bad_ranks else (0, skipped)
         optimizer.zero_grad()

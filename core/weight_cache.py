@@ -1,0 +1,63 @@
+"""Low-precision copies of weights, made once per optimizer step and reused by every micro-batch: the FP8 pairs of
+core/fp8.py and the bf16 casts of the bf16 path (routed experts, LM head).
+
+An entry is keyed by the parameter's storage address, shape and dtype and by the kind of copy (torch.compile may hand
+an op an alias of the parameter; aliases share the version counter), and keeps the parameter alive. It is stale when
+the parameter's version counter moved (any in-place update through autograd-visible ops) or after `invalidate()`,
+which the training loop calls after each optimizer.step() (updates through `.data` do not move the counter).
+Autocast caches its own casts of nn.Linear weights, but only within one autocast region; train.py therefore runs a
+whole step (every micro-batch's forward and backward) in one region.
+"""
+
+from collections import Counter
+
+import torch
+
+
+class WeightCache:
+    def __init__(self):
+        self.entries: dict[tuple, tuple] = {}  # key -> (weight, version, copy)
+        self.made = Counter()  # copies made so far, per kind (the tests count them)
+
+    def get(self, w: torch.Tensor, kind, make):
+        """make(w detached), or the copy made earlier from the same weight if it has not changed since."""
+        key = (w.data_ptr(), w.dtype, tuple(w.shape), kind)
+        entry = self.entries.get(key)
+        if entry is None or entry[1] != w._version:
+            entry = self.entries[key] = (w, w._version, make(w.detach()))
+            self.made[kind] += 1
+        return entry[2]
+
+    @property
+    def quantizations(self) -> int:
+        """FP8 copies made so far (core/fp8.py's kind)."""
+        return self.made["fp8"]
+
+    def invalidate(self) -> None:
+        """Call after optimizer.step(): the next use of each weight makes its copies again."""
+        self.entries.clear()
+
+
+CACHE = WeightCache()  # this process's weight copies (entries are per parameter)
+
+
+class _CachedCast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, dtype):
+        ctx.dtype = w.dtype
+        copy = CACHE.get(w, dtype, lambda w: w.to(dtype))
+        return copy.view_as(copy)  # a new tensor object per call: autograd attaches this call's node to it
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+
+def cast_weight(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w in `dtype`, cast once per optimizer step (w itself when it has that dtype). Differentiable: the gradient
+    reaches w in w's dtype."""
+    if w.dtype == dtype:
+        return w
+    if torch.is_grad_enabled() and w.requires_grad:
+        return _CachedCast.apply(w, dtype)
+    return CACHE.get(w, dtype, lambda w: w.to(dtype))
