@@ -207,8 +207,8 @@ class Attention(nn.Module):
         H, N, C = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
         self.N, self.P, self.R, self.U, self.C = N, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, C
         self.scale, self.cp_group = softmax_scale(cfg), cp_group
-        D = self.P + self.R
-        if cfg.q_lora_rank is None:
+        D, self.q_lora = self.P + self.R, cfg.q_lora_rank is not None
+        if not self.q_lora:
             self.q_proj = nn.Linear(H, N * D, bias=False)
         else:
             self.q_a_proj = nn.Linear(H, cfg.q_lora_rank, bias=cfg.attention_bias)
@@ -225,7 +225,7 @@ class Attention(nn.Module):
         gathered over the cp group, expanded to per-head keys and values on every rank, and this rank's queries
         attend to them under mask_BSK (a core.context.CPMask)."""
         B, S, _ = x_BSH.shape
-        q_BSX = self.q_proj(x_BSH) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSH)))
+        q_BSX = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSH))) if self.q_lora else self.q_proj(x_BSH)
         q_BNSD = q_BSX.view(B, S, self.N, self.P + self.R).transpose(1, 2)
         q_BNSD = torch.cat([q_BNSD[..., :self.P], apply_rope(q_BNSD[..., self.P:], cos[:, None], sin[:, None])], -1)
         latent_BSX = self.kv_a_proj_with_mqa(x_BSH)
