@@ -310,12 +310,14 @@ def cp_attention(q_BNSD, k_BGSD, v_BGSE, mask=None, cp_group=None, scale=None, s
     return attend(q_BNSD, k_BGKD, v_BGKE, mask, scale, sinks_N)
 
 
-# MLA (DeepSeek-V2): gather the latent instead of the expanded K/V, then expand on every rank:
-#   latent_BKC = gather_sequence(torch.cat([c_kv_BSC, k_rope_BSR], -1), cp_group, dim=1)   # 512 + 64 per token
-#   k_nope, v = kv_b_proj(kv_a_layernorm(latent[..., :512])) ...; k = cat(k_nope, k_rope broadcast over heads)
+# MLA (DeepSeek-V2, recipes/deepseek_v2_lite/model.py): gather the latent instead of the expanded K/V, then
+# expand on every rank:
+#   latent_BKC = gather_sequence(torch.cat([kv_a_layernorm(c_kv_BSC), rope(k_rope_BSR)], -1), cp_group, dim=1)
+#   k_nope, v = kv_b_proj(latent[..., :512]) ...; k = cat(k_nope, k_rope broadcast over heads)   # 512 + 64 per token
 #   out = attend(q_BNSD, k_BNKD, v_BNKE, mask, scale)          # mask: cp_attention_mask(...)
-# The expansion of the whole sequence is repeated on each cp rank (a [K, 512] x [512, N*(128+128)] matmul, small
-# next to attention); its weight gradient is partial per rank and summed with the other dense gradients.
+# Norm and rope run before the gather, once per token on its owner. The expansion of the whole sequence is
+# repeated on each cp rank (a [K, 512] x [512, N*(128+128)] matmul, small next to attention); its weight gradient
+# is partial per rank and summed with the other dense gradients.
 
 
 # ------------------------------------------------------------------------------------- communication

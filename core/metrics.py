@@ -15,7 +15,8 @@ MEASURED_H200_BF16_FLOPS = 790e12
 
 def measure_matmul_flops(device: torch.device, dtype=torch.float32, size: int = 512, repeats: int = 8) -> float:
     """Achieved matmul FLOP/s of one device (a CPU: this process's threads): square GEMMs of `size`."""
-    a, b = torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(0)  # not the global RNG, which a resume has just restored
+    a, b = (torch.randn(size, size, device=device, dtype=dtype, generator=g) for _ in range(2))
     a @ b
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()

@@ -10,7 +10,8 @@ Router contract (what a recipe's router hands to this file; E experts, k slots p
                    a masked slot's weight is ignored and gets a zero gradient. Kept weights get exact gradients.
   Statistics: expert load (log line, expert bias) counts kept slots only: `expert_counts(ids, E)` skips
   negative ids and never syncs with the host. Balance losses are the recipe's own, computed in its router
-  (Qwen3: transformers' aux loss over the top-k of the router probabilities).
+  (Qwen3: transformers' aux loss over the top-k of the router probabilities; DeepSeek-V2: the sequence-wise
+  balance loss over the chosen experts).
   Inactive experts: an expert with no rows gets a zero weight gradient from the grouped GEMM; a .grad left None
   is reduced as zero by ShardedAdamW, so AdamW steps every parameter with g = 0 (moments decay, weight decay
   applies) identically on every rank and layout.

@@ -2,6 +2,8 @@
 equal one process; training at cp=2 and at dp1 x cp2 x ep2 equals one process (losses, grad norms, weights
 after 5 steps); a sequence length not divisible by 2*cp is a clear error. (The attention op: test_context.py.)"""
 
+import importlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,24 +11,24 @@ import torch.distributed as dist
 from core.context import cp_positions, split_for_cp
 from core.mesh import build_mesh, destroy_mesh
 from recipes.qwen3_30b_a3b import train
-from recipes.qwen3_30b_a3b.model import Model, ModelConfig
 from tests.multiproc import run_ranks
 from tests.test_train import assert_matches_single, rel_err, run_train, train_args
 
 AUX_COEF = 0.1  # large enough that the aux loss's gradient is visible in the router's
 
 
-def model_grads_worker(config_path, cp: int, ep: int):
+def model_grads_worker(config_path, cp: int, ep: int, recipe: str = "qwen3_30b_a3b"):
     """Each (ep) data rank has its own 2 sequences (one micro-batch) and each cp rank its 2 of their 2*cp chunks;
     one process runs the same micro-batches whole over the full model. Losses, aux losses, expert load, whole-
     sequence logits and every parameter's gradient."""
+    mod = importlib.import_module(f"recipes.{recipe}.model")
     mesh = build_mesh(dp=1, cp=cp, ep=ep)
     cp_group, cp_rank, r = mesh.group("cp"), mesh.coord("cp"), mesh.data_rank
-    cfg = ModelConfig.from_hf(config_path)
+    cfg = mod.ModelConfig.from_hf(config_path)
     torch.manual_seed(0)
-    model = Model(cfg, ep_group=mesh.group("ep"), cp_group=cp_group)
+    model = mod.Model(cfg, ep_group=mesh.group("ep"), cp_group=cp_group)
     torch.manual_seed(0)
-    full = Model(cfg)
+    full = mod.Model(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2 * ep, 32), generator=torch.Generator().manual_seed(3))
     labels = torch.roll(ids, -1, 1)
     labels[0, 5:9] = -100  # ignored labels inside a chunk

@@ -16,7 +16,7 @@ from core.optimizer import ReplicaSet, ShardedAdamW
 from recipes.qwen3_30b_a3b import train
 from recipes.qwen3_30b_a3b.model import Model, ModelConfig
 from tests.multiproc import run_ranks
-from tests.test_train import assert_matches_single, rel_err, run_train, train_args
+from tests.test_train import assert_matches_single, assert_same_checkpoint, rel_err, run_train, train_args
 
 H, I, E = 8, 6, 4  # hidden, expert ffn, experts for the core-level checks
 
@@ -142,23 +142,33 @@ def test_model_gradients_equal_single_process(tiny_train_setup, dp, ep):
 
 
 def test_training_at_ep2_and_dp2_ep2_equals_single_process(tiny_train_setup, tmp_path):
+    """With aux-loss-free balancing on: the expert biases (updated from the global load) are bit-identical on every
+    rank and equal one process's; they moved, and so did the routing (the losses differ from a run without)."""
     config, data = tiny_train_setup
-    single_losses, single_norms, single_weights = run_train(train_args(config, data, tmp_path / "single"))
+    args = lambda out, **extra: train_args(config, data, tmp_path / out, expert_bias_rate=0.01, **extra)
+    single_losses, single_norms, single_weights = run_train(args("single"))
     assert max(single_norms) > 0.05, "clipping should be active so that the global norm is exercised"
+    biases = [w for name, w in single_weights.items() if name.endswith("expert_bias")]
+    assert len(biases) == 2 and all(b.any() for b in biases)
+    assert run_train(train_args(config, data, tmp_path / "no_bias", steps=2))[0][1] != single_losses[1]
     for world, extra in ((2, {"ep": 2}), (4, {"ep": 2, "dp": 2})):
-        results = run_ranks(world, run_train, train_args(config, data, tmp_path / f"w{world}", **extra))
+        results = run_ranks(world, run_train, args(f"w{world}", **extra))
         assert_matches_single((single_losses, single_norms, single_weights), results, ep=2)
 
 
 def test_checkpoint_reshards_across_dp_and_ep(tiny_train_setup, tmp_path):
-    """Saved at ep=2, resumed at dp=2 (ep=1) and at one process: the same losses as the uninterrupted run."""
+    """Saved at ep=2, resumed at dp=2 (ep=1) and at one process: the same losses as the uninterrupted run, and the
+    same state at the end (weights, Adam state, lr, scheduler, data position; within layout rounding)."""
     config, data = tiny_train_setup
     full = run_ranks(2, run_train, train_args(config, data, tmp_path / "a", steps=4, ckpt_every=2, ep=2))
     checkpoint = tmp_path / "a" / "checkpoints" / "step_00000002"
-    at_dp2 = run_ranks(2, run_train, train_args(config, data, tmp_path / "b", steps=4, resume=checkpoint))
-    at_one, _, _ = run_train(train_args(config, data, tmp_path / "c", steps=4, resume=checkpoint))
-    for losses in (at_dp2[0][0], at_one):
-        assert rel_err(torch.tensor(losses), torch.tensor(full[0][0][2:])) <= 1e-5
+    at_dp2 = run_ranks(2, run_train, train_args(config, data, tmp_path / "b", steps=4, ckpt_every=2, resume=checkpoint))
+    at_one = run_train(train_args(config, data, tmp_path / "c", steps=4, ckpt_every=2, resume=checkpoint))
+    for resumed in (*at_dp2, at_one):  # losses, grad norms, and each ep rank's weights vs the resumed full model
+        assert_matches_single(resumed, [(losses[2:], norms[2:], w) for losses, norms, w in full], ep=2)
+    for run in ("b", "c"):
+        assert_same_checkpoint(tmp_path / run / "checkpoints/step_00000004", tmp_path / "a/checkpoints/step_00000004",
+                               tmp_path, tol=1e-5)
 
 
 def test_export_from_expert_sharded_run(tiny_train_setup, tmp_path):
@@ -192,3 +202,39 @@ def test_expert_bias_balances_load():
     bias = torch.zeros(4)
     update_expert_bias(bias, torch.tensor([10.0, 2.0, 4.0, 0.0]), rate=0.1)
     assert bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 0.1])  # mean 4: above goes down, below up
+
+
+def test_expert_bias_changes_the_choice_not_the_weights():
+    """The router picks top-k of softmax(logits) + bias (DeepSeek-V3's rule) but weights the chosen experts by the
+    unbiased softmax (renormalised over the k), with gradients through the unbiased probabilities; the aux-loss
+    statistics ignore the bias. Checked against the rule written out here in plain torch."""
+    from recipes.qwen3_30b_a3b.model import MoE
+
+    cfg = ModelConfig(hidden_size=H, num_experts=E, num_experts_per_tok=2, moe_intermediate_size=I)
+    g = torch.Generator().manual_seed(0)
+    moe = MoE(cfg, (0, E), None, None)
+    router_w = torch.randn(E, H, generator=g)
+    x = torch.randn(64, H, generator=g)
+    probe = torch.randn(64, 2, generator=g)
+    results = {}
+    for bias in (torch.zeros(E), torch.tensor([0.2, -0.1, 0.0, -0.15])):
+        moe.gate.weight = torch.nn.Parameter(router_w.clone())
+        moe.gate.expert_bias.copy_(bias)
+        xi = x.clone().requires_grad_()
+        weights, ids, aux = moe.route(xi, torch.zeros(2, E))
+        (weights * probe).sum().backward()
+        w_ref, x_ref = router_w.clone().requires_grad_(), x.clone().requires_grad_()
+        probs = (x_ref @ w_ref.T).softmax(-1)
+        ids_ref = (probs + bias).topk(2, dim=-1).indices
+        weights_ref = probs.gather(1, ids_ref)
+        weights_ref = weights_ref / weights_ref.sum(-1, keepdim=True)
+        (weights_ref * probe).sum().backward()
+        assert torch.equal(ids, ids_ref)
+        for a, b in ((weights, weights_ref), (moe.gate.weight.grad, w_ref.grad), (xi.grad, x_ref.grad)):
+            assert rel_err(a.detach(), b.detach()) <= 1e-6
+        results[bias.any().item()] = weights.detach(), ids, aux
+    (w0, ids0, aux0), (w1, ids1, aux1) = results[False], results[True]
+    same = (ids0 == ids1).all(-1)
+    assert 0 < same.sum() < 64  # the bias changed the choice of some tokens...
+    assert torch.equal(w0[same], w1[same])  # ...and nothing else about the tokens it did not move
+    assert torch.equal(aux0, aux1)  # the aux loss (transformers' definition) sees the unbiased top-k

@@ -37,7 +37,7 @@ def runs_worker(argvs):
     previous one, as in tests/test_precision.py)."""
     dist.init_process_group("gloo")
     train.destroy_mesh = lambda: None
-    out = [run_train(argv, "gpt_oss_20b") for argv in argvs]
+    out = [run_train(argv, train.main) for argv in argvs]
     dist.barrier()
     dist.destroy_process_group()
     return out
@@ -47,7 +47,7 @@ def test_layouts_equal_single_process(tiny_train_setup, tmp_path):
     _, data = tiny_train_setup
     config = tmp_path / "gpt_oss.json"
     config.write_text(json.dumps(CONFIG))
-    single = run_train(layout_args(config, data, tmp_path / "single", export_hf=tmp_path / "hf_single"), "gpt_oss_20b")
+    single = run_train(layout_args(config, data, tmp_path / "single", export_hf=tmp_path / "hf_single"), train.main)
     assert max(single[1]) > 0.05, "clipping should be active so that the global norm is exercised"
     assert single[0][-1] < single[0][0]
 

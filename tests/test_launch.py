@@ -1,8 +1,12 @@
-"""launch.sh end to end on CPU (data preparation, torchrun with 2 gloo ranks, checkpoint, sample), a copied
-recipe folder running unchanged under its new name, and a second launch into the same folder stopping with one
-line."""
+"""launch.sh end to end on CPU: data preparation, torchrun with 4 gloo ranks (pp=2 x ep=2, the default), the first
+loss of the fresh model at ln(vocab), validation, checkpoint, export, TensorBoard logs; a copied recipe folder
+running unchanged under its new name on 2 ranks (ep=2, no pipeline), printing a sample that continues the prompt;
+and a second launch into the same folder stopping with one line."""
 
+import json
+import math
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,6 +28,9 @@ def test_launch_sh_and_a_copied_recipe(tmp_path):
                  *FAST, "--export-hf", str(tmp_path / "hf"))
     assert (data / "meta.json").is_file() and (data / "tokenizer.model").is_file()
     assert "mesh pp=2 dp=1 cp=1 ep=2" in out and "a2a rows" in out and "trained steps 1-4" in out
+    first_loss = float(re.search(r"step +1/4 \| loss ([0-9.]+)", out).group(1))
+    vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
+    assert abs(first_loss - math.log(vocab)) < 0.1, (first_loss, vocab)  # a fresh model predicts ~uniformly
     assert (data / "val/meta.json").is_file() and "step     4/4 | val loss" in out  # held-out split, evaluated
     assert (tmp_path / "run/checkpoints/step_00000004/.metadata").is_file()
     assert (tmp_path / "hf/config.json").is_file()
@@ -36,8 +43,11 @@ def test_launch_sh_and_a_copied_recipe(tmp_path):
         (repo / name).symlink_to(ROOT / name)
     shutil.copy(ROOT / "recipes/__init__.py", repo / "recipes/__init__.py")
     shutil.copytree(ROOT / "recipes/qwen3_30b_a3b", repo / "recipes/my_arch", ignore=shutil.ignore_patterns("__pycache__"))
-    out = launch(repo / "recipes/my_arch/launch.sh", {"DATA": str(data), "OUT": str(tmp_path / "run_copy")}, *FAST)
-    assert "-m recipes.my_arch.train" in out and "trained steps 1-4" in out
+    out = launch(repo / "recipes/my_arch/launch.sh", {"DATA": str(data), "OUT": str(tmp_path / "run_copy"),
+                                                      "NPROC": "2", "PP": "1", "EP": "2"}, *FAST, "--sample-tokens", "8")
+    assert "-m recipes.my_arch.train" in out and "mesh pp=1 dp=1 cp=1 ep=2" in out and "trained steps 1-4" in out
+    sample = re.search(r"sample: '(.*)'", out).group(1)
+    assert sample.startswith("def") and len(sample) > len("def "), sample  # the prompt, then generated text
     assert (tmp_path / "run_copy/checkpoints/step_00000004/.metadata").is_file()
 
     # bad input under torchrun: no restarts, no rank tracebacks, and the last line says what to do

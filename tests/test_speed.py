@@ -3,6 +3,7 @@ dense parts. Tests marked `gpu` run the CUDA paths (tools/gpu_check.py); without
 
 import copy
 import json
+import math
 import os
 import subprocess
 
@@ -266,14 +267,22 @@ def test_gpu_train_steps_compile_and_fp8(tiny_train_setup, tmp_path):
 
 
 def test_bench_tool_runs_ours_and_transformers(capsys):
+    """The reported numbers are consistent with each other and with what ran: tokens/s = tokens per step / median
+    step time, the ratio is ours / transformers, and the first loss of the fresh tiny model (vocab 4096) is
+    ~ln(4096)."""
     from tools import bench
 
     res = bench.main(["--size", "tiny", "--layers", "1", "--seq-len", "32", "--batch", "2", "--micro-batch", "1",
                       "--steps", "2", "--warmup", "1", "--vs-hf", "--dtype", "bf16"])
-    assert [r["impl"] for r in res["rows"]] == ["ours", "transformers"] and res["ratio_vs_hf"] > 0
+    ours, theirs = res["rows"]
+    assert [ours["impl"], theirs["impl"]] == ["ours", "transformers"]
     # transformers' experts get fp32 rows from its RMSNorm under autocast; their GEMMs must still run in bf16
     assert res["hf_expert_gemm"]["gemm"] == "bfloat16" and res["same_precision"] and res["precision"] == "bf16"
-    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in res["rows"]) and len(res["losses"]) == 3
+    for r in (ours, theirs):
+        assert r["tokens_per_s"] == pytest.approx(2 * 32 / (r["step_ms"] / 1000)) and 0 < r["mfu"] < 1
+        assert r["best_ms"] <= r["step_ms"]
+    assert res["ratio_vs_hf"] == pytest.approx(ours["tokens_per_s"] / theirs["tokens_per_s"])
+    assert len(res["losses"]) == 3 and abs(res["losses"][0] - math.log(4096)) < 0.1, res["losses"]
     assert "ours / transformers tokens/s" in capsys.readouterr().out
 
 

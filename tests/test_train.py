@@ -1,7 +1,5 @@
 """Training-script behaviour: data-parallel parity with one process, exact resume, clear errors."""
 
-import importlib
-
 import pytest
 import torch
 
@@ -24,25 +22,62 @@ def train_args(config, data, out, steps=5, **extra):
     return args
 
 
-def run_train(argv, recipe: str = "qwen3_30b_a3b"):
-    history, model = importlib.import_module(f"recipes.{recipe}.train").main(argv)
+def run_train(argv, main=train.main):
+    history, model = main(argv)
     return [h["loss"] for h in history], [h["grad_norm"] for h in history], {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def assert_matches_single(reference, results, ep: int = 1) -> None:
+def assert_matches_single(reference, results, ep: int = 1) -> list[float]:
     """Every rank's (losses, grad norms, weights) equal one process's within 1e-5 (relative); a rank's routed
     experts are its ep-th slice (ep is the innermost mesh dim, so ep rank = rank % ep); all ranks together hold
-    every weight."""
+    every weight. Expert-selection biases (--expert-bias-rate) are bit-identical to one process's on every rank.
+    Returns the worst relative errors [losses, grad norms, weight tensor]."""
     ref_losses, ref_norms, ref_weights = reference
-    seen = set()
+    seen, worst = set(), [0.0, 0.0, 0.0]
     for rank, (losses, norms, weights) in enumerate(results):
-        assert rel_err(torch.tensor(losses), torch.tensor(ref_losses)) <= 1e-5, rank
-        assert rel_err(torch.tensor(norms), torch.tensor(ref_norms)) <= 1e-5, rank
+        errors = [rel_err(torch.tensor(losses), torch.tensor(ref_losses)), rel_err(torch.tensor(norms), torch.tensor(ref_norms))]
+        assert max(errors) <= 1e-5, (rank, errors)
         for name, w in weights.items():
             ref = ref_weights[name].chunk(ep)[rank % ep] if ".mlp.experts." in name else ref_weights[name]
             seen.add(name)
-            assert rel_err(w, ref) <= 1e-5, (rank, name)
+            errors.append(0.0 if torch.equal(w, ref) else 1.0 if name.endswith("expert_bias") else rel_err(w, ref))
+            assert errors[-1] <= 1e-5, (rank, name)
+        worst = [max(a, b) for a, b in zip(worst, errors[:2] + [max(errors[2:])])]
     assert seen == set(ref_weights)
+    return worst
+
+
+def checkpoint_contents(path, tmp_path) -> dict:
+    """Everything a DCP checkpoint holds, as one flat {dotted key: value} dict of whole (unsharded) tensors."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, tmp_path / "whole.pt")
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            flat[prefix] = value
+    walk("", torch.load(tmp_path / "whole.pt", weights_only=True))
+    return flat
+
+
+def assert_same_checkpoint(path, ref_path, tmp_path, tol: float = 0.0) -> None:
+    """Two checkpoints hold the same state: model, Adam moments and step counts, learning rates, scheduler, data
+    position, step (and each rank's RNG when tol is 0). tol 0: bit-identical; else tensors within tol (relative)."""
+    got, ref = checkpoint_contents(path, tmp_path), checkpoint_contents(ref_path, tmp_path)
+    if tol:  # another layout: another number of ranks, so other RNG keys
+        got, ref = ({k: v for k, v in d.items() if not k.startswith("rng_rank")} for d in (got, ref))
+    assert got.keys() == ref.keys() and any(".exp_avg_sq" in k for k in ref) and "data.step" in ref
+    for key, value in ref.items():
+        if isinstance(value, torch.Tensor) and tol:
+            assert rel_err(got[key], value) <= tol, key
+        elif isinstance(value, torch.Tensor):
+            assert torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
 
 
 def test_dp2_equals_single_process(tiny_train_setup, tmp_path):
@@ -59,22 +94,30 @@ def test_dp2_equals_single_process(tiny_train_setup, tmp_path):
 
 
 def test_resume_gives_the_same_losses(tiny_train_setup, tmp_path):
+    """...and the same state at the end: weights, and the final checkpoints (Adam state, lr, scheduler, data
+    position, RNG) bit-identical to the uninterrupted run's."""
     config, data = tiny_train_setup
     full, _, full_weights = run_train(train_args(config, data, tmp_path / "a", steps=6, ckpt_every=3))
     checkpoint = tmp_path / "a" / "checkpoints" / "step_00000003"
     assert (checkpoint / ".metadata").is_file()
-    resumed, _, resumed_weights = run_train(train_args(config, data, tmp_path / "b", steps=6, resume=checkpoint))
+    resumed, _, resumed_weights = run_train(train_args(config, data, tmp_path / "b", steps=6, ckpt_every=3,
+                                                       resume=checkpoint))
     assert resumed == full[3:]
     for name, w in full_weights.items():
         assert torch.equal(resumed_weights[name], w), name
+    assert_same_checkpoint(tmp_path / "b/checkpoints/step_00000006", tmp_path / "a/checkpoints/step_00000006", tmp_path)
 
 
 def test_resume_at_dp2(tiny_train_setup, tmp_path):
+    """Every rank's losses and weights after resuming equal the uninterrupted run's, and so does the final state."""
     config, data = tiny_train_setup
     full = run_ranks(2, run_train, train_args(config, data, tmp_path / "a", steps=4, ckpt_every=2))
-    resumed = run_ranks(2, run_train, train_args(config, data, tmp_path / "b", steps=4,
+    resumed = run_ranks(2, run_train, train_args(config, data, tmp_path / "b", steps=4, ckpt_every=2,
                                                  resume=tmp_path / "a" / "checkpoints" / "step_00000002"))
-    assert resumed[0][0] == full[0][0][2:]
+    for (losses, _, weights), (full_losses, _, full_weights) in zip(resumed, full):
+        assert losses == full_losses[2:]
+        assert all(torch.equal(weights[name], w) for name, w in full_weights.items())
+    assert_same_checkpoint(tmp_path / "b/checkpoints/step_00000004", tmp_path / "a/checkpoints/step_00000004", tmp_path)
 
 
 def test_interrupted_save_keeps_last_good_checkpoint(tiny_train_setup, tmp_path):

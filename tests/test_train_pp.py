@@ -19,12 +19,16 @@ def pp_args(config, data, out, **extra):
 
 
 def test_pipeline_layouts_equal_single_process(tiny_train_setup, tmp_path):
+    """pp=2, pp=2 x ep=2 and pp=2 x dp=2 with aux-loss-free balancing on: each rank updates the biases of its own
+    layers from the global load, bit-identical to one process's (assert_matches_single)."""
     config, data = tiny_train_setup
-    single = run_train(pp_args(config, data, tmp_path / "single"))
-    assert_matches_single(single, run_ranks(2, run_train, pp_args(config, data, tmp_path / "pp2", pp=2)))
-    assert_matches_single(single, run_ranks(4, run_train, pp_args(config, data, tmp_path / "pp2ep2", pp=2, ep=2)), ep=2)
-    assert_matches_single(single, run_ranks(4, run_train, pp_args(config, data, tmp_path / "pp2dp2", pp=2, dp=2,
-                                                          no_overlap=True, no_delay_wgrad=True)))
+    args = lambda out, **extra: pp_args(config, data, tmp_path / out, expert_bias_rate=0.01, **extra)
+    single = run_train(args("single"))
+    assert all(w.any() for name, w in single[2].items() if name.endswith("expert_bias"))
+    assert_matches_single(single, run_ranks(2, run_train, args("pp2", pp=2)))
+    assert_matches_single(single, run_ranks(4, run_train, args("pp2ep2", pp=2, ep=2)), ep=2)
+    assert_matches_single(single, run_ranks(4, run_train, args("pp2dp2", pp=2, dp=2, no_overlap=True,
+                                                               no_delay_wgrad=True)))
 
 
 def test_pp4_equals_single_process(tiny_train_setup, tmp_path):

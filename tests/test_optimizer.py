@@ -1,0 +1,174 @@
+"""ZeRO-1 AdamW (core/optimizer.py), gradient clipping and the lr schedules (core/training.py) against plain PyTorch:
+torch.optim.AdamW (its single-tensor implementation) with the parameter groups written out here by name,
+torch.nn.utils.clip_grad_norm_ and torch's own LinearLR / CosineAnnealingLR / SequentialLR, on a small plain
+model. In one process, and on 4 gloo ranks as dp=2 x ep=2 (dense parameters sharded 4 ways, the expert tensor
+split over ep and sharded 2 ways over dp, with last shards short or empty), for 6 steps with a checkpoint round
+trip (core/checkpoint.py, into freshly built objects) after step 3.
+
+Both sides get the same gradients: the reference model's full-batch gradient, scaled so that the global norm
+alternates below and above the clipping limit, and handed to the replicas as random parts that sum to it. All
+values sit on a 2^-18 grid, so the reduce-scatter sums them exactly in any order and the only differences left
+are the optimizers' own fp32 roundings."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LambdaLR, LinearLR, SequentialLR
+
+from core.checkpoint import load_checkpoint, save_checkpoint
+from core.mesh import build_mesh, destroy_mesh
+from core.optimizer import ReplicaSet, ShardedAdamW
+from core.training import lr_factor
+from tests.multiproc import run_ranks
+
+E, STEPS, SAVE_AT, WARMUP, MIN_RATIO, DECAY_FRACTION = 4, 6, 3, 2, 0.1, 0.5
+LR, WD, BETAS, EPS, MAX_NORM = 1e-2, 0.1, (0.9, 0.95), 1e-8, 1.0
+NORMS = [0.5, 3.0, 0.8, 2.0, 0.3, 5.0]  # global gradient norm of each step: below and above MAX_NORM in turn
+GRID = 2.0**-18
+NO_DECAY = {"fc1.bias", "norm.weight", "norm.bias", "fc2.bias"}  # norms and biases, as the recipe's groups promise
+
+
+class Plain(nn.Module):
+    """Linear -> LayerNorm -> a stack of 'expert' matrices -> Linear: 2-D, 3-D and 1-D parameters of uneven sizes."""
+
+    def __init__(self, lo=0, hi=E, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1, self.norm, self.fc2 = nn.Linear(6, 10), nn.LayerNorm(10), nn.Linear(5, 3)
+        self.experts = nn.Parameter(torch.randn(E, 10, 5)[lo:hi].clone() * 0.3)
+
+    def forward(self, x):
+        h = self.norm(F.gelu(self.fc1(x)))
+        return self.fc2(torch.tanh(torch.einsum("bh,ehn->bn", h, self.experts)))
+
+
+def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item() / b.abs().max().clamp(min=1e-30).item() if b.numel() else 0.0
+
+
+def on_grid(t: torch.Tensor) -> torch.Tensor:
+    return (t / GRID).round() * GRID
+
+
+def reference_schedule(opt, schedule: str):
+    """torch's schedulers for lr_factor's warmup + cosine / wsd (written independently of core/training.py)."""
+    warmup = LinearLR(opt, 1 / WARMUP, 1.0, total_iters=WARMUP - 1)
+    if schedule == "cosine":
+        return SequentialLR(opt, [warmup, CosineAnnealingLR(opt, STEPS - WARMUP, eta_min=LR * MIN_RATIO)], [WARMUP])
+    decay = int(DECAY_FRACTION * STEPS)
+    return SequentialLR(opt, [warmup, ConstantLR(opt, 1.0, total_iters=0),
+                              LinearLR(opt, 1 - (1 - MIN_RATIO) / decay, MIN_RATIO, total_iters=decay - 1)],
+                        [WARMUP, STEPS - decay])
+
+
+def optimizer_worker(ckpt_dir: str, schedule: str):
+    """6 steps of ShardedAdamW next to torch.optim.AdamW; returns per-step (lr, norm) pairs, weight errors, and Adam
+    state errors right after loading the checkpoint and at the end."""
+    mesh = build_mesh(ep=2 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 1)
+    ep, ep_rank = mesh.ep, mesh.coord("ep")
+    lo, hi = ep_rank * E // ep, (ep_rank + 1) * E // ep
+    dense_group, expert_group = mesh.group("dp", "cp", "ep"), mesh.group("dp", "cp")
+    gen = torch.Generator().manual_seed(7)  # the same on every rank: every rank builds every replica's part
+
+    ref = Plain()
+    params = dict(ref.named_parameters())
+    ref_opt = torch.optim.AdamW([{"params": [p for n, p in params.items() if n not in NO_DECAY], "weight_decay": WD},
+                                 {"params": [p for n, p in params.items() if n in NO_DECAY], "weight_decay": 0.0}],
+                                lr=LR, betas=BETAS, eps=EPS, foreach=False)
+    ref_sched = reference_schedule(ref_opt, schedule)
+    x, y = torch.randn(16, 6, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+
+    def build(seed):
+        model = Plain(lo, hi, seed)
+        experts = {"experts": model.experts}
+        dense = {n: p for n, p in model.named_parameters() if n != "experts"}
+        opt = ShardedAdamW([ReplicaSet(dense, dense_group, mesh.replica_mesh(experts=False)),
+                            ReplicaSet(experts, expert_group, mesh.replica_mesh(experts=True))],
+                           LR, WD, BETAS, EPS, norm_group=torch.distributed.group.WORLD if mesh.world > 1 else None)
+        sched = LambdaLR(opt.optimizer, lambda s: lr_factor(s, schedule, WARMUP, STEPS, MIN_RATIO, DECAY_FRACTION))
+        return model, opt, sched
+
+    def my_part(name, g, group):
+        """This rank's part of gradient g for a parameter replicated over `group`: random parts summing to g."""
+        n = 1 if group is None else torch.distributed.get_world_size(group)
+        me = 0 if group is None else torch.distributed.get_rank(group)
+        parts = [on_grid(g * (3 * torch.rand(g.shape, generator=gen) - 1)) for _ in range(n - 1)]
+        parts.append(g - sum(parts, torch.zeros_like(g)))  # exact: everything is on the grid
+        return parts[me]
+
+    def state_errors(opt):
+        """Worst max_abs_diff / max_abs of this rank's Adam shards against the slices of torch's state (and the
+        step counts must be equal)."""
+        worst = 0.0
+        for e in opt.entries:
+            ref_state = ref_opt.state[params[e.name]]
+            ref_flat = {k: ref_state[k][lo:hi] if e.name == "experts" else ref_state[k] for k in ("exp_avg", "exp_avg_sq")}
+            start = e.shard.storage_offset() - e.param.storage_offset()
+            state = opt.optimizer.state[e.shard]
+            assert float(state["step"]) == float(ref_state["step"]), e.name
+            for k, v in ref_flat.items():
+                worst = max(worst, max_rel_diff(state[k], v.reshape(-1)[start:start + e.shard.numel()]))
+        return worst
+
+    model, opt, sched = build(seed=0)
+    steps, weight_errors, state_after_load = [], [], None
+    for step in range(STEPS):
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y, reduction="sum").backward()
+        grads = {n: p.grad for n, p in params.items()}
+        scale = NORMS[step] / torch.stack([g.norm() for g in grads.values()]).norm()
+        for n, p in params.items():
+            p.grad = on_grid(grads[n] * scale)
+        assert max(p.grad.abs().max() for p in params.values()) < 4  # grid sums stay exact in fp32
+        for n, p in model.named_parameters():
+            g = params[n].grad[lo:hi] if n == "experts" else params[n].grad
+            p.grad = my_part(n, g, expert_group if n == "experts" else dense_group)
+
+        ref_lr = ref_sched.get_last_lr()[0]
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        ref_opt.step()
+        ref_sched.step()
+        lr = sched.get_last_lr()[0]
+        opt.reduce_gradients()
+        norm = opt.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        steps.append((lr, ref_lr, norm.item(), ref_norm.item()))
+        weight_errors.append(max(max_rel_diff(p, params[n][lo:hi] if n == "experts" else params[n])
+                                 for n, p in model.named_parameters()))
+        if step + 1 == SAVE_AT:  # checkpoint, then continue with new objects built from another seed
+            save_checkpoint(ckpt_dir, step + 1, opt.checkpoint_state(model), {"scheduler": sched.state_dict()},
+                            mesh.rank)
+            model, opt, sched = build(seed=1)
+            extra = load_checkpoint(f"{ckpt_dir}/step_{step + 1:08d}", opt.checkpoint_state(model),
+                                    {"scheduler": sched.state_dict()}, mesh.rank)
+            opt.after_load(extra)
+            sched.load_state_dict(extra["scheduler"])
+            state_after_load = state_errors(opt)
+    result = steps, weight_errors, state_after_load, state_errors(opt)
+    destroy_mesh()
+    return result
+
+
+def check(results):
+    for steps, weight_errors, state_after_load, state_at_end in results:
+        for lr, ref_lr, norm, ref_norm in steps:
+            assert lr == pytest.approx(ref_lr, rel=1e-12)
+            assert norm == pytest.approx(ref_norm, rel=1e-6)
+        ref_norms = [s[3] for s in steps]
+        assert min(ref_norms) < MAX_NORM < max(ref_norms)  # clipped and unclipped steps both happened
+        assert max(weight_errors) <= 1e-6, weight_errors  # fp32 rounding (eps 1.2e-7) of a few operations
+        assert state_after_load <= 1e-6 and state_at_end <= 1e-6, (state_after_load, state_at_end)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_one_process_equals_torch_adamw(schedule, tmp_path):
+    check([optimizer_worker(str(tmp_path), schedule)])
+
+
+def test_zero1_sharded_over_dp2_ep2_equals_torch_adamw(tmp_path):
+    check(run_ranks(4, optimizer_worker, str(tmp_path), "cosine"))
