@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 from recipes.gpt_oss_20b import train
+from tests import test_context_parallel
 from tests.multiproc import run_ranks
+from tests.test_context_parallel import model_grads_worker
 from tests.test_launch import ROOT, launch
 from tests.test_precision import errors
 from tests.test_train import assert_matches_single, rel_err, run_train, train_args
@@ -26,18 +28,22 @@ CONFIG = {"model_type": "gpt_oss", "vocab_size": 256, "hidden_size": 64, "num_hi
 
 
 def layout_args(config, data, out, **extra):
-    """3 steps of 8 micro-batches of 1 sequence of 32 tokens, clipping active. Adam eps 1e-6, as in
+    """3 steps of 8 micro-batches of 1 sequence of 32 tokens, clipping active, the aux-loss-free expert bias on (its
+    updates, from the global expert load, must be identical in every layout). Adam eps 1e-6, as in
     tests/test_train_pp.py: stage and chunk boundaries sum gradients in another order."""
-    return train_args(config, data, out, **{"steps": 3, "micro_batch": 1, "adam_eps": 1e-6, **extra})
+    return train_args(config, data, out, **{"steps": 3, "micro_batch": 1, "adam_eps": 1e-6, "expert_bias_rate": 1e-2,
+                                            **extra})
 
 
-def runs_worker(argvs):
-    """Training runs one after the other in each spawned rank, all in one process group (train.py's closing
-    destroy_mesh waits for the last run: a new rendezvous per run races with slower ranks still leaving the
-    previous one, as in tests/test_precision.py)."""
+def runs_worker(jobs: list):
+    """Every job in turn on this rank, all in one process group (train.py's and the gradient worker's closing
+    destroy_mesh are skipped: a new rendezvous per run races with slower ranks still leaving the previous one, as
+    in tests/test_precision.py). An argv list -> run_train's result; (config, cp, ep) -> model_grads_worker's
+    errors (loss, aux loss, expert load, whole-sequence logits, every gradient at cp, sinks included)."""
     dist.init_process_group("gloo")
-    train.destroy_mesh = lambda: None
-    out = [run_train(argv, train.main) for argv in argvs]
+    train.destroy_mesh = test_context_parallel.destroy_mesh = lambda: None
+    out = [run_train(job, train.main) if isinstance(job, list) else model_grads_worker(*job, recipe="gpt_oss_20b")
+           for job in jobs]
     dist.barrier()
     dist.destroy_process_group()
     return out
@@ -58,17 +64,23 @@ def test_layouts_equal_single_process(tiny_train_setup, tmp_path):
                                      layout_args(config, data, tmp_path / "cp2", cp=2),
                                      layout_args(config, data, tmp_path / "ep2_a", ep=2, steps=4, ckpt_every=2),
                                      layout_args(config, data, tmp_path / "ep2_b", ep=2, steps=4, resume=resume_from),
+                                     (config, 2, 1),
                                      layout_args("unused", data, tmp_path / "ep2_mxfp4", ep=2, steps=1, lr=0.0,
-                                                 hf_checkpoint=tmp_path / "hf_mxfp4", export_hf=tmp_path / "hf_out")])
+                                                 hf_checkpoint=tmp_path / "hf_mxfp4", export_hf=tmp_path / "hf_out",
+                                                 expert_bias_rate=0.0)])
     four = run_ranks(4, runs_worker, [layout_args(config, data, tmp_path / "pp2ep2", pp=2, ep=2,
                                                   export_hf=tmp_path / "hf_pp2ep2"),
-                                      layout_args(config, data, tmp_path / "cp2ep2", cp=2, ep=2)])
+                                      layout_args(config, data, tmp_path / "cp2ep2", cp=2, ep=2), (config, 2, 2)])
     layouts = {"ep2": ([r[0] for r in two], 2), "pp2": ([r[1] for r in two], 1), "cp2": ([r[2] for r in two], 1),
                "pp2ep2": ([r[0] for r in four], 2), "cp2ep2": ([r[1] for r in four], 2)}
     for name, (ranks, ep) in layouts.items():
         print(f"{name}: losses / grad norms / worst weight vs one process " + " / ".join(
             f"{e:.1e}" for e in errors(ranks, single, ep)))
         assert_matches_single(single, ranks, ep=ep)
+    for errors_by_name in [rank[5] for rank in two] + [rank[2] for rank in four]:  # model level, cp2 and cp2 x ep2
+        assert max(errors_by_name.values()) <= 1e-5, {k: v for k, v in errors_by_name.items() if v > 1e-5}
+    print("model level, worst of every quantity: cp2 %.1e, cp2 x ep2 %.1e" % (
+        max(max(r[5].values()) for r in two), max(max(r[2].values()) for r in four)))
     for rank in two:  # resumed at step 2: the same losses and, bit for bit, the same weights
         (full_losses, _, full_weights), (resumed_losses, _, resumed_weights) = rank[3], rank[4]
         assert resumed_losses == full_losses[2:]

@@ -173,26 +173,26 @@ def apply_rope(x_BNSD, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, cp_group=None):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         N, G, D, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
-        self.N, self.G, self.D, self.cp_group = N, G, D, cp_group
+        self.N, self.G, self.D = N, G, D
         self.q_proj = nn.Linear(H, N * D)
         self.k_proj = nn.Linear(H, G * D)
         self.v_proj = nn.Linear(H, G * D)
         self.o_proj = nn.Linear(N * D, H)
         self.sinks = nn.Parameter(torch.empty(N))  # one logit per head in the softmax denominator, without a value
 
-    def forward(self, x_BSH, cos, sin, mask_BSK: CPMask):
-        """x holds this rank's split_for_cp part of each sequence (the whole sequence without cp): K and V of the
-        whole sequence (K = S * cp) are gathered over the cp group and this rank's queries attend to them under
+    def forward(self, x_BSH, cos, sin, mask_BSK: CPMask, cp_group=None):
+        """x holds this rank's split_for_cp part of each sequence (the whole sequence without cp_group): K and V
+        of the whole sequence (K = S * cp) are gathered over cp_group and this rank's queries attend to them under
         mask_BSK (causal, sliding window on sliding layers; flex_attention on CUDA), with the sinks."""
         B, S, _ = x_BSH.shape
         q_BNSD = self.q_proj(x_BSH).view(B, S, self.N, self.D).transpose(1, 2)
         k_BGSD = self.k_proj(x_BSH).view(B, S, self.G, self.D).transpose(1, 2)
         v_BGSD = self.v_proj(x_BSH).view(B, S, self.G, self.D).transpose(1, 2)
         q_BNSD, k_BGSD = apply_rope(q_BNSD, cos, sin), apply_rope(k_BGSD, cos, sin)
-        o_BNSD = cp_attention(q_BNSD, k_BGSD, v_BGSD, mask_BSK, self.cp_group, sinks_N=self.sinks)
+        o_BNSD = cp_attention(q_BNSD, k_BGSD, v_BGSD, mask_BSK, cp_group, sinks_N=self.sinks)
         return self.o_proj(o_BNSD.transpose(1, 2).reshape(B, S, self.N * self.D))
 
 
@@ -277,7 +277,8 @@ class DecoderLayer(nn.Module):
     """One decoder layer as the three compute steps that core/pipeline.py interleaves (its contract): (1)
     `attention` (norms, attention, router), (3) `routed_experts`, (5) `finish` (residual add); the dispatch and
     combine all-to-alls (2) and (4) run between them in core/moe.py. `state` is [hidden x_BSH, aux_2E]. `rope`
-    holds (cos, sin, attention mask) of the current micro-batch shape, set by Model.set_positions.
+    holds (cos, sin, attention mask, cp group or None) of the current micro-batch shape, set by
+    Model.set_positions.
 
     recompute (RECOMPUTE): "attention" keeps only the input of each attention block (input norm, projections,
     rope, attention with sinks, output projection) and recomputes the rest in backward; "layer" keeps only the
@@ -291,7 +292,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.recompute = recompute
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, cp_group)
+        self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg, experts, ep_group, cp_group)
         self.window = cfg.window(layer_id)
@@ -394,7 +395,7 @@ class Model(nn.Module):
                  or CPMask(torch.arange(S, device=dev), S) for w in (None, self.cfg.sliding_window)}
         cos, sin = rope_cos_sin(position_ids_BS, self.cfg, next(self.parameters()).dtype)
         for layer in self.layers.values():
-            layer.rope = (cos, sin, masks[layer.window])
+            layer.rope = (cos, sin, masks[layer.window], self.cp_group if cp > 1 else None)
 
     def default_positions(self, B: int, S: int, device, cp_split: bool = True):
         """Positions 0..S-1, or with cp this rank's global positions of sequences of S * cp tokens."""
