@@ -1,8 +1,11 @@
 """The GPT-OSS recipe trains identically under every parallel layout: ep=2, pp=2 (DualPipeV), cp=2 (sliding
 windows reaching across the cp chunk boundaries), pp2 x ep2 and cp2 x ep2 each equal one process running the
 same global batch and micro-batch split (losses, grad norms, every weight after 3 steps, sinks and biases
-included); resume at ep=2 continues exactly; the released MXFP4 layout loads at ep=2; an export at pp2 x ep2 equals the one-process export; and a copy of
-the recipe folder runs its launch.sh unchanged under its new name. One spawned process group per world size."""
+included; pp2 with --recompute layer, cp2 with --recompute attention, and pp2 in bf16 against one bf16 process);
+at cp2 and cp2 x ep2 the model's loss, aux loss and every gradient equal one process's; resume at ep=2 continues
+exactly; the released MXFP4 layout loads at ep=2; an export at pp2 x ep2 equals the one-process export; and a
+copy of the recipe folder runs its launch.sh unchanged under its new name. One spawned process group per world
+size runs all its jobs."""
 
 import json
 import shutil
@@ -59,24 +62,27 @@ def test_layouts_equal_single_process(tiny_train_setup, tmp_path):
 
     resume_from = tmp_path / "ep2_a" / "checkpoints" / "step_00000002"
     released = write_released_layout(make_tiny_hf_model(CONFIG, tmp_path / "hf_fp32"), tmp_path / "hf_mxfp4")
+    single_bf16 = run_train(layout_args(config, data, tmp_path / "single_bf16", dtype="bf16"), train.main)
     two = run_ranks(2, runs_worker, [layout_args(config, data, tmp_path / "ep2", ep=2),
-                                     layout_args(config, data, tmp_path / "pp2", pp=2),
-                                     layout_args(config, data, tmp_path / "cp2", cp=2),
+                                     layout_args(config, data, tmp_path / "pp2", pp=2, recompute="layer"),
+                                     layout_args(config, data, tmp_path / "cp2", cp=2, recompute="attention"),
                                      layout_args(config, data, tmp_path / "ep2_a", ep=2, steps=4, ckpt_every=2),
                                      layout_args(config, data, tmp_path / "ep2_b", ep=2, steps=4, resume=resume_from),
                                      (config, 2, 1),
                                      layout_args("unused", data, tmp_path / "ep2_mxfp4", ep=2, steps=1, lr=0.0,
                                                  hf_checkpoint=tmp_path / "hf_mxfp4", export_hf=tmp_path / "hf_out",
-                                                 expert_bias_rate=0.0)])
+                                                 expert_bias_rate=0.0),
+                                     layout_args(config, data, tmp_path / "pp2_bf16", pp=2, dtype="bf16")])
     four = run_ranks(4, runs_worker, [layout_args(config, data, tmp_path / "pp2ep2", pp=2, ep=2,
                                                   export_hf=tmp_path / "hf_pp2ep2"),
                                       layout_args(config, data, tmp_path / "cp2ep2", cp=2, ep=2), (config, 2, 2)])
     layouts = {"ep2": ([r[0] for r in two], 2), "pp2": ([r[1] for r in two], 1), "cp2": ([r[2] for r in two], 1),
-               "pp2ep2": ([r[0] for r in four], 2), "cp2ep2": ([r[1] for r in four], 2)}
+               "pp2ep2": ([r[0] for r in four], 2), "cp2ep2": ([r[1] for r in four], 2), "pp2 bf16": ([r[7] for r in two], 1)}
     for name, (ranks, ep) in layouts.items():
+        reference = single_bf16 if "bf16" in name else single
         print(f"{name}: losses / grad norms / worst weight vs one process " + " / ".join(
-            f"{e:.1e}" for e in errors(ranks, single, ep)))
-        assert_matches_single(single, ranks, ep=ep)
+            f"{e:.1e}" for e in errors(ranks, reference, ep)))
+        assert_matches_single(reference, ranks, ep=ep)
     for errors_by_name in [rank[5] for rank in two] + [rank[2] for rank in four]:  # model level, cp2 and cp2 x ep2
         assert max(errors_by_name.values()) <= 1e-5, {k: v for k, v in errors_by_name.items() if v > 1e-5}
     print("model level, worst of every quantity: cp2 %.1e, cp2 x ep2 %.1e" % (
