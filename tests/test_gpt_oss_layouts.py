@@ -17,10 +17,10 @@ from recipes.gpt_oss_20b import train
 from tests import test_context_parallel
 from tests.multiproc import run_ranks
 from tests.test_context_parallel import model_grads_worker
+from tests.test_gpt_oss_parity import write_released_layout
 from tests.test_launch import ROOT, launch
 from tests.test_precision import errors
 from tests.test_train import assert_matches_single, rel_err, run_train, train_args
-from tests.test_gpt_oss_parity import write_released_layout
 from tools.hf_parity import folder_tensors, make_tiny_hf_model
 
 # window 6 over sequences of 32: at cp=2 the 4 chunks hold 8 tokens each, so a query early in a chunk sees keys of
@@ -85,8 +85,8 @@ def test_layouts_equal_single_process(tiny_train_setup, tmp_path):
         assert_matches_single(reference, ranks, ep=ep)
     for errors_by_name in [rank[5] for rank in two] + [rank[2] for rank in four]:  # model level, cp2 and cp2 x ep2
         assert max(errors_by_name.values()) <= 1e-5, {k: v for k, v in errors_by_name.items() if v > 1e-5}
-    print("model level, worst of every quantity: cp2 %.1e, cp2 x ep2 %.1e" % (
-        max(max(r[5].values()) for r in two), max(max(r[2].values()) for r in four)))
+    worst_cp2, worst_cp2ep2 = max(max(r[5].values()) for r in two), max(max(r[2].values()) for r in four)
+    print(f"model level, worst of every quantity: cp2 {worst_cp2:.1e}, cp2 x ep2 {worst_cp2ep2:.1e}")
     for rank in two:  # resumed at step 2: the same losses and, bit for bit, the same weights
         (full_losses, _, full_weights), (resumed_losses, _, resumed_weights) = rank[3], rank[4]
         assert resumed_losses == full_losses[2:]
