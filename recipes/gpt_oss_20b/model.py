@@ -548,8 +548,8 @@ def load_hf_checkpoint(model: Model, path) -> list[str]:
         if ".experts." not in name:
             p.copy_(reader.get(hf, p.shape))
             continue
-        rows = slice(model.get_submodule(name.rsplit(".", 1)[0]).lo, None)
-        rows = slice(rows.start, rows.start + p.shape[0])
+        lo = model.get_submodule(name.rsplit(".", 1)[0]).lo
+        rows = slice(lo, lo + p.shape[0])  # this shard's experts only
         if hf in reader or not name.endswith(EXPERT_MATRICES):
             p.copy_(reader.get(hf, (E, *p.shape[1:]), rows))
             continue
