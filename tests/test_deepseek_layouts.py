@@ -6,7 +6,6 @@ in bf16 equals one bf16 process; resume at ep=2 repeats the run; a copy of the r
 One spawned process group per world size runs all its layouts."""
 
 import json
-import shutil
 
 import torch
 import torch.distributed as dist
@@ -17,7 +16,7 @@ from recipes.deepseek_v2_lite.model import ModelConfig, tiny_config_path
 from tests import test_context_parallel
 from tests.multiproc import run_ranks
 from tests.test_context_parallel import model_grads_worker
-from tests.test_launch import FAST, ROOT, launch
+from tests.test_launch import FAST, ROOT, copy_recipe, launch
 from tests.test_train import assert_matches_single, rel_err, run_train, train_args
 
 CONFIG = {  # 6 layers (the first dense; with pp=2 every stage holds some), 4 experts top-2 with 1 shared, YaRN
@@ -108,15 +107,8 @@ def test_copied_recipe_folder_runs_its_launch_sh(tmp_path):
     """cp -r recipes/deepseek_v2_lite recipes/my_arch: the copy trains its own model with the CPU defaults
     (pp=2 x ep=2 on the tiny config, whose 6 layers leave every one of the 4 stages some) and exports."""
     assert all(split_layers(ModelConfig.from_hf(tiny_config_path()).num_hidden_layers, 2))
-    repo = tmp_path / "repo"
-    (repo / "recipes").mkdir(parents=True)
-    for name in ("core", "tools"):
-        (repo / name).symlink_to(ROOT / name)
-    shutil.copy(ROOT / "recipes/__init__.py", repo / "recipes/__init__.py")
-    shutil.copytree(ROOT / "recipes/deepseek_v2_lite", repo / "recipes/my_arch",
-                    ignore=shutil.ignore_patterns("__pycache__"))
     data = ROOT / "data/stdlib" if (ROOT / "data/stdlib/meta.json").is_file() else tmp_path / "data"
-    out = launch(repo / "recipes/my_arch/launch.sh", {"DATA": str(data), "OUT": str(tmp_path / "run")}, *FAST,
+    out = launch(copy_recipe("deepseek_v2_lite", tmp_path), {"DATA": str(data), "OUT": str(tmp_path / "run")}, *FAST,
                  "--export-hf", str(tmp_path / "hf"))
     assert "-m recipes.my_arch.train" in out and "mesh pp=2 dp=1 cp=1 ep=2" in out and "trained steps 1-4" in out
     assert "step     4/4 | val loss" in out or not (data / "val").is_dir()  # evaluated under DualPipeV

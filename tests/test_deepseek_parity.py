@@ -8,7 +8,9 @@ import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
+from recipes.deepseek_v2_lite import model as deepseek
 from recipes.deepseek_v2_lite.model import Model, ModelConfig, load_hf_checkpoint, real_config_path, save_hf_checkpoint
+from tests.recipe_checks import assert_export_keeps_the_weights, assert_partial_model_reads_only_its_tensors
 from tools.hf_parity import check_recipe, format_table, grads_by_checkpoint_name
 
 BASE = dict(vocab_size=96, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=3,
@@ -82,20 +84,8 @@ def test_balance_loss_and_its_gradient_match_the_formula(tmp_path):
 
 
 def test_partial_model_reads_only_its_tensors(tmp_path):
-    path = save_tiny(tmp_path, q_lora_rank=20)
-    cfg = ModelConfig.from_hf(path)
-    full = Model(cfg)
-    load_hf_checkpoint(full, path)
-    part = Model(cfg, layers=[1], experts=(2, 4), embed=False, head=False)
-    names = load_hf_checkpoint(part, path)
-    assert all(n.startswith("model.layers.1.") for n in names)
-    assert {int(n.split(".")[5]) for n in names if ".mlp.experts." in n} == {2, 3}
     # attention (q_a, q_a_norm, q_b, kv_a, kv_a_norm, kv_b, o) + 2 layer norms + router + 3 shared + 2 experts x 3
-    assert len(names) == len(set(names)) == 7 + 2 + 1 + 3 + 3 * 2
-    full_sd = full.state_dict()
-    for key, value in part.state_dict().items():
-        ref = full_sd[key][2:4] if ".mlp.experts." in key else full_sd[key]
-        assert torch.equal(value, ref), key
+    assert_partial_model_reads_only_its_tensors(deepseek, save_tiny(tmp_path, q_lora_rank=20), 7 + 2 + 1 + 3 + 3 * 2)
 
 
 def test_released_config_parameter_count():
@@ -156,14 +146,7 @@ def test_hf_checkpoint_in_export_out(tiny_train_setup, tmp_path):
     """train.py --hf-checkpoint loads the released layout (per-expert keys, shared experts, kv_a_proj_with_mqa);
     with lr 0 the exported folder holds exactly those tensors."""
     from recipes.deepseek_v2_lite import train
-    from tests.test_train import train_args
-    from tools.hf_parity import folder_tensors
 
-    _, data = tiny_train_setup
     save_tiny(tmp_path / "hf_in", vocab_size=256)
-    train.main(train_args("unused", data, tmp_path / "run", steps=1, lr=0.0, hf_checkpoint=tmp_path / "hf_in",
-                          export_hf=tmp_path / "hf_out"))
-    before, after = folder_tensors(tmp_path / "hf_in"), folder_tensors(tmp_path / "hf_out")
-    assert before.keys() == after.keys()
-    for name in before:
-        assert torch.equal(before[name], after[name]), name
+    assert_export_keeps_the_weights(train.main, tiny_train_setup[1], tmp_path / "run", tmp_path / "hf_in",
+                                    tmp_path / "hf_out")

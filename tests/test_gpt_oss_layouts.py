@@ -8,7 +8,6 @@ copy of the recipe folder runs its launch.sh unchanged under its new name. One s
 size runs all its jobs."""
 
 import json
-import shutil
 
 import torch
 import torch.distributed as dist
@@ -18,7 +17,7 @@ from tests import test_context_parallel
 from tests.multiproc import run_ranks
 from tests.test_context_parallel import model_grads_worker
 from tests.test_gpt_oss_parity import write_released_layout
-from tests.test_launch import ROOT, launch
+from tests.test_launch import copy_recipe, launch
 from tests.test_precision import errors
 from tests.test_train import assert_matches_single, rel_err, run_train, train_args
 from tools.hf_parity import folder_tensors, make_tiny_hf_model
@@ -108,13 +107,7 @@ def test_layouts_equal_single_process(tiny_train_setup, tmp_path):
 def test_copied_recipe_runs_its_launch_sh(tiny_train_setup, tmp_path):
     """cp -r recipes/gpt_oss_20b recipes/my_arch: launch.sh trains the copy (pp=2 x ep=2 on 4 CPU ranks)."""
     _, data = tiny_train_setup
-    repo = tmp_path / "repo"
-    (repo / "recipes").mkdir(parents=True)
-    for name in ("core", "tools"):
-        (repo / name).symlink_to(ROOT / name)
-    shutil.copy(ROOT / "recipes/__init__.py", repo / "recipes/__init__.py")
-    shutil.copytree(ROOT / "recipes/gpt_oss_20b", repo / "recipes/my_arch", ignore=shutil.ignore_patterns("__pycache__"))
-    out = launch(repo / "recipes/my_arch/launch.sh", {"DATA": str(data), "OUT": str(tmp_path / "run")},
+    out = launch(copy_recipe("gpt_oss_20b", tmp_path), {"DATA": str(data), "OUT": str(tmp_path / "run")},
                  "--steps", "2", "--seq-len", "64", "--ckpt-every", "2")
     assert "-m recipes.my_arch.train" in out and "mesh pp=2 dp=1 cp=1 ep=2" in out and "trained steps 1-2" in out
     assert (tmp_path / "run/checkpoints/step_00000002/.metadata").is_file()

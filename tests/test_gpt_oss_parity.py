@@ -11,7 +11,9 @@ from transformers import GptOssForCausalLM, Mxfp4Config
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
+from recipes.gpt_oss_20b import model as gpt_oss
 from recipes.gpt_oss_20b.model import Model, ModelConfig, load_hf_checkpoint, real_config_path
+from tests.recipe_checks import assert_aux_loss_matches, assert_partial_model_reads_only_its_tensors
 from tools.hf_parity import check_recipe, folder_tensors, format_table, make_tiny_hf_model
 
 BASE = dict(model_type="gpt_oss", vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
@@ -55,32 +57,15 @@ def test_aux_loss_and_its_gradient_match_transformers(tmp_path):
     ref = GptOssForCausalLM.from_pretrained(path, dtype=torch.float32)
     model = Model(ModelConfig.from_hf(path))
     load_hf_checkpoint(model, path)
-    ids = torch.randint(0, BASE["vocab_size"], (2, 20))
-    ref_aux = ref(input_ids=ids, output_router_logits=True).aux_loss
-    aux = model.forward_train(ids, ids).aux_loss
-    torch.testing.assert_close(aux, ref_aux, rtol=1e-6, atol=0)
-    ref_aux.backward()
-    aux.backward()
-    for i in range(3):
-        for name in ("weight", "bias"):
-            grad = getattr(model.layers[str(i)].mlp.router, name).grad
-            ref_grad = getattr(ref.model.layers[i].mlp.router, name).grad
-            assert ((grad - ref_grad).norm() / ref_grad.norm()).item() <= 1e-5, (i, name)
+    assert_aux_loss_matches(ref, model, torch.randint(0, BASE["vocab_size"], (2, 20)), lambda: [
+        (getattr(model.layers[str(i)].mlp.router, name), getattr(ref.model.layers[i].mlp.router, name))
+        for i in range(3) for name in ("weight", "bias")])
 
 
 def test_partial_model_reads_only_its_tensors(tmp_path):
     path = save_tiny(tmp_path, num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
-    cfg = ModelConfig.from_hf(path)
-    full = Model(cfg)
-    load_hf_checkpoint(full, path)
-    part = Model(cfg, layers=[1], experts=(2, 4), embed=False, head=False)
-    names = load_hf_checkpoint(part, path)
-    assert all(n.startswith("model.layers.1.") for n in names)
-    assert len(names) == len(set(names)) == 8 + 1 + 2 + 2 + 4  # q,k,v,o (+ biases), sinks, 2 norms, router, experts
-    full_sd = full.state_dict()
-    for key, value in part.state_dict().items():
-        ref = full_sd[key][2:4] if ".experts." in key else full_sd[key]
-        assert torch.equal(value, ref), key
+    # q, k, v, o (+ biases), sinks, 2 norms, router (+ bias), fused experts (gate_up, down + biases)
+    assert_partial_model_reads_only_its_tensors(gpt_oss, path, 8 + 1 + 2 + 2 + 4)
 
 
 def test_released_config_parameter_count():

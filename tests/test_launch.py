@@ -15,6 +15,17 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--steps", "4", "--seq-len", "64", "--ckpt-every", "2", "--eval-batches", "2"]
 
 
+def copy_recipe(recipe: str, tmp_path: Path) -> Path:
+    """`cp -r recipes/<recipe> recipes/my_arch` in a scratch repository (core and tools linked): its launch.sh."""
+    repo = tmp_path / "repo"
+    (repo / "recipes").mkdir(parents=True)
+    for name in ("core", "tools"):
+        (repo / name).symlink_to(ROOT / name)
+    shutil.copy(ROOT / "recipes/__init__.py", repo / "recipes/__init__.py")
+    shutil.copytree(ROOT / "recipes" / recipe, repo / "recipes/my_arch", ignore=shutil.ignore_patterns("__pycache__"))
+    return repo / "recipes/my_arch/launch.sh"
+
+
 def launch(script: Path, env: dict, *args: str, returncode: int = 0) -> str:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **env}
     proc = subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=600)
@@ -37,13 +48,7 @@ def test_launch_sh_and_a_copied_recipe(tmp_path):
     assert list((tmp_path / "run/tensorboard").glob("events.out.tfevents.*"))
 
     # cp -r recipes/qwen3_30b_a3b recipes/my_arch gives a runnable recipe with no edits
-    repo = tmp_path / "repo"
-    (repo / "recipes").mkdir(parents=True)
-    for name in ("core", "tools"):
-        (repo / name).symlink_to(ROOT / name)
-    shutil.copy(ROOT / "recipes/__init__.py", repo / "recipes/__init__.py")
-    shutil.copytree(ROOT / "recipes/qwen3_30b_a3b", repo / "recipes/my_arch", ignore=shutil.ignore_patterns("__pycache__"))
-    out = launch(repo / "recipes/my_arch/launch.sh", {"DATA": str(data), "OUT": str(tmp_path / "run_copy"),
+    out = launch(copy_recipe("qwen3_30b_a3b", tmp_path), {"DATA": str(data), "OUT": str(tmp_path / "run_copy"),
                                                       "NPROC": "2", "PP": "1", "EP": "2"}, *FAST, "--sample-tokens", "8")
     assert "-m recipes.my_arch.train" in out and "mesh pp=1 dp=1 cp=1 ep=2" in out and "trained steps 1-4" in out
     sample = re.search(r"sample: '(.*)'", out).group(1)

@@ -4,7 +4,9 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from recipes.qwen3_30b_a3b import model as qwen3
 from recipes.qwen3_30b_a3b.model import Model, ModelConfig, load_hf_checkpoint, real_config_path
+from tests.recipe_checks import assert_aux_loss_matches, assert_partial_model_reads_only_its_tensors
 from tools.hf_parity import check_recipe, format_table
 
 BASE = dict(vocab_size=96, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=2,
@@ -39,32 +41,13 @@ def test_aux_loss_and_its_gradient_match_transformers(tmp_path):
     ref = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
     model = Model(ModelConfig.from_hf(path))
     load_hf_checkpoint(model, path)
-    ids = torch.randint(0, BASE["vocab_size"], (2, 20))
-    ref_aux = ref(input_ids=ids, output_router_logits=True).aux_loss
-    aux = model.forward_train(ids, ids).aux_loss
-    torch.testing.assert_close(aux, ref_aux, rtol=1e-6, atol=0)
-    ref_aux.backward()
-    aux.backward()
-    for i in range(3):
-        grad, ref_grad = model.layers[str(i)].mlp.gate.weight.grad, ref.model.layers[i].mlp.gate.weight.grad
-        assert ((grad - ref_grad).norm() / ref_grad.norm()).item() <= 1e-5
+    assert_aux_loss_matches(ref, model, torch.randint(0, BASE["vocab_size"], (2, 20)), lambda: [
+        (model.layers[str(i)].mlp.gate.weight, ref.model.layers[i].mlp.gate.weight) for i in range(3)])
 
 
 def test_partial_model_reads_only_its_tensors(tmp_path):
-    path = save_tiny(tmp_path, num_hidden_layers=3)
-    cfg = ModelConfig.from_hf(path)
-    full = Model(cfg)
-    load_hf_checkpoint(full, path)
-    part = Model(cfg, layers=[1], experts=(2, 4), embed=False, head=False)
-    names = load_hf_checkpoint(part, path)
-    assert all(n.startswith("model.layers.1.") for n in names)
-    experts_read = {int(n.split(".")[5]) for n in names if ".experts." in n}
-    assert experts_read == {2, 3}
-    assert len(names) == len(set(names)) == 9 + 3 * 2  # attention(4 proj + 2 norms) + 2 layer norms + router, 2 experts
-    full_sd = full.state_dict()
-    for key, value in part.state_dict().items():
-        ref = full_sd[key][2:4] if "experts" in key else full_sd[key]
-        assert torch.equal(value, ref), key
+    # attention (4 projections + 2 norms) + 2 layer norms + router + 2 experts x 3
+    assert_partial_model_reads_only_its_tensors(qwen3, save_tiny(tmp_path, num_hidden_layers=3), 9 + 3 * 2)
 
 
 def test_released_config_parameter_count():

@@ -156,17 +156,12 @@ def test_hf_checkpoint_in_export_out(tiny_train_setup, tmp_path):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from tests.conftest import TINY_TRAIN_CONFIG
-    from tools.hf_parity import folder_tensors
+    from tests.recipe_checks import assert_export_keeps_the_weights
 
-    _, data = tiny_train_setup
     fields = {k: v for k, v in TINY_TRAIN_CONFIG.items() if k != "model_type"}
     Qwen3MoeForCausalLM(Qwen3MoeConfig(**fields)).save_pretrained(tmp_path / "hf_in")
-    train.main(train_args("unused", data, tmp_path / "run", steps=1, lr=0.0, hf_checkpoint=tmp_path / "hf_in",
-                          export_hf=tmp_path / "hf_out"))
-    before, after = folder_tensors(tmp_path / "hf_in"), folder_tensors(tmp_path / "hf_out")
-    assert before.keys() == after.keys()
-    for name in before:
-        assert torch.equal(before[name], after[name]), name
+    assert_export_keeps_the_weights(train.main, tiny_train_setup[1], tmp_path / "run", tmp_path / "hf_in",
+                                    tmp_path / "hf_out")
 
 
 def test_bf16_autocast_path_trains(tiny_train_setup, tmp_path):
