@@ -31,8 +31,16 @@ from core.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from core.moe import traffic, update_expert_bias
 from core.optimizer import ReplicaSet, ShardedAdamW
 from core.pipeline import DualPipeV, split_layers
-from core.reliability import (PG_TIMEOUT_S, StopRun, Watchdog, collapse_warning, grads_finite, inject_fault, run_main,
-                              step_is_finite)
+from core.reliability import (
+    PG_TIMEOUT_S,
+    StopRun,
+    Watchdog,
+    collapse_warning,
+    grads_finite,
+    inject_fault,
+    run_main,
+    step_is_finite,
+)
 from core.training import check_args, lr_factor, parse_args
 
 from .model import (
