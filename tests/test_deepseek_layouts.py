@@ -108,9 +108,9 @@ def test_copied_recipe_folder_runs_its_launch_sh(tmp_path):
     (pp=2 x ep=2 on the tiny config, whose 6 layers leave every one of the 4 stages some) and exports."""
     assert all(split_layers(ModelConfig.from_hf(tiny_config_path()).num_hidden_layers, 2))
     data = ROOT / "data/stdlib" if (ROOT / "data/stdlib/meta.json").is_file() else tmp_path / "data"
-    out = launch(copy_recipe("deepseek_v2_lite", tmp_path), {"DATA": str(data), "OUT": str(tmp_path / "run")}, *FAST,
-                 "--export-hf", str(tmp_path / "hf"))
+    copy = copy_recipe("deepseek_v2_lite", tmp_path)  # no OUT: the run goes to runs/my_arch
+    out = launch(copy, {"DATA": str(data)}, *FAST, "--export-hf", str(tmp_path / "hf"))
     assert "-m recipes.my_arch.train" in out and "mesh pp=2 dp=1 cp=1 ep=2" in out and "trained steps 1-4" in out
     assert "step     4/4 | val loss" in out or not (data / "val").is_dir()  # evaluated under DualPipeV
-    assert (tmp_path / "run/checkpoints/step_00000004/.metadata").is_file()
+    assert (copy.parents[2] / "runs/my_arch/checkpoints/step_00000004/.metadata").is_file()
     assert json.loads((tmp_path / "hf/config.json").read_text())["architectures"] == ["DeepseekV2ForCausalLM"]

@@ -107,8 +107,8 @@ def test_layouts_equal_single_process(tiny_train_setup, tmp_path):
 def test_copied_recipe_runs_its_launch_sh(tiny_train_setup, tmp_path):
     """cp -r recipes/gpt_oss_20b recipes/my_arch: launch.sh trains the copy (pp=2 x ep=2 on 4 CPU ranks)."""
     _, data = tiny_train_setup
-    out = launch(copy_recipe("gpt_oss_20b", tmp_path), {"DATA": str(data), "OUT": str(tmp_path / "run")},
-                 "--steps", "2", "--seq-len", "64", "--ckpt-every", "2")
+    copy = copy_recipe("gpt_oss_20b", tmp_path)  # no OUT: the run goes to runs/my_arch
+    out = launch(copy, {"DATA": str(data)}, "--steps", "2", "--seq-len", "64", "--ckpt-every", "2")
     assert "-m recipes.my_arch.train" in out and "mesh pp=2 dp=1 cp=1 ep=2" in out and "trained steps 1-2" in out
-    assert (tmp_path / "run/checkpoints/step_00000002/.metadata").is_file()
+    assert (copy.parents[2] / "runs/my_arch/checkpoints/step_00000002/.metadata").is_file()
 

@@ -16,13 +16,21 @@ FAST = ["--steps", "4", "--seq-len", "64", "--ckpt-every", "2", "--eval-batches"
 
 
 def copy_recipe(recipe: str, tmp_path: Path) -> Path:
-    """`cp -r recipes/<recipe> recipes/my_arch` in a scratch repository (core and tools linked): its launch.sh."""
+    """`cp -r recipes/<recipe> recipes/my_arch` in a scratch repository (core and tools linked): its launch.sh.
+    The copy needs no edits: no file names the original folder (commands, paths), and train.py's default --out
+    is runs/my_arch."""
     repo = tmp_path / "repo"
     (repo / "recipes").mkdir(parents=True)
     for name in ("core", "tools"):
         (repo / name).symlink_to(ROOT / name)
     shutil.copy(ROOT / "recipes/__init__.py", repo / "recipes/__init__.py")
     shutil.copytree(ROOT / "recipes" / recipe, repo / "recipes/my_arch", ignore=shutil.ignore_patterns("__pycache__"))
+    named = [f"{f.name}:{i}" for f in sorted((repo / "recipes/my_arch").iterdir())
+             for i, line in enumerate(f.read_text().splitlines(), 1) if recipe in line]
+    assert not named, f"the copy still names {recipe}: {named}"
+    usage = subprocess.run(["python", "-m", "recipes.my_arch.train", "--help"], cwd=repo, capture_output=True,
+                           text=True, timeout=300)
+    assert "default: runs/my_arch" in " ".join(usage.stdout.split()), usage.stdout[-2000:] + usage.stderr[-2000:]
     return repo / "recipes/my_arch/launch.sh"
 
 
@@ -48,12 +56,12 @@ def test_launch_sh_and_a_copied_recipe(tmp_path):
     assert list((tmp_path / "run/tensorboard").glob("events.out.tfevents.*"))
 
     # cp -r recipes/qwen3_30b_a3b recipes/my_arch gives a runnable recipe with no edits
-    out = launch(copy_recipe("qwen3_30b_a3b", tmp_path), {"DATA": str(data), "OUT": str(tmp_path / "run_copy"),
-                                                      "NPROC": "2", "PP": "1", "EP": "2"}, *FAST, "--sample-tokens", "8")
+    copy = copy_recipe("qwen3_30b_a3b", tmp_path)  # no OUT: the run goes to runs/my_arch
+    out = launch(copy, {"DATA": str(data), "NPROC": "2", "PP": "1", "EP": "2"}, *FAST, "--sample-tokens", "8")
     assert "-m recipes.my_arch.train" in out and "mesh pp=1 dp=1 cp=1 ep=2" in out and "trained steps 1-4" in out
     sample = re.search(r"sample: '(.*)'", out).group(1)
     assert sample.startswith("def") and len(sample) > len("def "), sample  # the prompt, then generated text
-    assert (tmp_path / "run_copy/checkpoints/step_00000004/.metadata").is_file()
+    assert (copy.parents[2] / "runs/my_arch/checkpoints/step_00000004/.metadata").is_file()
 
     # bad input under torchrun: no restarts, no rank tracebacks, and the last line says what to do
     out = launch(ROOT / "recipes/qwen3_30b_a3b/launch.sh", {"DATA": str(data), "OUT": str(tmp_path / "run"),

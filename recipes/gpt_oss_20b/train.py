@@ -1,6 +1,6 @@
 """Train GPT-OSS: args -> mesh -> data -> model -> load -> optimizer -> resume -> loop (log, checkpoint) -> export.
 
-    torchrun --nproc-per-node 2 -m recipes.gpt_oss_20b.train --steps 300 --ep 2      (or: bash launch.sh)
+    torchrun --nproc-per-node 2 -m recipes.<this folder>.train --steps 300 --ep 2      (or: bash launch.sh)
 
 The loss of a step is the cross-entropy summed over every non-ignored label of the global batch, divided by
 their number (counted across all ranks before the forward), plus aux_loss_coef x the mean per-micro-batch
@@ -64,7 +64,7 @@ class Args:
     config: str = str(tiny_config_path())  # HF config.json; ignored when --hf-checkpoint is given
     hf_checkpoint: str = ""  # start from these Hugging Face weights (its config.json is used)
     data: str = "data/stdlib"  # token shards from tools/prepare_data.py
-    out: str = "runs/gpt_oss_20b"  # tensorboard/ and checkpoints/ go here
+    out: str = f"runs/{Path(__file__).parent.name}"  # tensorboard/ and checkpoints/ go here (runs/<this folder>)
     pp: int = 1  # DualPipeV over this many ranks: 2*pp stages, each rank holds two (needs >= 2*pp micro-batches)
     overlap: bool = True  # pp: overlap one micro-batch's forward with another's backward at the all-to-alls
     delay_wgrad: bool = True  # pp: delay expert weight gradients into the schedule's W slots (zero bubble)

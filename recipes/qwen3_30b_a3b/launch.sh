@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Launch this recipe's train.py. Extra arguments pass through to train.py and override the defaults below.
 #
-#   bash recipes/qwen3_30b_a3b/launch.sh [train.py flags ...]
+#   bash recipes/<this folder>/launch.sh [train.py flags ...]
 #
 # No GPU:       prepares the demo data if missing (the Python standard library's sources, with a
 #               sentencepiece tokenizer trained locally), trains the tiny config on 4 CPU ranks for 300 steps:
@@ -15,8 +15,8 @@
 #                 NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=<host of node 0> MASTER_PORT=29500 bash .../launch.sh
 # Slurm:        inside an allocation the script starts itself once per node with srun and takes the node
 #               count, node rank and rendezvous host from Slurm:
-#                 sbatch --nodes=4 --gpus-per-node=8 --wrap "bash recipes/qwen3_30b_a3b/launch.sh --steps 1000"
-#                 salloc --nodes=2 --gpus-per-node=8  then  bash recipes/qwen3_30b_a3b/launch.sh
+#                 sbatch --nodes=4 --gpus-per-node=8 --wrap "bash recipes/<this folder>/launch.sh --steps 1000"
+#                 salloc --nodes=2 --gpus-per-node=8  then  bash recipes/<this folder>/launch.sh
 #
 # Restarts:     a failed rank (crash, lost node, watchdog timeout of a hung step, --step-timeout) makes torchrun
 #               restart every rank, up to MAX_RESTARTS times; train.py then resumes from the newest complete
@@ -24,7 +24,7 @@
 #               A second launch into an OUT that holds checkpoints asks for --resume auto (continue) or a new OUT.
 #
 # Environment: NPROC (processes per node; default: GPUs, or 4 on CPU), EP (expert-parallel ranks; default
-# NPROC up to 8 on GPU, 2 on CPU), PP (pipeline ranks; default 1 on GPU, 2 on CPU), NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, HF_CHECKPOINT, DATA, OUT (default runs/<recipe>), MAX_RESTARTS (default 3).
+# NPROC up to 8 on GPU, 2 on CPU), PP (pipeline ranks; default 1 on GPU, 2 on CPU), NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, HF_CHECKPOINT, DATA, OUT (default runs/<this folder>), MAX_RESTARTS (default 3).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
