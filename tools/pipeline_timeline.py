@@ -3,6 +3,10 @@
     python -m tools.pipeline_timeline --pp 2 --micro 8 --out runs/timeline     # run the stand-in on gloo
     python -m tools.pipeline_timeline --from-json timelines.json --out runs/tl  # timelines saved by a train.py
 
+Writes <out>/timeline.png (ranks as rows, a ms axis, micro-batch ids on the boxes; needs matplotlib:
+pip install 'moe-train[plot]') and <out>/trace.json (Perfetto), and prints the numbers; without matplotlib the
+PNG is skipped with one line saying so, the rest is the same.
+
 A timeline is what `DualPipeV.run` leaves in `engine.timeline` on one rank: (op, start_s, end_s) with op in
 F0, F1, B0, B1, W, F0&B1, F1&B0 (phase 0 = stage r, phase 1 = stage 2*pp-1-r). --from-json reads a JSON list
 with one such list per pp rank (pp, micro-batch count, overlap and delay are read off the ops).
