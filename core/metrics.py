@@ -62,6 +62,23 @@ def _fmt_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+# colour map from cold (no tokens) to hot (the busiest expert): viridis anchors, linearly interpolated between
+HEATMAP_ANCHORS = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
+
+
+def load_heatmap(load_LE: torch.Tensor, max_width: int = 1024) -> torch.Tensor:
+    """Image (H, W, 3) uint8 of a (MoE layer, expert) load table: row = layer (first on top), column = expert, one
+    square cell per entry, scaled up to at most max_width pixels wide; colour = load / the busiest cell's load."""
+    load_LE = load_LE.detach().float().cpu()
+    cell = max(1, min(16, max_width // load_LE.shape[1]))
+    t_LE = load_LE / load_LE.max().clamp(min=1e-30) * (len(HEATMAP_ANCHORS) - 1)
+    i_LE = t_LE.floor().clamp(max=len(HEATMAP_ANCHORS) - 2).long()
+    anchors_A3 = torch.tensor(HEATMAP_ANCHORS, dtype=torch.float32)
+    frac_LE1 = (t_LE - i_LE).unsqueeze(-1)
+    rgb_LE3 = anchors_A3[i_LE] * (1 - frac_LE1) + anchors_A3[i_LE + 1] * frac_LE1
+    return rgb_LE3.round().to(torch.uint8).repeat_interleave(cell, 0).repeat_interleave(cell, 1)
+
+
 class MetricsLogger:
     """Prints a line per step and writes TensorBoard scalars, on the main rank only."""
 
@@ -98,6 +115,11 @@ class MetricsLogger:
             for layer, value in enumerate(values):
                 self.writer.add_scalar(f"{name}/layer_{layer:02d}", value, step)
         return record
+
+    def log_load_heatmap(self, step: int, load_LE: torch.Tensor, every: int) -> None:
+        """The (MoE layer, expert) load table as a TensorBoard image (load_heatmap) every `every` steps; 0: never."""
+        if self.enabled and every > 0 and step % every == 0 and load_LE.numel():
+            self.writer.add_image("expert_load/layer_x_expert", load_heatmap(load_LE).numpy(), step, dataformats="HWC")
 
     def close(self):
         if self.writer is not None:

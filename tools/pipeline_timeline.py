@@ -3,6 +3,10 @@
     python -m tools.pipeline_timeline --pp 2 --micro 8 --out runs/timeline     # run the stand-in on gloo
     python -m tools.pipeline_timeline --from-json timelines.json --out runs/tl  # timelines saved by a train.py
 
+Writes <out>/timeline.png (ranks as rows, a ms axis, micro-batch ids on the boxes; needs matplotlib:
+pip install 'moe-train[plot]') and <out>/trace.json (Perfetto), and prints the numbers; without matplotlib the
+PNG is skipped with one line saying so, the rest is the same.
+
 A timeline is what `DualPipeV.run` leaves in `engine.timeline` on one rank: (op, start_s, end_s) with op in
 F0, F1, B0, B1, W, F0&B1, F1&B0 (phase 0 = stage r, phase 1 = stage 2*pp-1-r). --from-json reads a JSON list
 with one such list per pp rank (pp, micro-batch count, overlap and delay are read off the ops).
@@ -41,8 +45,6 @@ import argparse
 import json
 import os
 import re
-import struct
-import zlib
 from types import SimpleNamespace
 
 import torch
@@ -52,54 +54,24 @@ from core.pipeline import DualPipeV
 # ------------------------------------------------------------------------------------------------ drawing
 
 COLOURS = {  # light shade = phase 0 (stage r, way down), dark shade = phase 1 (stage 2pp-1-r, way back)
-    ("F", 0): (150, 190, 245), ("F", 1): (35, 85, 190),
-    ("B", 0): (150, 225, 150), ("B", 1): (25, 135, 55),
-    ("I", 0): (150, 225, 150), ("I", 1): (25, 135, 55),
-    ("W", None): (175, 110, 205),
+    ("F", 0): "#96bef5", ("F", 1): "#2355be",
+    ("B", 0): "#96e196", ("B", 1): "#198737",
+    ("I", 0): "#96e196", ("I", 1): "#198737",
+    ("W", None): "#af6ecd",
 }
-OTHER, IDLE, INK = (128, 128, 128), (235, 235, 235), (40, 40, 40)  # unknown op, idle band, text
-LEGEND = ["F0", "F1", "B0", "B1", "W", "F0&B1", "F1&B0"]
-
-# 3x5 pixel glyphs (rows top to bottom), enough for rank labels, the time axis and the legend; '&' is drawn as
-# '+' because a 3x5 ampersand reads as '8'
-GLYPHS = {
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
-    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001010010010",
-    "8": "111101111101111", "9": "111101111001111", "F": "111100110100100", "B": "110101110101110",
-    "W": "101101101111101", "I": "111010010010111", "R": "110101110101101", "&": "000010111010000",
-    ".": "000000000000010", "m": "000110111101101", "s": "000011010001110", " ": "000000000000000",
-}
+OTHER = "#808080"  # an op name outside the table
+LEGEND = {"F0": "forward, phase 0", "F1": "forward, phase 1", "B0": "backward, phase 0", "B1": "backward, phase 1",
+          "W": "delayed weight gradient"}  # plus the overlapped F&B pair
+NO_MATPLOTLIB = "timeline.png skipped: matplotlib is not installed (pip install 'moe-train[plot]' or pip install matplotlib)"
 
 
-def _colour_parts(op: str) -> list[tuple[int, int, int]]:
+def _colour_parts(op: str) -> list[str]:
     """One colour per part of an op name: 'F0' -> [F0 colour]; 'F0&B1' -> [F0 colour, B1 colour]."""
     parts = []
     for part in op.split("&"):
         phase = int(part[1]) if len(part) > 1 and part[1].isdigit() else None
         parts.append(COLOURS.get((part[0], phase), COLOURS.get((part[0], None), OTHER)))
     return parts
-
-
-def _text(img: torch.Tensor, x: int, y: int, text: str, scale: int = 2) -> None:
-    for ch in text:
-        for i, bit in enumerate(GLYPHS.get(ch, GLYPHS[" "])):
-            if bit == "1":
-                r, c = y + (i // 3) * scale, x + (i % 3) * scale
-                img[r:r + scale, c:c + scale] = torch.tensor(INK, dtype=torch.uint8)
-        x += 4 * scale
-
-
-def write_png(path: str, img: torch.Tensor) -> None:
-    """A minimal PNG writer: 8-bit RGB, no interlace, filter 0 on every row, one IDAT chunk."""
-    height, width, _ = img.shape
-    raw = b"".join(b"\x00" + img[row].contiguous().numpy().tobytes() for row in range(height))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 
 def timeline_stats(timelines: list[list[tuple[str, float, float]]]) -> dict:
@@ -118,53 +90,60 @@ def timeline_stats(timelines: list[list[tuple[str, float, float]]]) -> dict:
             "bubble_fraction": 1 - sum(busy) / (len(timelines) * span) if span > 0 else 0.0}
 
 
-def draw_timeline(timelines: list[list[tuple[str, float, float]]], png_path: str, trace_path: str | None = None,
-                  width: int = 800) -> dict:
-    """One row per rank (ops as boxes on a grey idle band; an overlapped F&B box is split: forward colour on top,
-    backward colour below), a time axis and a legend. Writes the PNG, and the Chrome/Perfetto trace JSON if
-    trace_path is given (open it in ui.perfetto.dev or chrome://tracing). Returns timeline_stats()."""
-    stats = timeline_stats(timelines)
-    span, t_min = stats["span"] or 1.0, stats["t_min"]
-    left, top, row_h, gap, legend_h = 36, 22, 26, 6, 34
-    plot_w = width - left - 10
-    height = top + len(timelines) * (row_h + gap) + legend_h
-    img = torch.full((height, width, 3), 255, dtype=torch.uint8)
-    px = lambda t: left + round((t - t_min) / span * plot_w)
-    for r, tl in enumerate(timelines):
-        y = top + r * (row_h + gap)
-        img[y:y + row_h, left:left + plot_w] = torch.tensor(IDLE, dtype=torch.uint8)
-        _text(img, 4, y + row_h // 2 - 5, f"R{r}")
-        if r:  # rank separator
-            img[y - gap // 2, left:left + plot_w] = torch.tensor(INK, dtype=torch.uint8)
-        for op, s, e in tl:
-            x0, x1 = px(s), max(px(e), px(s) + 1)
-            x1 = x1 - 1 if x1 - x0 > 2 else x1  # a 1-pixel gap so that back-to-back ops stay apart
-            parts = _colour_parts(op)
-            for i, colour in enumerate(parts):
-                y0, y1 = y + i * row_h // len(parts), y + (i + 1) * row_h // len(parts)
-                img[y0:y1, x0:x1] = torch.tensor(colour, dtype=torch.uint8)
-    # time axis: 0 at the left, the span in ms at the right
-    _text(img, left, 4, "0")
-    label = f"{span * 1e3:.1f}ms"
-    _text(img, left + plot_w - 8 * len(label), 4, label)
-    # legend strip: a swatch (split for F&B) and the op name
-    x, y = left, height - legend_h + 10
-    for op in LEGEND:
-        parts = _colour_parts(op)
-        for i, colour in enumerate(parts):
-            img[y + i * 16 // len(parts):y + (i + 1) * 16 // len(parts), x:x + 16] = torch.tensor(colour, dtype=torch.uint8)
-        _text(img, x + 20, y + 3, op)
-        x += 20 + 8 * len(op) + 16
-    write_png(png_path, img)
+def draw_png(timelines: list[list[tuple[str, float, float]]], path, labels: list[list[str]] | None = None) -> bool:
+    """One row per rank (rank 0 on top), ops as boxes on a ms axis; an overlapped F&B box is split, forward colour
+    on top, backward below. labels: per rank, one action per op in our notation (schedule_order: 'F0.3',
+    'F0.4&B1.1'); the micro-batch ids go on the boxes wide enough to hold them. False (and one printed line)
+    when matplotlib is missing."""
+    try:
+        import matplotlib
 
-    if trace_path:
-        events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"pp rank {r}"}}
-                  for r in range(len(timelines))]
-        events += [{"name": op, "ph": "X", "pid": 0, "tid": r, "ts": (s - t_min) * 1e6, "dur": (e - s) * 1e6}
-                   for r, tl in enumerate(timelines) for op, s, e in tl]
-        with open(trace_path, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-    return stats
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError:
+        print(NO_MATPLOTLIB)
+        return False
+    stats = timeline_stats(timelines)
+    span_ms, t_min = (stats["span"] or 1.0) * 1e3, stats["t_min"]
+    width_in = 14
+    fig, ax = plt.subplots(figsize=(width_in, 1.0 + 0.7 * len(timelines)), dpi=110)
+    ms_per_px = span_ms / (width_in * 110 * 0.8)  # the axes take ~80% of the figure's width
+    for r, tl in enumerate(timelines):
+        for i, (op, s, e) in enumerate(tl):
+            x, w = (s - t_min) * 1e3, (e - s) * 1e3
+            parts = _colour_parts(op)
+            for k, colour in enumerate(parts):  # row r spans y in [r - 0.4, r + 0.4] (y grows downwards); part 0 on top
+                h = 0.8 / len(parts)
+                ax.broken_barh([(x, w)], (r - 0.4 + k * h, h), facecolors=colour, edgecolor="white", linewidth=0.5)
+            if labels is not None:
+                text = "/".join(a.split(".")[1] for a in labels[r][i].split("&") if "." in a)
+                if text and w / ms_per_px >= 7 * len(text) + 4:
+                    ax.text(x + w / 2, r, text, ha="center", va="center", fontsize=8)
+    ax.set_ylim(len(timelines) - 0.5, -0.5)
+    ax.set_yticks(range(len(timelines)), [f"pp rank {r}" for r in range(len(timelines))])
+    ax.set_xlim(0, span_ms)
+    ax.set_xlabel("time (ms)")
+    ax.set_title(f"DualPipeV timeline: bubble fraction {stats['bubble_fraction']:.3f}"
+                 + ("; numbers on boxes = micro-batch (forward/backward)" if labels is not None else ""), fontsize=10)
+    ax.legend(handles=[Patch(facecolor=_colour_parts(op)[0], label=f"{op}: {text}") for op, text in LEGEND.items()]
+              + [Patch(facecolor=_colour_parts("F0")[0], edgecolor=_colour_parts("B1")[0],
+                       linewidth=2, label="F&B: overlapped pair (F top, B bottom)")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.1 / len(timelines)), ncol=3, fontsize=8, frameon=False)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def write_trace(timelines: list[list[tuple[str, float, float]]], path) -> None:
+    """Chrome/Perfetto trace JSON (open it in ui.perfetto.dev or chrome://tracing): one thread per rank."""
+    t_min = min(s for tl in timelines for _, s, _ in tl)
+    events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"pp rank {r}"}}
+              for r in range(len(timelines))]
+    events += [{"name": op, "ph": "X", "pid": 0, "tid": r, "ts": (s - t_min) * 1e6, "dur": (e - s) * 1e6}
+               for r, tl in enumerate(timelines) for op, s, e in tl]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
 # ------------------------------------------------------------------------------------- schedule orders
@@ -358,16 +337,18 @@ def report(timelines, out_dir: str) -> dict:
     of micro-batches, overlap and weight-gradient delay are read off the timelines."""
     os.makedirs(out_dir, exist_ok=True)
     png, trace = os.path.join(out_dir, "timeline.png"), os.path.join(out_dir, "trace.json")
-    stats = draw_timeline(timelines, png, trace)
     pp = len(timelines)
     num_micro = sum(op.count("F0") for op, *_ in timelines[0])  # every micro-batch passes stage 0 once
-    print(f"wrote {png} and {trace}  (pp={pp}, micro-batches={num_micro})")
+    overlap, delay = (any(key in op for tl in timelines for op, *_ in tl) for key in ("&", "W"))
+    ours = schedule_order(pp, num_micro, overlap, delay)
+    d, per_rank = op_durations(timelines, ours)  # checks that the timelines follow `ours` op by op
+    stats = timeline_stats(timelines)
+    write_trace(timelines, trace)
+    drawn = draw_png(timelines, png, labels=ours)
+    print(f"wrote {png + ' and ' if drawn else ''}{trace}  (pp={pp}, micro-batches={num_micro})")
     print(f"span {stats['span'] * 1e3:.2f} ms; busy per rank (ms): {' '.join(f'{b * 1e3:.2f}' for b in stats['busy'])}")
     print(f"bubble fraction (1 - sum busy / (ranks * span)): {stats['bubble_fraction']:.3f}")
 
-    overlap, delay = (any(key in op for tl in timelines for op, *_ in tl) for key in ("&", "W"))
-    ours = schedule_order(pp, num_micro, overlap, delay)
-    d, per_rank = op_durations(timelines, ours)
     ms = lambda xs: " ".join(f"{x * 1e3:.2f}" for x in xs)
     print("mean op durations (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in sorted(d.items())))
     fb, w = d.get("F&B", d["F"] + d["B"]), d.get("W", 0.0)

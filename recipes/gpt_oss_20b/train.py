@@ -94,6 +94,7 @@ class Args:
     aux_loss_coef: float = -1.0  # < 0: the config's router_aux_loss_coef
     expert_bias_rate: float = 0.0  # > 0: aux-loss-free balancing, bias += rate * sign(mean - load) per step
     seed: int = 0
+    load_heatmap_every: int = 50  # TensorBoard image of the (MoE layer, expert) load every this many steps; 0: never
     ckpt_every: int = 100  # also saves after the last step; 0 disables checkpoints
     keep_checkpoints: int = 2  # 0: keep all
     resume: str = ""  # '' (fresh; after a torchrun restart: auto) | auto (newest complete in <out>/checkpoints) | a step_* folder
@@ -334,6 +335,7 @@ def main(argv=None):
         history.append(logger.log(step, time.perf_counter() - start, args.global_batch * args.seq_len, scalars,
                                   {"expert_load_max_over_mean": load_per_layer}))
         watchdog.step_done(history[-1]["step_time"])
+        logger.log_load_heatmap(step, load_LE, args.load_heatmap_every)
         window_LE = window_LE + load_LE
         if step % 25 == 0 or step == args.steps:  # over 25 steps: one batch's content would be noise
             warning = collapse_warning(step, (window_LE.max(-1).values / window_LE.mean(-1)).tolist(), moe_ids)
