@@ -24,6 +24,39 @@ MESH_RE = re.compile(r"mesh pp=(\d+) dp=(\d+) cp=(\d+) ep=(\d+) on (\w+)")
 STEP_RE = re.compile(r"step +1/\d+ \| loss ([-0-9.naif]+)")
 
 
+def parse(log: str) -> dict:
+    """The mesh, torchrun's processes per node and the first loss from launch.sh's output (what was found)."""
+    found = {"error_line": next((line for line in log.splitlines() if line.startswith("error:")), None)}
+    if mesh := MESH_RE.search(log):
+        found.update(zip(("pp", "dp", "cp", "ep"), map(int, mesh.groups()[:4])), device=mesh.group(5))
+    if nproc := re.search(r"--nproc-per-node (\d+)", log):  # launch.sh's torchrun line (set -x)
+        found["nproc_per_node"] = int(nproc.group(1))
+    if step := STEP_RE.search(log):
+        found["loss"] = float(step.group(1))
+    return found
+
+
+def verify(found: dict, nnodes: int, pp: int | None, ep: int | None) -> list[str]:
+    """What is wrong with a run's parse() result, given the node count and the layout asked for (None: any)."""
+    problems = []
+    if found.get("returncode"):
+        problems.append(f"launch.sh exited with {found['returncode']}"
+                        + (f": {found['error_line']}" if found.get("error_line") else ""))
+    if "pp" not in found:
+        return problems + ["no 'mesh pp=.. dp=.. cp=.. ep=..' line in the output"]
+    world = found["pp"] * found["dp"] * found["cp"] * found["ep"]
+    if "nproc_per_node" in found and world != found["nproc_per_node"] * nnodes:
+        problems.append(f"pp*dp*cp*ep = {world} but torchrun started {found['nproc_per_node']} x {nnodes} nodes")
+    for name, asked in (("pp", pp), ("ep", ep)):
+        if asked is not None and found[name] != asked:
+            problems.append(f"{name}={found[name]}, asked for {asked}")
+    if "loss" not in found:
+        problems.append("step 1 printed no loss")
+    elif not math.isfinite(found["loss"]):
+        problems.append(f"step 1 loss is {found['loss']}")
+    return problems
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("recipe", help="folder name under recipes/ (qwen3_30b_a3b, deepseek_v2_lite, gpt_oss_20b, a copy)")
@@ -58,34 +91,13 @@ def main(argv=None) -> dict:
               "that every node started, and the firewall)")
         sys.exit(1)
     log = proc.stdout + proc.stderr
-    mesh = MESH_RE.search(log)
-    step = STEP_RE.search(log)
-    result = {"returncode": proc.returncode, "log": log}
-    problems = []
-    if proc.returncode != 0:
-        errors = [line for line in log.splitlines() if line.startswith("error:")]
-        problems.append(f"launch.sh exited with {proc.returncode}: " + (errors[-1] if errors else log.strip().splitlines()[-1] if log.strip() else "no output"))
-    if mesh is None:
-        problems.append("no 'mesh pp=.. dp=.. cp=.. ep=..' line in the output")
-    else:
-        pp, dp, cp, ep = map(int, mesh.groups()[:4])
-        result.update(pp=pp, dp=dp, cp=cp, ep=ep, device=mesh.group(5))
-        print(f"mesh: pp={pp} dp={dp} cp={cp} ep={ep} on {mesh.group(5)} ({pp * dp * cp * ep} ranks)")
-        world = re.search(r"--nproc-per-node (\d+)", log)  # launch.sh's torchrun line (set -x)
-        nnodes = int(os.environ.get("NNODES", "1"))
-        if world and pp * dp * cp * ep != int(world.group(1)) * nnodes:
-            problems.append(f"pp*dp*cp*ep = {pp * dp * cp * ep} but torchrun started {world.group(1)} x {nnodes} nodes")
-        if args.pp is not None and pp != args.pp:
-            problems.append(f"pp={pp}, asked for {args.pp}")
-        if args.ep is not None and ep != args.ep:
-            problems.append(f"ep={ep}, asked for {args.ep}")
-    if step is None:
-        problems.append("step 1 printed no loss")
-    else:
-        result["loss"] = float(step.group(1))
+    result = {"returncode": proc.returncode, "log": log, **parse(log)}
+    if "pp" in result:
+        print(f"mesh: pp={result['pp']} dp={result['dp']} cp={result['cp']} ep={result['ep']} on {result['device']} "
+              f"({result['pp'] * result['dp'] * result['cp'] * result['ep']} ranks)")
+    if "loss" in result:
         print(f"step 1 loss {result['loss']:.4f}")
-        if not math.isfinite(result["loss"]):
-            problems.append(f"step 1 loss is {result['loss']}")
+    problems = verify(result, int(os.environ.get("NNODES", "1")), args.pp, args.ep)
     if problems:
         print(log[-3000:], file=sys.stderr)
         print("FAIL: " + "; ".join(problems))
