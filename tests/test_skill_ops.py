@@ -47,7 +47,7 @@ def test_mesh_check_and_compare_runs(recipe, tiny_train_setup, tmp_path, capsys,
     # launch-multi-node: 2 local ranks through launch.sh, the printed mesh checked (and run A of the comparison)
     check_mesh = script("launch-multi-node", "check_mesh")
     run_a, run_b = tmp_path / "lr_1e-3", tmp_path / "lr_3e-3"
-    res = check_mesh.main([recipe, "--cpu", "--nproc", "2", "--pp", "1", "--ep", "2", "--data", str(data),
+    res = check_mesh.main(["--recipe", recipe, "--cpu", "--nproc", "2", "--pp", "1", "--ep", "2", "--data", str(data),
                            "--out", str(run_a), "--", *SMALL, "--lr", "1e-3"])
     out = capsys.readouterr().out
     assert (res["pp"], res["dp"], res["cp"], res["ep"]) == (1, 1, 1, 2) and "PASS" in out, out
@@ -124,7 +124,7 @@ def test_prepare_data(recipe, corpus, tmp_path, capsys):
 
     folder, docs = corpus
     prepare = script("prepare-data", "prepare")
-    res = prepare.main([recipe, "--input", str(folder / "a.txt"), str(folder / "b.jsonl"), "--train-sp", "300",
+    res = prepare.main(["--recipe", recipe, "--input", str(folder / "a.txt"), str(folder / "b.jsonl"), "--train-sp", "300",
                         "--out", str(tmp_path / "data"), "--val-fraction", "0.1"])
     out = capsys.readouterr().out
     assert "FAIL" not in out and f"train on it: DATA={tmp_path / 'data'} bash recipes/{recipe}/launch.sh" in out, out
@@ -143,7 +143,7 @@ def test_prepare_data(recipe, corpus, tmp_path, capsys):
     config = tmp_path / "small.json"
     config.write_text(json.dumps({**json.loads((ROOT / f"recipes/{recipe}/config_tiny.json").read_text()), "vocab_size": 100}))
     with pytest.raises(SystemExit):
-        prepare.main([recipe, "--config", str(config), "--input", str(folder / "b.jsonl"), "--sp-model",
+        prepare.main(["--recipe", recipe, "--config", str(config), "--input", str(folder / "b.jsonl"), "--sp-model",
                       str(tmp_path / "data/tokenizer.model"), "--out", str(tmp_path / "data2")])
     assert re.search(r"FAIL dataset vocab 300 <= model vocab 100", capsys.readouterr().out)
 

@@ -1,7 +1,7 @@
 """Check a recipe's launch layout before a long run: one training step through the recipe's launch.sh, then the
 mesh line it printed against the layout asked for.
 
-  python skills/launch-multi-node/scripts/check_mesh.py RECIPE [--nproc 2] [--pp 1] [--ep 2] [--data DIR] [--out DIR]
+  python skills/launch-multi-node/scripts/check_mesh.py --recipe RECIPE [--nproc 2] [--pp 1] [--ep 2] [--data DIR] [--out DIR]
                                                                [-- extra train.py flags]
 
 Runs `NPROC=.. PP=.. EP=.. bash recipes/RECIPE/launch.sh --steps 1 --ckpt-every 0 --eval-every 0 ...` (so on a
@@ -59,7 +59,7 @@ def verify(found: dict, nnodes: int, pp: int | None, ep: int | None) -> list[str
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("recipe", help="folder name under recipes/ (qwen3_30b_a3b, deepseek_v2_lite, gpt_oss_20b, a copy)")
+    p.add_argument("--recipe", required=True, help="folder name under recipes/ (qwen3_30b_a3b, deepseek_v2_lite, gpt_oss_20b, a copy)")
     p.add_argument("--nproc", type=int, help="processes per node (launch.sh NPROC; default: its own)")
     p.add_argument("--pp", type=int, help="pipeline ranks (launch.sh PP; default: its own)")
     p.add_argument("--ep", type=int, help="expert-parallel ranks (launch.sh EP; default: its own)")
@@ -97,7 +97,8 @@ def main(argv=None) -> dict:
               f"({result['pp'] * result['dp'] * result['cp'] * result['ep']} ranks)")
     if "loss" in result:
         print(f"step 1 loss {result['loss']:.4f}")
-    problems = verify(result, int(os.environ.get("NNODES", "1")), args.pp, args.ep)
+    nnodes = os.environ.get("SLURM_NNODES") if os.environ.get("SLURM_JOB_ID") else os.environ.get("NNODES")  # as launch.sh
+    problems = verify(result, int(nnodes or 1), args.pp, args.ep)
     if problems:
         print(log[-3000:], file=sys.stderr)
         print("FAIL: " + "; ".join(problems))

@@ -1,6 +1,6 @@
 """Tokenize a corpus for a recipe and check the result fits it, then print the command that trains on it.
 
-  python skills/prepare-data/scripts/prepare.py RECIPE --out DIR --input PATH ... (--hf-tokenizer DIR | --sp-model FILE
+  python skills/prepare-data/scripts/prepare.py --recipe RECIPE --out DIR --input PATH ... (--hf-tokenizer DIR | --sp-model FILE
          | --train-sp VOCAB) [--config FILE] [--val-fraction 0.01] [other tools/prepare_data.py flags]
 
 Runs tools/prepare_data.py (text, .jsonl, .jsonl.zst, .parquet; a held-out split in DIR/val), then checks against
@@ -26,7 +26,7 @@ from tools import prepare_data  # noqa: E402
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=True)
-    p.add_argument("recipe", help="folder name under recipes/")
+    p.add_argument("--recipe", required=True, help="folder name under recipes/")
     p.add_argument("--config", help="model config.json the data is for (default: see above)")
     args, rest = p.parse_known_args(argv)
     recipe = ROOT / "recipes" / args.recipe
