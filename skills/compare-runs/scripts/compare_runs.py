@@ -70,6 +70,7 @@ def draw(png: Path, names: list[str], runs: list[dict[int, dict]]) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         print("note: matplotlib is not installed, no PNG drawn (pip install matplotlib, or pip install -e .[plot])")
         return False
@@ -77,13 +78,15 @@ def draw(png: Path, names: list[str], runs: list[dict[int, dict]]) -> bool:
     cols = 2
     fig, axes = plt.subplots((len(panels) + cols - 1) // cols, cols, figsize=(12, 3 * ((len(panels) + 1) // cols)),
                              squeeze=False)
-    for ax, (title, _, _, get) in zip(axes.flat, panels):
+    for ax, (title, _, key, get) in zip(axes.flat, panels):
+        scale = 100 if key == "mfu" else 1  # the table's unit (%)
         for name, recs in zip(names, runs):
-            pts = [(s, get(rec)) for s, rec in sorted(recs.items()) if get(rec) is not None]
+            pts = [(s, scale * get(rec)) for s, rec in sorted(recs.items()) if get(rec) is not None]
             if pts:
                 ax.plot(*zip(*pts), label=name, marker="." if len(pts) < 50 else None)
         ax.set_title(title)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     axes.flat[0].legend()
