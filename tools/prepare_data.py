@@ -4,7 +4,8 @@
   python -m tools.prepare_data --input corpus/ --hf-tokenizer /models/Qwen3-30B-A3B --out data/corpus
   python -m tools.prepare_data --input a.jsonl notes/ --train-sp 32000 --out data/mine
 
-A .jsonl line is one document (its --jsonl-key field); any other file is one document. --val-fraction of the
+A .jsonl line is one document (its --jsonl-key field), also in .jsonl.zst (needs `pip install zstandard`); a .parquet
+row is one document (its --jsonl-key column; needs `pip install pyarrow`); any other file is one document. --val-fraction of the
 documents (evenly spread: every 1/fraction-th) go to a held-out dataset in <out>/val/ instead, which train.py
 evaluates (--eval-every) and tools/evaluate.py reads like any dataset. Everything runs
 offline: Hugging Face tokenizers are read from a local folder, sentencepiece models from a file or trained here.
@@ -55,11 +56,40 @@ def stdlib_files(max_bytes: int) -> list[Path]:
     return files
 
 
+def optional_import(module: str, package: str, path: Path):
+    """A reader that only some inputs need (not a dependency of the project): one line saying what to install."""
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError:
+        raise ValueError(f"reading {path} needs the {package} package, which is not installed: pip install {package}") from None
+
+
+def read_parquet(path: Path, key: str):
+    """Yield (text, bytes consumed) for each row's `key` column (--jsonl-key) of a .parquet file."""
+    pq = optional_import("pyarrow.parquet", "pyarrow", path)
+    pf = pq.ParquetFile(path)
+    if key not in pf.schema_arrow.names:
+        raise ValueError(f"{path} has no column {key!r} (columns: {', '.join(pf.schema_arrow.names)}); "
+                         "name the text column with --jsonl-key")
+    for batch in pf.iter_batches(columns=[key]):
+        for text in batch.column(0).to_pylist():
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"{path} column {key!r} holds {type(text).__name__}, not text; name the text column with --jsonl-key")
+            yield text or "", 0
+    yield "", path.stat().st_size  # progress by file: parquet is compressed
+
+
 def read_documents(files: list[Path], jsonl_key: str):
     """Yield (text, bytes consumed); bytes drive the progress bar."""
     for path in files:
-        if path.suffix == ".jsonl":
-            with open(path, "rb") as f:
+        if path.name.endswith(".parquet"):
+            yield from read_parquet(path, jsonl_key)
+        elif path.suffix == ".jsonl" or path.name.endswith(".jsonl.zst"):
+            zst = path.name.endswith(".zst")
+            if zst:
+                zstandard = optional_import("zstandard", "zstandard", path)
+            with open(path, "rb") as raw:
+                f = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw)) if zst else raw
                 for lineno, line in enumerate(f, 1):
                     if not line.strip():
                         continue
@@ -69,7 +99,9 @@ def read_documents(files: list[Path], jsonl_key: str):
                         raise ValueError(f"{path}:{lineno} is not valid JSON ({e.msg}); one JSON object per line") from None
                     if not isinstance(doc, dict) or not isinstance(doc.get(jsonl_key), str):
                         raise ValueError(f"{path}:{lineno} has no string field {jsonl_key!r}; name the text field with --jsonl-key")
-                    yield doc[jsonl_key], len(line)
+                    yield doc[jsonl_key], 0 if zst else len(line)
+            if zst:
+                yield "", path.stat().st_size  # progress by compressed size
         else:
             yield path.read_text(encoding="utf-8", errors="replace"), path.stat().st_size
 
@@ -124,10 +156,10 @@ class Progress:
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m tools.prepare_data", description=__doc__.split("\n")[0])
-    p.add_argument("--input", nargs="+", help="text/jsonl files or folders (searched recursively for --glob)")
+    p.add_argument("--input", nargs="+", help="text/jsonl/jsonl.zst/parquet files or folders (searched recursively for --glob)")
     p.add_argument("--default", action="store_true", help="demo corpus: the .py files of this Python's standard library")
     p.add_argument("--out", help="output folder (default data/stdlib with --default)")
-    p.add_argument("--glob", default="*.txt,*.jsonl,*.md,*.py", help="comma-separated file patterns for folders")
+    p.add_argument("--glob", default="*.txt,*.jsonl,*.jsonl.zst,*.parquet,*.md,*.py", help="comma-separated file patterns for folders")
     p.add_argument("--jsonl-key", default="text", help="field of each .jsonl line that holds the text")
     tok_group = p.add_mutually_exclusive_group()
     tok_group.add_argument("--hf-tokenizer", metavar="DIR", help="local Hugging Face tokenizer folder")
@@ -172,6 +204,10 @@ def main(argv=None):
     files = stdlib_files(args.max_bytes) if args.default else find_files(args.input, args.glob.split(","))
     if not files:
         raise ValueError(f"no input files found in {' '.join(args.input or [])} matching --glob {args.glob}")
+    for suffix, module, package in ((".jsonl.zst", "zstandard", "zstandard"), (".parquet", "pyarrow.parquet", "pyarrow")):
+        needing = [f for f in files if f.name.endswith(suffix)]
+        if needing:  # before any work: a missing reader fails now, not after hours of tokenizing
+            optional_import(module, package, needing[0])
     out.mkdir(parents=True, exist_ok=True)
     if args.train_sp:
         print(f"training a {args.train_sp}-piece sentencepiece model on {len(files)} files -> {sp_path}")
