@@ -131,3 +131,25 @@ def test_one_process_capture(recipe, tiny_train_setup, tmp_path, capsys):
 def test_bad_profile_steps(recipe, window, message, tmp_path):
     with pytest.raises(ValueError, match=re.escape(message)):
         train_main(recipe, argv(recipe, tmp_path / "no_data", tmp_path / "run", 3, window))
+
+
+def test_gpu_trace_shares(tmp_path, capsys):
+    """The GPU branch on a hand-made trace (no GPU here): kernels timed on the device, categorised through the
+    op that launched them (correlation id); an all-to-all kernel half hidden behind a GEMM."""
+    def x(cat, name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
+    events = [x("user_annotation", "ProfilerStep#2", 0, 100),
+              x("cpu_op", "c10d::alltoall_base_", 1, 5), x("cuda_runtime", "ncclLaunch", 2, 1, correlation=1),
+              x("cpu_op", "aten::mm", 10, 5), x("cuda_runtime", "cudaLaunchKernel", 11, 1, correlation=2),
+              x("kernel", "ncclDevKernel_Generic", 20, 40, tid=7, correlation=1),  # 20..60
+              x("kernel", "sm90_gemm", 40, 40, tid=8, correlation=2),  # 40..80: overlaps 20 us of the all-to-all
+              x("kernel", "sm90_gemm", 200, 10, tid=8, correlation=2)]  # outside the step: not counted
+    (tmp_path / "rank0.json").write_text(json.dumps({"traceEvents": events}))
+    r = analyze_profile.analyze(tmp_path)["ranks"][0]
+    assert r["device"] == "cuda" and r["window_ms"] == pytest.approx(0.1)
+    assert r["ops"] == {"ncclDevKernel_Generic": [0.04, 1], "sm90_gemm": [0.04, 1]}
+    assert r["category_ms"] == pytest.approx({"all-to-all": 0.04, "other compute": 0.04})
+    assert (r["compute_ms"], r["comm_ms"], r["overlap_ms"], r["exposed_comm_ms"], r["idle_ms"]) == \
+        pytest.approx((0.04, 0.04, 0.02, 0.02, 0.04))
+    assert analyze_profile.main([str(tmp_path)]) == 0
+    assert "kernels (device time)" in capsys.readouterr().out
