@@ -36,6 +36,7 @@ from recipes.qwen3_30b_a3b.model import ModelConfig, real_config_path, tiny_conf
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = (("pp=2", ["--pp", "2"]), ("ep=2", ["--ep", "2"]), ("cp=2", ["--cp", "2"]))
+COMMUNICATION = ("all-to-all", "other collectives")  # the rest of CATEGORIES but idle: compute
 CATEGORIES = ("expert GEMMs", "attention", "all-to-all", "other collectives", "weight casts", "other compute", "idle")
 
 
@@ -84,13 +85,10 @@ def _norm(name: str) -> str:
     return name.lower().replace("_", "").replace(" ", "")
 
 
-def _category(evt, param_shapes: set, fwd_category: dict) -> str:
-    """What an op (or the op that launched a kernel) belongs to, from its own name and its parents'."""
-    chain = []
-    while evt is not None:
-        chain.append(evt)
-        evt = evt.cpu_parent
-    names = " ".join(_norm(e.name) for e in chain)
+def name_category(names) -> str | None:
+    """The category an op's name and its parents' names imply (an op, or for a kernel the kernel and the ops that
+    launched it), or None: then it is compute of no named kind. Also used by skills/analyze-profile on traces."""
+    names = " ".join(_norm(n) for n in names)
     if "alltoall" in names:
         return "all-to-all"
     if any(k in names for k in ("nccl", "gloo", "allgather", "reducescatter", "allreduce", "c10d", "sendrecv",
@@ -100,6 +98,18 @@ def _category(evt, param_shapes: set, fwd_category: dict) -> str:
         return "expert GEMMs"
     if any(k in names for k in ("attention", "flash", "fmha", "flex")):
         return "attention"
+    return None
+
+
+def _category(evt, param_shapes: set, fwd_category: dict) -> str:
+    """What an op (or the op that launched a kernel) belongs to, from its own name and its parents'."""
+    chain = []
+    while evt is not None:
+        chain.append(evt)
+        evt = evt.cpu_parent
+    category = name_category(e.name for e in chain)
+    if category:
+        return category
     for e in chain:
         if e.name == "aten::_to_copy" and e.input_shapes and tuple(e.input_shapes[0]) in param_shapes:
             return "weight casts"

@@ -32,6 +32,7 @@ from core.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from core.moe import traffic, update_expert_bias
 from core.optimizer import ReplicaSet, ShardedAdamW
 from core.pipeline import DualPipeV, split_layers
+from core.profiling import StepProfiler, parse_steps
 from core.reliability import (
     PG_TIMEOUT_S,
     StopRun,
@@ -110,11 +111,13 @@ class Args:
     export_hf: str = ""  # write the trained model here as a Hugging Face folder
     sample_tokens: int = 0  # print a sample of this many tokens at the end
     sample_prompt: str = "def "
+    profile_steps: str = ""  # "A-B": torch.profiler over steps A..B -> <out>/profile/rank<N>.json (core/profiling.py)
 
 
 def main(argv=None):
     args = parse_args(Args, argv)
     check_arguments(args)
+    parse_steps(args.profile_steps, args.steps)  # a bad --profile-steps fails here, in one line
     schedule = dict(schedule=args.lr_schedule, warmup=args.warmup_steps, total=args.steps,
                     min_ratio=args.min_lr_ratio, decay_fraction=args.decay_fraction)
     lr_factor(0, **schedule)  # a wrong --lr-schedule fails here, before any work
@@ -261,12 +264,14 @@ def main(argv=None):
         destroy_mesh()
         return [val], model
     watchdog = Watchdog(args.step_timeout, mesh.rank, mesh.world)
+    profiler = StepProfiler(args.profile_steps, args.steps, args.out, mesh.rank, device)
     moe_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     bad_in_a_row, skipped, timeline, window_LE = 0, 0, [], 0  # window_LE: expert load since the last collapse check
     for step in range(start_step + 1, args.steps + 1):
         start = time.perf_counter()
         watchdog.arm(step, "data")
         inject_fault("hang", step)  # MOE_TRAIN_FAULT (tests only; core/reliability.py)
+        profiler.begin(step)
         input_ids, labels = (t.to(device) for t in loader.next_batch())
         if mesh.cp > 1:  # this rank's chunks r and 2cp-1-r of every sequence: [local_batch, seq_len / cp]
             input_ids, labels = (split_for_cp(t, mesh.coord("cp"), mesh.cp) for t in (input_ids, labels))
@@ -327,6 +332,7 @@ def main(argv=None):
                     update_expert_bias(routers[str(layer_id)].expert_bias, load_E, args.expert_bias_rate)
         if device.type == "cuda":
             torch.cuda.synchronize()
+        profiler.end(step)  # (writes the traces after the window's last step)
         load_per_layer = (load_LE.max(-1).values / load_LE.mean(-1)).tolist() if load_LE.numel() else []
         scalars = {"loss": (stats[0] / num_labels).item(), "aux_loss": (stats[1] / (n_micro * mesh.data_world)).item(),
                    "lr": lr, "grad_norm": grad_norm.item(), "peak_mem_gib": peak_memory_gib(device),
