@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from core.optimizer import ReplicaSet, ShardedAdamW
+from core.pipeline import split_layers
 from tests.conftest import TINY_TRAIN_CONFIG
 from tests.multiproc import run_ranks
 from tools import estimate_memory as em
@@ -49,16 +50,20 @@ def adam_bytes(model, group_dense, group_experts):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_params_and_optimizer_exact_one_process(recipe):
-    """Each pp rank's weights/gradients equal the CPU-built partial model's bytes, with pp=2 and ep=2 (ep rank 0's
-    experts); with no sharding the Adam state equals a real ShardedAdamW's."""
+    """Each pp rank's weights/gradients with pp=2 and ep=2 equal that rank's share of the CPU-built full model
+    (its two stages' layers, embedding/norm/head on rank 0, half of each expert tensor); with no sharding the Adam
+    state equals a real ShardedAdamW's."""
     mod, cfg = tiny(recipe)
-    layout = em.Layout(pp=2, ep=2, bf16=False)
-    for pp_rank in range(2):
-        parts = em.rank_parts(cfg, layout, pp_rank)
-        got = em.param_bytes(em.meta_model(mod, cfg, **parts), layout)
-        built = mod.Model(cfg, **parts)
-        assert got["weights"] == got["gradients"] == 4 * sum(p.numel() for p in built.parameters())
     model = mod.Model(cfg)
+    layout = em.Layout(pp=2, ep=2, bf16=False)
+    stages = split_layers(cfg.num_hidden_layers, 2)
+    for pp_rank, layers in enumerate((stages[0] + stages[3], stages[1] + stages[2])):
+        want = 0
+        for name, p in model.named_parameters():
+            held = int(name.split(".")[1]) in layers if name.startswith("layers.") else pp_rank == 0
+            want += held * p.numel() // (2 if ".mlp.experts." in name else 1)
+        got = em.param_bytes(em.meta_model(mod, cfg, **em.rank_parts(cfg, layout, pp_rank)), layout)
+        assert got["weights"] == got["gradients"] == 4 * want
     got = em.param_bytes(em.meta_model(mod, cfg), em.Layout(bf16=False))
     assert got["optimizer"] == adam_bytes(model, None, None) == 2 * got["weights"]
     assert got["weight_cache"] == 0  # fp32: no casts
