@@ -219,6 +219,8 @@ def check_train_args(model_cls, cfg, args, world: int) -> None:
     if not torch.cuda.is_available() or args.device == "cpu":
         return
     dp = args.dp if args.dp > 0 else world // (args.pp * args.cp * args.ep)
+    if dp < 1 or args.pp * dp * args.cp * args.ep != world:
+        return  # build_mesh reports a layout that does not match the world size
     layout = Layout(args.pp, dp, args.cp, args.ep, args.micro_batch, args.seq_len, args.dtype != "fp32", args.fp8,
                     args.recompute)
     check_fits(sys.modules[model_cls.__module__], cfg, layout, torch.cuda.get_device_properties(0).total_memory / GIB)
