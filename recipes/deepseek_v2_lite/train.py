@@ -44,6 +44,7 @@ from core.reliability import (
     step_is_finite,
 )
 from core.training import check_args, lr_factor, parse_args
+from tools.estimate_memory import check_train_args
 
 from .model import (
     Model,
@@ -135,6 +136,7 @@ def main(argv=None):
     if cfg.num_experts % args.ep:
         raise ValueError(f"{cfg.num_experts} experts cannot be split evenly over --ep {args.ep}; "
                          f"choose an ep that divides {cfg.num_experts}")
+    check_train_args(Model, cfg, args, int(os.environ.get("WORLD_SIZE", 1)))  # GPU: refuse a layout that cannot fit
     mesh = build_mesh(args.pp, args.dp, args.cp, args.ep, args.device, timeout_s=max(PG_TIMEOUT_S, args.step_timeout + 60))
     data_group = mesh.group("dp", "cp", "ep")  # ranks that hold different tokens of the batch
     device = mesh.device
