@@ -2,7 +2,6 @@
 ShardedAdamW (one process and 2 gloo ranks), bytes saved for backward measured with saved_tensors_hooks; the
 refusal with suggested layouts; and the skill's script on every recipe."""
 
-import json
 import runpy
 import sys
 
