@@ -1,0 +1,66 @@
+"""The validate-correctness skill's scripts on every recipe's tiny config: the transformers parity table, one
+2-rank layout against one process (ep2, pp2, cp2: one per recipe), and a copied recipe folder against its base
+(identical losses; a copy with another norm epsilon passes as a variant but fails --identical)."""
+
+import importlib.util
+import shutil
+import sys
+
+import pytest
+
+import recipes
+from tests.test_launch import ROOT, copy_recipe
+
+SCRIPTS = ROOT / "skills/validate-correctness/scripts"
+RECIPES = ["qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b"]
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(f"skill_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_check_parity(recipe, capsys):
+    assert script("check_parity").main(["--recipe", recipe, "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 5 and "FAIL" not in out and out.rstrip().endswith("ALL PASS"), out
+
+
+@pytest.mark.parametrize("recipe, layout", zip(RECIPES, ["ep2", "pp2", "cp2"]))
+def test_check_layout(recipe, layout, tiny_train_setup, tmp_path, capsys):
+    check_layout = script("check_layout")
+    _, ranks, worst, lines = check_layout.check_layout(recipe, check_layout.parse_layout(layout), tiny_train_setup[1],
+                                                       tmp_path, steps=2)
+    assert len(ranks) == 2 and not isinstance(worst, str) and max(worst) <= 1e-5, "\n".join(lines)
+    assert len(lines) == 2 + 2 + 4 and lines[-1].endswith("PASS")
+    with pytest.raises(ValueError, match="x-joined factors"):
+        check_layout.parse_layout("pp2xpp2")
+
+
+def test_compare_variant_copied_folder(tiny_train_setup, tmp_path, monkeypatch, capsys):
+    """cp -r of a recipe reproduces its losses bit for bit; a copy whose RMSNorm epsilon is 1e-2 trains (finite,
+    decreasing) but is caught by --identical."""
+    repo = copy_recipe("qwen3_30b_a3b", tmp_path).parents[2]
+    model = repo / "recipes/my_arch_eps/model.py"
+    shutil.copytree(repo / "recipes/my_arch", model.parent)
+    text = model.read_text()
+    assert text.count("self.eps = eps") == 1
+    model.write_text(text.replace("self.eps = eps", "self.eps = 1e-2"))
+    monkeypatch.setattr(recipes, "__path__", [*recipes.__path__, str(repo / "recipes")])
+    compare = script("compare_variant").main
+    data = str(tiny_train_setup[1])
+    try:
+        assert compare(["--base", "qwen3_30b_a3b", "--variant", "my_arch", "--data", data, "--steps", "4",
+                        "--identical", "0"]) == 0
+        out = capsys.readouterr().out
+        assert "relative error of the loss curve 0.00e+00" in out and out.rstrip().endswith("ALL PASS"), out
+        assert compare(["--base", "qwen3_30b_a3b", "--variant", "my_arch_eps", "--data", data, "--steps", "4"]) == 0
+        assert compare(["--base", "qwen3_30b_a3b", "--variant", "my_arch_eps", "--data", data, "--steps", "4",
+                        "--identical", "1e-6"]) == 1
+        assert "FAIL: losses differ" in capsys.readouterr().out
+    finally:
+        for name in [m for m in sys.modules if m.startswith(("recipes.my_arch", "recipes.my_arch_eps"))]:
+            del sys.modules[name]
