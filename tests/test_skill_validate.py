@@ -1,9 +1,9 @@
 """The validate-correctness skill's scripts on every recipe's tiny config: the transformers parity table, one
 2-rank layout against one process (ep2, pp2, cp2: one per recipe), and a copied recipe folder against its base
-(identical losses; a copy with another norm epsilon passes as a variant but fails --identical)."""
+(identical losses; a copy made by add-new-architecture's copy_recipe.py with another norm epsilon passes as a
+variant but fails --identical)."""
 
 import importlib.util
-import shutil
 import sys
 
 import pytest
@@ -11,12 +11,12 @@ import pytest
 import recipes
 from tests.test_launch import ROOT, copy_recipe
 
-SCRIPTS = ROOT / "skills/validate-correctness/scripts"
+SKILLS = ROOT / "skills"
 RECIPES = ["qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b"]
 
 
-def script(name: str):
-    spec = importlib.util.spec_from_file_location(f"skill_{name}", SCRIPTS / f"{name}.py")
+def script(name: str, skill: str = "validate-correctness"):
+    spec = importlib.util.spec_from_file_location(f"skill_{name}", SKILLS / skill / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -44,8 +44,13 @@ def test_compare_variant_copied_folder(tiny_train_setup, tmp_path, monkeypatch, 
     """cp -r of a recipe reproduces its losses bit for bit; a copy whose RMSNorm epsilon is 1e-2 trains (finite,
     decreasing) but is caught by --identical."""
     repo = copy_recipe("qwen3_30b_a3b", tmp_path).parents[2]
+    copy_script = script("copy_recipe", "add-new-architecture")
+    assert copy_script.main(["--base", "my_arch", "--name", "my_arch_eps", "--root", str(repo)]) == 0
+    assert "--variant my_arch_eps --identical 0" in capsys.readouterr().out
+    for name, error in [("my_arch_eps", "exists already"), ("my-arch", "identifier")]:
+        with pytest.raises(ValueError, match=error):
+            copy_script.copy_recipe("my_arch", name, repo)
     model = repo / "recipes/my_arch_eps/model.py"
-    shutil.copytree(repo / "recipes/my_arch", model.parent)
     text = model.read_text()
     assert text.count("self.eps = eps") == 1
     model.write_text(text.replace("self.eps = eps", "self.eps = 1e-2"))
