@@ -30,12 +30,15 @@ def test_check_parity(recipe, capsys):
 
 
 @pytest.mark.parametrize("recipe, layout", zip(RECIPES, ["ep2", "pp2", "cp2"]))
-def test_check_layout(recipe, layout, tiny_train_setup, tmp_path, capsys):
+def test_check_layout(recipe, layout, tiny_train_setup, capsys):
     check_layout = script("check_layout")
-    _, ranks, worst, lines = check_layout.check_layout(recipe, check_layout.parse_layout(layout), tiny_train_setup[1],
-                                                       tmp_path, steps=2)
-    assert len(ranks) == 2 and not isinstance(worst, str) and max(worst) <= 1e-5, "\n".join(lines)
-    assert len(lines) == 2 + 2 + 4 and lines[-1].endswith("PASS")
+    assert check_layout.main(["--recipe", recipe, "--layout", layout, "--data", str(tiny_train_setup[1]),
+                              "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index(f"layout {layout} (2 ranks) vs one process"):].splitlines()
+    assert len(table) == 2 + 2 + 4 + 1 and table[-1] == "ALL PASS", out[-3000:]
+    assert [line.split()[0] for line in table[2:4]] == ["1", "2"]
+    assert all(line.endswith("PASS") and float(line.split()[-3]) <= 1e-5 for line in table[5:8]), table
     with pytest.raises(ValueError, match="x-joined factors"):
         check_layout.parse_layout("pp2xpp2")
 
