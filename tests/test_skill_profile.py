@@ -95,7 +95,8 @@ def check_analysis(profile_dir: Path, ranks: int, capsys, tmp_path, comm_expecte
     for line, r in zip(table, rows):
         total, calls, mean = line.rsplit(maxsplit=3)[1:]
         assert line.startswith(r["name"][:80])
-        assert (float(total), int(calls)) == (round(float(r["total_ms"]), 3), int(r["calls"]))
+        # printed to 3 decimals from the same value the CSV holds to 6 (so no exact re-rounding of the CSV's)
+        assert int(calls) == int(r["calls"]) and abs(float(total) - float(r["total_ms"])) <= 5e-4 + 1e-6, (line, r)
         assert float(mean) == pytest.approx(float(r["mean_ms"]), abs=1e-4)
     # per rank: compute + exposed communication + idle = the profiled steps; overlap within the communication
     res = analyze_profile.analyze(profile_dir)
