@@ -1,10 +1,12 @@
-"""Step metrics: one log line per step, TensorBoard scalars, MFU, peak memory, progress and ETA."""
+"""Step metrics: one log line per step, TensorBoard scalars, MFU, peak memory, progress and ETA; the model's own
+step statistics summed (or maxed) over the ranks."""
 
 import resource
 import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, matched against the device name; MFU on a
 # GPU is against these. The best bf16 matmul measured on one H200 reached ~790 TFLOP/s (shown beside, not used).
@@ -56,6 +58,26 @@ def peak_memory_gib(device: torch.device) -> float:
     return kib / 2**20 if sys.platform != "darwin" else kib / 2**30
 
 
+def reduce_stats(stats: dict[str, tuple[torch.Tensor, str]], group) -> dict[str, torch.Tensor]:
+    """{name: (tensor, "sum" | "max")} -> {name: tensor combined over the ranks of `group`} (None: this rank alone).
+    Each rank holds other tokens or other layers, so a count adds up and a maximum is the largest; the tensors of
+    one kind travel in one all-reduce (fp32: counts stay exact up to 2^24 per entry)."""
+    for name, (_, how) in stats.items():
+        if how not in ("sum", "max"):
+            raise ValueError(f"statistic {name!r}: reduction {how!r} is not 'sum' or 'max'")
+    out = {}
+    for how, op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX)):
+        items = [(name, t) for name, (t, h) in stats.items() if h == how]
+        if not items:
+            continue
+        flat = torch.cat([t.detach().float().reshape(-1) for _, t in items])
+        if group is not None:
+            dist.all_reduce(flat, op=op, group=group)
+        for (name, t), part in zip(items, flat.split([t.numel() for _, t in items])):
+            out[name] = part.view(t.shape)
+    return out
+
+
 def _fmt_duration(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     h, m = divmod(m, 60)
@@ -92,28 +114,42 @@ class MetricsLogger:
 
             self.writer = SummaryWriter(log_dir)
 
-    def log(self, step: int, step_time: float, tokens: int, scalars: dict[str, float], per_layer: dict | None = None) -> dict:
-        """scalars: loss, aux_loss, lr, grad_norm, ... ; adds throughput, MFU, memory; returns the full record."""
+    def log(self, step: int, step_time: float, tokens: int, scalars: dict[str, float], stats: dict | None = None) -> dict:
+        """scalars: loss, aux_loss, lr, grad_norm, ... ; adds throughput, MFU, memory. stats: per-step statistics
+        (expert_load_max_over_mean and the model's own, Model.take_stats): a scalar or a 1-D tensor / list (one
+        value per MoE layer, say) each; larger tensors are left out. Returns the full record (metrics.jsonl)."""
         self.step_times.append(step_time)
         tokens_per_s = tokens / step_time
         record = {"step": step, **scalars, "tokens_per_s": tokens_per_s,
                   "mfu": self.flops_per_token * tokens_per_s / self.peak_flops_total, "step_time": step_time}
+        extra = {}  # name -> float or list of floats
+        for name, value in (stats or {}).items():
+            value = value.tolist() if isinstance(value, torch.Tensor) and value.dim() <= 1 else value
+            if isinstance(value, (int, float)) or (isinstance(value, list) and not any(isinstance(v, list) for v in value)):
+                extra[name] = value
+        record.update(extra)
         if not self.enabled:
             return record
         recent = self.step_times[-20:]
         eta = (self.total_steps - step) * sum(recent) / len(recent)
-        load = (per_layer or {}).get("expert_load_max_over_mean", [])
+        load = extra.get("expert_load_max_over_mean", [])
         a2a = f" | a2a rows {100 * record['a2a_rows_vs_naive']:.0f}% of naive" if "a2a_rows_vs_naive" in record else ""
+        own = "".join(f" | {name} " + (" ".join(f"{x:.3g}" for x in v) if isinstance(v, list) else f"{v:.4g}")
+                      for name, v in extra.items() if name != "expert_load_max_over_mean")
         print(f"step {step:>5}/{self.total_steps} | loss {record['loss']:.4f} | aux {record['aux_loss']:.4f} | "
               f"lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} | load max/mean per layer "
-              f"{' '.join(f'{x:.2f}' for x in load) or '-'}{a2a} | {tokens_per_s:,.0f} tok/s | MFU {100 * record['mfu']:.2f}% | "
-              f"{1000 * step_time:.0f} ms | mem {record['peak_mem_gib']:.2f} GiB | eta {_fmt_duration(eta)}", flush=True)
+              f"{' '.join(f'{x:.2f}' for x in load) or '-'}{a2a}{own} | {tokens_per_s:,.0f} tok/s | "
+              f"MFU {100 * record['mfu']:.2f}% | {1000 * step_time:.0f} ms | mem {record['peak_mem_gib']:.2f} GiB | "
+              f"eta {_fmt_duration(eta)}", flush=True)
         for name, value in record.items():
-            if name != "step":
+            if name != "step" and name not in extra:
                 self.writer.add_scalar(f"train/{name}", value, step)
-        for name, values in (per_layer or {}).items():
-            for layer, value in enumerate(values):
-                self.writer.add_scalar(f"{name}/layer_{layer:02d}", value, step)
+        for name, value in extra.items():
+            if isinstance(value, list):
+                for layer, v in enumerate(value):
+                    self.writer.add_scalar(f"{name}/layer_{layer:02d}", v, step)
+            else:
+                self.writer.add_scalar(f"train/{name}", value, step)
         return record
 
     def log_load_heatmap(self, step: int, load_LE: torch.Tensor, every: int) -> None:

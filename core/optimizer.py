@@ -24,6 +24,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+# torch 2.13 renamed the flat collectives (the old names warn with a FutureWarning on every call); the oldest torch
+# pyproject admits (2.11) has only the old names
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass
 class ReplicaSet:
@@ -97,7 +102,7 @@ class ShardedAdamW:
                 send = torch.cat([torch.nn.functional.pad(g.reshape(-1), (0, n * e.chunk - g.numel())).view(n, e.chunk)
                                   for e, g in zip(bucket, grads)], dim=1)
                 mine = send.new_empty(send.shape[1])
-                dist.reduce_scatter_tensor(mine, send.reshape(-1), group=group)
+                reduce_scatter_flat(mine, send.reshape(-1), group=group)
                 for e, g in zip(bucket, mine.split([e.chunk for e in bucket])):
                     e.shard.grad = g[: e.shard.numel()]
             for e in bucket:
@@ -107,10 +112,14 @@ class ShardedAdamW:
         """Scale the (reduced) gradients so that their global L2 norm is at most max_norm (0: no clipping);
         returns the norm before clipping. Shards partition every parameter, so each element counts once."""
         grads = [e.shard.grad for e in self.entries]
-        sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+        # squares summed in fp64: the layouts split this sum differently (per shard, per pipeline rank, then an
+        # all-reduce), and in fp32 its last bit then depended on the layout. With clipping on, that bit moved the
+        # clip factor, and with it every weight by ~3e-8, which the next step's bf16 weight copies amplified into
+        # ~1e-5 loss differences. In fp64 every layout's norm rounds to the same fp32 value.
+        sq = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum()
         if self.norm_group is not None:
             dist.all_reduce(sq, group=self.norm_group)
-        norm = sq.sqrt()
+        norm = sq.sqrt().float()
         if max_norm > 0:
             torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
         return norm
@@ -125,7 +134,7 @@ class ShardedAdamW:
                 continue
             mine = torch.cat([torch.nn.functional.pad(e.shard, (0, e.chunk - e.shard.numel())) for e in bucket])
             full = mine.new_empty(n * mine.numel())
-            dist.all_gather_into_tensor(full, mine, group=group)
+            all_gather_flat(full, mine, group=group)
             offset = 0
             for e in bucket:
                 e.param.view(-1).copy_(full.view(n, -1)[:, offset: offset + e.chunk].reshape(-1)[: e.param.numel()])

@@ -2,30 +2,29 @@
 
 A deadlock fails fast: every call has a timeout (TIMEOUT_S, or MULTIPROC_TIMEOUT_S in the environment). At
 the deadline each rank writes the Python stacks of all its threads (faulthandler, which also fires while the
-rank is blocked inside a gloo collective), the parent kills the ranks and raises TimeoutError with the stacks."""
+rank is blocked inside a gloo collective), the parent kills the ranks and raises TimeoutError with the stacks.
+
+No port races: the parent hosts the rendezvous store itself on a port the OS picks while binding it (port 0), and
+the ranks join it as clients (TORCHELASTIC_USE_AGENT_STORE, as under torchrun's agent). Picking a free port first
+and letting rank 0 bind it later failed with EADDRINUSE when test processes ran side by side."""
 
 import faulthandler
 import os
-import socket
 import tempfile
 import time
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TIMEOUT_S = float(os.environ.get("MULTIPROC_TIMEOUT_S", 300))
 _STACKS_GRACE_S = 5  # the parent waits this long after the ranks' deadline for their stack dumps
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, out_dir: str, deadline: float, fn, args):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
     with open(os.path.join(out_dir, f"rank{rank}.stacks"), "w") as stacks:
         faulthandler.dump_traceback_later(max(0.1, deadline - time.time()), file=stacks)
@@ -38,9 +37,10 @@ def run_ranks(world: int, fn, *args, timeout: float | None = None) -> list:
     """fn(*args) on every rank (a module-level function); returns the ranks' return values in rank order.
     Raises TimeoutError with every rank's stacks if the ranks have not all finished after `timeout` seconds."""
     timeout = TIMEOUT_S if timeout is None else timeout
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
     with tempfile.TemporaryDirectory() as out_dir:
         deadline = time.time() + timeout  # the ranks dump their stacks then (wall clock: shared by the processes)
-        context = mp.start_processes(_worker, args=(world, _free_port(), out_dir, deadline, fn, args), nprocs=world,
+        context = mp.start_processes(_worker, args=(world, store.port, out_dir, deadline, fn, args), nprocs=world,
                                      join=False, start_method="spawn")
         while not context.join(timeout=max(0.0, deadline + _STACKS_GRACE_S - time.time())):  # raises if a rank failed
             if time.time() < deadline + _STACKS_GRACE_S:

@@ -32,7 +32,8 @@ from core.fp8 import convert_linears, fp8_grouped_mm
 from core.hf_io import CheckpointReader, read_hf_config, write_hf_folder
 from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.swiglu import swiglu
-from core.moe import expert_counts, expert_matmul, moe_forward
+from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias
+from core.training import check_args
 from core.weight_cache import cast_weight
 
 
@@ -130,6 +131,25 @@ class ModelConfig:
         return self.aux_loss_alpha if self.seq_aux else 0.0
 
 
+
+
+def load_config(path) -> ModelConfig:
+    """The model config, with the mistakes a hand-edited config.json can hold reported in one line (train.py)."""
+    try:
+        cfg = ModelConfig.from_hf(path)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path} lacks or mistypes a field ({type(e).__name__}: {e}); compare it with "
+                         f"{tiny_config_path()}") from None
+    check_args({
+        f"{path}: num_experts_per_tok ({cfg.num_experts_per_tok}) must be in 1..num_experts ({cfg.num_experts})":
+            1 <= cfg.num_experts_per_tok <= cfg.num_experts,
+        f"{path}: hidden_size, num_attention_heads, head dims, kv_lora_rank, intermediate sizes, vocab_size and "
+        f"num_hidden_layers must be >= 1":
+            min(cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                cfg.kv_lora_rank, cfg.q_lora_rank or 1, cfg.moe_intermediate_size, cfg.intermediate_size,
+                cfg.vocab_size, cfg.num_hidden_layers) >= 1,
+    })
+    return cfg
 # ---------------------------------------------------------------------------------------------- layers
 
 
@@ -440,7 +460,11 @@ class Model(nn.Module):
         """Normal(0, initializer_range) for every matrix, ones for norms, zeros for biases (transformers' init).
         Each tensor (each expert of a stacked tensor) draws from a generator seeded by the default generator and
         its name, so a partial model (pipeline stage, expert shard) gets exactly its slice of the full model's
-        weights. Seed the default generator the same on every rank."""
+        weights. Seed the default generator the same on every rank. Every buffer starts at zero
+        (expert_bias): a buffer that needs another start value gets its rule here, since a model built on the meta
+        device (the --hf-checkpoint path) has nothing else to fill it (tests/test_recipes.py checks every buffer)."""
+        for buf in self.buffers():
+            buf.zero_()
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
@@ -524,6 +548,23 @@ class Model(nn.Module):
         its own tokens' probabilities: the parts add up to the loss and each part's gradient is exact."""
         return aux_1.sum()
 
+    def take_stats(self) -> dict[str, tuple[torch.Tensor, str]]:
+        """This rank's statistics since the last call, for the log line, TensorBoard and metrics.jsonl: name ->
+        (tensor, "sum" | "max": how core/metrics.py:reduce_stats combines the ranks, which hold other tokens (dp,
+        cp, ep) or other layers (pp)). Every rank returns the same names and shapes (rows of layers held by other
+        pipeline stages are 0, or -inf for "max"). expert_load [MoE layers, E] is required (the expert bias and
+        the load heatmap use it); a new router adds its own entries. Scalars and 1-D tensors are logged."""
+        return {"expert_load": (self.take_expert_load(), "sum")}
+
+    @torch.no_grad()
+    def update_expert_bias(self, load_LE: torch.Tensor, rate: float) -> None:
+        """Aux-loss-free balancing step of every router this rank holds, from the global expert load [MoE layers, E]
+        (identical on every rank, so the biases stay identical too)."""
+        moe_ids = [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
+        for layer_id, load_E in zip(moe_ids, load_LE):
+            if str(layer_id) in self.layers:
+                update_expert_bias(self.layers[str(layer_id)].mlp.gate.expert_bias, load_E, rate)
+
     def take_expert_load(self) -> torch.Tensor:
         """(token, slot) pairs per expert routed by this rank since the last call, [MoE layers of the whole
         model, E] with zero rows for layers held by other pipeline stages."""
@@ -548,6 +589,13 @@ class PipelineStage:
         self.layers = [model.layers[str(i)] for i in layer_ids]
         self.input_ids = self.labels = self.loss_fn = None
         self.stats = 0
+
+    @staticmethod
+    def p2p_specs(cfg: ModelConfig, micro_batch: int, seq_len: int, hidden_dtype) -> list:
+        """(shape, dtype) of each tensor of `state` that crosses pp ranks: the hidden state [micro_batch, seq_len
+        (this rank's part under cp), H] in the compute dtype (bf16 on the bf16 path, Model.embed) and
+        the balance loss so far [1] in fp32 (Model.initial_state)."""
+        return [((micro_batch, seq_len, cfg.hidden_size), hidden_dtype), ((1,), torch.float32)]
 
     def pre(self, inputs, mb):
         return self.model.initial_state(self.input_ids[mb]) if self.first else inputs

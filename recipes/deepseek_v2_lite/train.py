@@ -1,15 +1,20 @@
-"""Train DeepSeek-V2: args -> mesh -> data -> model -> load -> optimizer -> resume -> loop (log, checkpoint) -> export.
+"""Train this recipe's model (model.py): args -> checks -> mesh -> data -> model -> load -> optimizer -> resume ->
+loop (log, checkpoint) -> export.
 
     torchrun --nproc-per-node 2 -m recipes.<this folder>.train --steps 300 --ep 2      (or: bash launch.sh)
+    python -m recipes.<this folder>.train --dry-run --ep 3        (check flags, config, layout, data; no training)
+
+This file is the same in every shipped recipe (tests/test_recipes.py compares them); what differs between
+architectures lives in model.py: the config and its checks (`load_config`), the layers, the pipeline hand-off
+(`PipelineStage.p2p_specs`), the balance loss (`Model.aux_loss`), the step statistics (`Model.take_stats`).
 
 The loss of a step is the cross-entropy summed over every non-ignored label of the global batch, divided by
 their number (counted across all ranks before the forward), plus aux_loss_coef x the mean per-micro-batch
-sequence-wise balance loss (each a mean over its sequences). Each micro-batch's backward adds its share, and
-gradients are *summed* over the ranks replicating a parameter (dense: dp x cp x ep, routed experts: dp x cp,
-since each ep rank holds other experts and already received its ep group's tokens for them), so any layout
-equals one process running the same global batch and micro-batch split. The cp ranks of a group read the same
-sequences and each keeps its 2 of their 2*cp chunks (core/context.py): every per-token sum (loss, label count,
-expert load) then adds over cp too.
+balance loss of the model. Each micro-batch's backward adds its share, and gradients are *summed* over the ranks
+replicating a parameter (dense: dp x cp x ep, routed experts: dp x cp, since each ep rank holds other experts
+and already received its ep group's tokens for them), so any layout equals one process running the same global
+batch and micro-batch split. The cp ranks of a group read the same sequences and each keeps its 2 of their
+2*cp chunks (core/context.py): every per-token sum (loss, label count, expert load) then adds over cp too.
 """
 
 import json
@@ -27,9 +32,9 @@ from core import fp8
 from core.checkpoint import complete_checkpoints, load_checkpoint, resume_candidates, save_checkpoint
 from core.context import cp_positions, split_for_cp
 from core.data import TokenLoader, load_tokenizer
-from core.mesh import build_mesh, destroy_mesh
-from core.metrics import MetricsLogger, peak_flops, peak_memory_gib
-from core.moe import traffic, update_expert_bias
+from core.mesh import build_mesh, destroy_mesh, resolve_layout
+from core.metrics import MetricsLogger, peak_flops, peak_memory_gib, reduce_stats
+from core.moe import traffic
 from core.optimizer import ReplicaSet, ShardedAdamW
 from core.pipeline import DualPipeV, split_layers
 from core.profiling import StepProfiler, parse_steps
@@ -48,12 +53,11 @@ from tools.estimate_memory import check_train_args
 
 from .model import (
     Model,
-    ModelConfig,
-    MoE,
     PipelineStage,
     compile_dense_parts,
     enable_fp8,
     flops_per_token,
+    load_config,
     load_hf_checkpoint,
     save_hf_checkpoint,
     tiny_config_path,
@@ -62,7 +66,8 @@ from .model import (
 
 @dataclass
 class Args:
-    """Train DeepSeek-V2-Lite (or the tiny CPU config) with data, context and expert parallelism."""
+    """Train this recipe's model (its config.json, or the tiny CPU config) with pipeline, data, context and expert
+    parallelism."""
 
     config: str = str(tiny_config_path())  # HF config.json; ignored when --hf-checkpoint is given
     hf_checkpoint: str = ""  # start from these Hugging Face weights (its config.json is used)
@@ -94,7 +99,7 @@ class Args:
     beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
-    aux_loss_coef: float = -1.0  # < 0: the config's aux_loss_alpha (0 unless seq_aux)
+    aux_loss_coef: float = -1.0  # weight of the balance loss; < 0: the config's (model.py: ModelConfig.router_aux_loss_coef)
     expert_bias_rate: float = 0.0  # > 0: aux-loss-free balancing, bias += rate * sign(mean - load) per step
     seed: int = 0
     load_heatmap_every: int = 50  # TensorBoard image of the (MoE layer, expert) load every this many steps; 0: never
@@ -113,62 +118,37 @@ class Args:
     sample_tokens: int = 0  # print a sample of this many tokens at the end
     sample_prompt: str = "def "
     profile_steps: str = ""  # "A-B": torch.profiler over steps A..B -> <out>/profile/rank<N>.json (core/profiling.py)
+    dry_run: bool = False  # check flags, config, layout (against WORLD_SIZE), data and resume, then exit (launch.sh does)
 
 
 def main(argv=None):
     args = parse_args(Args, argv)
-    check_arguments(args)
-    parse_steps(args.profile_steps, args.steps)  # a bad --profile-steps fails here, in one line
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    cfg = check_run(args, world)  # every user error that needs no process group, in one line, before any work
+    if args.dry_run:
+        return [], None
     schedule = dict(schedule=args.lr_schedule, warmup=args.warmup_steps, total=args.steps,
                     min_ratio=args.min_lr_ratio, decay_fraction=args.decay_fraction)
-    lr_factor(0, **schedule)  # a wrong --lr-schedule fails here, before any work
     if args.deterministic:  # before any CUDA work; cuBLAS reads its workspace setting at start-up
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)  # an op without a deterministic kernel warns
         torch.backends.cudnn.benchmark = False
 
-    # ---- mesh (the layout is checked against the world size before any process group exists)
-    if args.cp >= 1 and args.seq_len % (2 * args.cp):  # (cp < 1 is rejected with the mesh)
-        raise ValueError(f"--seq-len {args.seq_len} is not divisible by 2*cp = {2 * args.cp}: context parallelism "
-                         f"cuts each sequence into 2*cp chunks; use a --seq-len that is a multiple of {2 * args.cp}")
-    cfg = load_config(args.hf_checkpoint or args.config)
-    stage_layers = split_layers(cfg.num_hidden_layers, args.pp) if args.pp > 1 else None  # clear error if too few
-    if cfg.num_experts % args.ep:
-        raise ValueError(f"{cfg.num_experts} experts cannot be split evenly over --ep {args.ep}; "
-                         f"choose an ep that divides {cfg.num_experts}")
-    check_train_args(Model, cfg, args, int(os.environ.get("WORLD_SIZE", 1)))  # GPU: refuse a layout that cannot fit
+    # ---- mesh
+    stage_layers = split_layers(cfg.num_hidden_layers, args.pp) if args.pp > 1 else None
     mesh = build_mesh(args.pp, args.dp, args.cp, args.ep, args.device, timeout_s=max(PG_TIMEOUT_S, args.step_timeout + 60))
     data_group = mesh.group("dp", "cp", "ep")  # ranks that hold different tokens of the batch
     device = mesh.device
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
-    local_batch = args.global_batch // mesh.data_world
-    if args.micro_batch < 1 or args.global_batch < 1 or args.global_batch % (mesh.data_world * args.micro_batch):
-        raise ValueError(f"--global-batch {args.global_batch} must be divisible by data ranks ({mesh.data_world}) "
-                         f"x --micro-batch {args.micro_batch} (both >= 1)")
-    n_micro = local_batch // args.micro_batch
-    if args.pp > 1 and n_micro < 2 * args.pp:
-        raise ValueError(f"DualPipeV needs at least 2*pp = {2 * args.pp} micro-batches per rank and step, got "
-                         f"{n_micro}; raise --global-batch or lower --micro-batch")
+    n_micro = args.global_batch // mesh.data_world // args.micro_batch
     torch.manual_seed(args.seed)  # same seed everywhere: identical replicas at init
 
-    # ---- data (before the model, so that a missing or mismatched dataset fails in seconds)
+    # ---- data (checked by check_run) and validation data (<data>/val unless --eval-data names another dataset)
     loader = TokenLoader(args.data, args.seq_len, args.global_batch, mesh.data_rank, mesh.data_world, args.seed)
-    if loader.meta["vocab_size"] > cfg.vocab_size:
-        raise ValueError(f"dataset {args.data} has vocab {loader.meta['vocab_size']} but the model only "
-                         f"{cfg.vocab_size}; tokenize with a matching tokenizer or use a bigger config")
-    # ---- validation data: <data>/val from tools/prepare_data.py unless --eval-data names another dataset
-    default_val = os.path.join(args.data, "val")
-    eval_dir = args.eval_data or (default_val if os.path.isdir(default_val) else "")
-    eval_every = args.eval_every if args.eval_every >= 0 else (args.ckpt_every if eval_dir else 0)
-    if (eval_every > 0 or args.eval_only) and not eval_dir:
-        raise ValueError(f"evaluation needs validation data but {default_val} does not exist; rerun tools.prepare_data "
-                         f"(it writes a val/ split) or pass --eval-data DIR (or --eval-every 0)")
+    eval_dir, eval_every = eval_settings(args)
     eval_loader = None
     if eval_dir and (eval_every > 0 or args.eval_only):
         eval_loader = TokenLoader(eval_dir, args.seq_len, args.global_batch, mesh.data_rank, mesh.data_world, args.seed)
-        if eval_loader.meta["vocab_size"] > cfg.vocab_size:
-            raise ValueError(f"validation data {eval_dir} has vocab {eval_loader.meta['vocab_size']} but the model "
-                             f"only {cfg.vocab_size}; use data made with the model's tokenizer")
 
     # ---- model: this rank's 1/ep of the routed experts, everything else whole (HF weights or random init)
     # with --pp, this rank's two stages of the V: stage r (holding the embedding on rank 0) and stage 2pp-1-r
@@ -182,10 +162,7 @@ def main(argv=None):
         with torch.device("meta"):
             model = Model(cfg, **parts)
         model.to_empty(device=device)
-        model.init_weights()  # the weights come from the checkpoint
-        for name, buf in model.named_buffers():  # to_empty left them uninitialised (HF folders have no expert bias)
-            if name.endswith("expert_bias"):
-                buf.zero_()
+        model.init_weights()  # every buffer (HF folders hold none) and any weight the checkpoint lacks
         load_hf_checkpoint(model, args.hf_checkpoint)
     else:
         with torch.device(device):
@@ -194,16 +171,14 @@ def main(argv=None):
         enable_fp8(model)
     if args.compile if args.compile is not None else device.type == "cuda":
         compile_dense_parts(model)
-    routers = {i: layer.mlp.gate for i, layer in model.layers.items() if isinstance(layer.mlp, MoE)}
     pipeline = None
     if args.pp > 1:
         step_ranks = mesh.world // args.pp  # global rank distance between pipeline neighbours
         pipeline = DualPipeV([PipelineStage(model, stage_layers[s], s == 0, s == 2 * args.pp - 1) for s in stages],
                              pp_rank, args.pp, mesh.rank - step_ranks if pp_rank > 0 else None,
                              mesh.rank + step_ranks if pp_rank < args.pp - 1 else None, mesh.group("pp"),
-                             [((args.micro_batch, args.seq_len // args.cp, cfg.hidden_size),  # hidden state:
-                               torch.bfloat16 if use_bf16 else torch.float32),  # bf16 on the bf16 path (Model.embed)
-                              ((1,), torch.float32)], device,  # the balance loss so far
+                             PipelineStage.p2p_specs(cfg, args.micro_batch, args.seq_len // args.cp,
+                                                     torch.bfloat16 if use_bf16 else torch.float32), device,
                              overlap=args.overlap, delay_weight_grads=args.delay_wgrad)
     aux_coef = cfg.router_aux_loss_coef if args.aux_loss_coef < 0 else args.aux_loss_coef
     n_params = sum(p.numel() for p in model.parameters())
@@ -220,9 +195,7 @@ def main(argv=None):
     # ---- resume
     ckpt_dir = Path(args.out) / "checkpoints"
     start_step, resume_from = 0, None
-    if args.eval_only and not (args.resume or args.hf_checkpoint):
-        raise ValueError("--eval-only evaluates loaded weights: give --resume STEP_DIR or --hf-checkpoint FOLDER")
-    candidates = [] if args.eval_only and not args.resume else resume_candidates(args.resume, ckpt_dir)
+    candidates = [] if args.eval_only and not args.resume else resume_candidates(args.resume, ckpt_dir)  # (checked)
     for candidate in candidates:  # newest first; with auto an unreadable one falls back to the one before
         try:
             if args.eval_only:  # the weights only
@@ -267,7 +240,6 @@ def main(argv=None):
         return [val], model
     watchdog = Watchdog(args.step_timeout, mesh.rank, mesh.world)
     profiler = StepProfiler(args.profile_steps, args.steps, args.out, mesh.rank, device)
-    moe_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     bad_in_a_row, skipped, timeline, window_LE = 0, 0, [], 0  # window_LE: expert load since the last collapse check
     for step in range(start_step + 1, args.steps + 1):
         start = time.perf_counter()
@@ -322,16 +294,14 @@ def main(argv=None):
         bad_in_a_row, skipped = (bad_in_a_row + 1, skipped + 1) if bad_ranks else (0, skipped)
         optimizer.zero_grad()
 
-        # statistics of the global batch: every rank holds other tokens (dp, cp, ep) or other layers (pp)
+        # statistics of the global batch: every rank holds other tokens (dp, cp, ep) or other layers (pp); the
+        # model's own (Model.take_stats: the expert load and whatever its router counts) and the all-to-all rows
         watchdog.set_phase("statistics all-reduce")
-        load_LE, a2a_rows = model.take_expert_load(), torch.zeros(2, device=device) + traffic.take()
-        if mesh.world > 1:
-            for t in (load_LE, a2a_rows):
-                dist.all_reduce(t)
+        model_stats = reduce_stats({**model.take_stats(), "a2a_rows": (torch.zeros(2, device=device) + traffic.take(), "sum")},
+                                   dist.group.WORLD if mesh.world > 1 else None)
+        load_LE, a2a_rows = model_stats.pop("expert_load"), model_stats.pop("a2a_rows")
         if args.expert_bias_rate > 0 and not bad_ranks:  # global load, so the bias stays identical on every rank
-            for layer_id, load_E in zip(moe_ids, load_LE):
-                if str(layer_id) in routers:
-                    update_expert_bias(routers[str(layer_id)].expert_bias, load_E, args.expert_bias_rate)
+            model.update_expert_bias(load_LE, args.expert_bias_rate)
         if device.type == "cuda":
             torch.cuda.synchronize()
         profiler.end(step)  # (writes the traces after the window's last step)
@@ -342,11 +312,12 @@ def main(argv=None):
         if a2a_rows[1] > 0:  # rows sent to other ranks, deduplicated vs one per (token, expert)
             scalars["a2a_rows_vs_naive"] = (a2a_rows[0] / a2a_rows[1]).item()
         history.append(logger.log(step, time.perf_counter() - start, args.global_batch * args.seq_len, scalars,
-                                  {"expert_load_max_over_mean": load_per_layer}))
+                                  {"expert_load_max_over_mean": load_per_layer, **model_stats}))
         watchdog.step_done(history[-1]["step_time"])
         logger.log_load_heatmap(step, load_LE, args.load_heatmap_every)
         window_LE = window_LE + load_LE
         if step % 25 == 0 or step == args.steps:  # over 25 steps: one batch's content would be noise
+            moe_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
             warning = collapse_warning(step, (window_LE.max(-1).values / window_LE.mean(-1)).tolist(), moe_ids)
             if warning and mesh.is_main and step > args.warmup_steps:
                 print(warning, flush=True)
@@ -364,7 +335,7 @@ def main(argv=None):
                     logger.writer.add_scalar(f"val/{name[4:]}", history[-1][name], step)
         if mesh.is_main:  # the same records, machine-readable; a resumed run appends
             with open(Path(args.out) / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({**history[-1], "expert_load_max_over_mean": load_per_layer}) + "\n")
+                f.write(json.dumps(history[-1]) + "\n")
         if bad_ranks:  # after --max-bad-steps in a row this stops the run, before it saves a checkpoint
             report_bad_step(step, bad_ranks, bad_names, bad_in_a_row, args, mesh, ckpt_dir)
 
@@ -436,23 +407,57 @@ def check_arguments(args: Args) -> None:
         raise ValueError(f"cannot create --out {args.out} ({e.strerror}); choose a writable folder") from None
 
 
-def load_config(path) -> ModelConfig:
-    """The model config, with the mistakes a hand-edited config.json can hold reported in one line."""
-    try:
-        cfg = ModelConfig.from_hf(path)
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"{path} lacks or mistypes a field ({type(e).__name__}: {e}); compare it with "
-                         f"{tiny_config_path()}") from None
-    check_args({
-        f"{path}: num_experts_per_tok ({cfg.num_experts_per_tok}) must be in 1..num_experts ({cfg.num_experts})":
-            1 <= cfg.num_experts_per_tok <= cfg.num_experts,
-        f"{path}: hidden_size, num_attention_heads, head dims, kv_lora_rank, intermediate sizes, vocab_size and "
-        f"num_hidden_layers must be >= 1":
-            min(cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                cfg.kv_lora_rank, cfg.q_lora_rank or 1, cfg.moe_intermediate_size, cfg.intermediate_size,
-                cfg.vocab_size, cfg.num_hidden_layers) >= 1,
-    })
+def check_run(args: Args, world: int):
+    """Every check that needs no process group, against a world of `world` ranks: flags, the model config, the
+    layout, the batch split, the data and the checkpoint to resume. Returns the model config. train.py runs it
+    first on every rank; launch.sh runs it once (--dry-run) before torchrun starts any rank, so that a user error
+    costs one line."""
+    check_arguments(args)
+    parse_steps(args.profile_steps, args.steps)
+    lr_factor(0, args.lr_schedule, args.warmup_steps, args.steps, args.min_lr_ratio, args.decay_fraction)
+    if args.cp >= 1 and args.seq_len % (2 * args.cp):  # (cp < 1 is rejected with the layout)
+        raise ValueError(f"--seq-len {args.seq_len} is not divisible by 2*cp = {2 * args.cp}: context parallelism "
+                         f"cuts each sequence into 2*cp chunks; use a --seq-len that is a multiple of {2 * args.cp}")
+    cfg = load_config(args.hf_checkpoint or args.config)
+    if args.pp > 1:
+        split_layers(cfg.num_hidden_layers, args.pp)  # clear error if too few layers for 2*pp stages
+    if cfg.num_experts % args.ep:
+        raise ValueError(f"{cfg.num_experts} experts cannot be split evenly over --ep {args.ep}; "
+                         f"choose an ep that divides {cfg.num_experts}")
+    pp, dp, cp, ep = resolve_layout(world, args.pp, args.dp, args.cp, args.ep)
+    data_world = dp * ep  # ranks reading different sequences (cp ranks share theirs)
+    if args.micro_batch < 1 or args.global_batch < 1 or args.global_batch % (data_world * args.micro_batch):
+        raise ValueError(f"--global-batch {args.global_batch} must be divisible by data ranks ({data_world}) "
+                         f"x --micro-batch {args.micro_batch} (both >= 1)")
+    n_micro = args.global_batch // data_world // args.micro_batch
+    if pp > 1 and n_micro < 2 * pp:
+        raise ValueError(f"DualPipeV needs at least 2*pp = {2 * pp} micro-batches per rank and step, got "
+                         f"{n_micro}; raise --global-batch or lower --micro-batch")
+    check_train_args(Model, cfg, args, world)  # GPU: refuse a layout that cannot fit
+    eval_dir, eval_every = eval_settings(args)
+    for what, path in (("dataset", args.data), ("validation data", eval_dir if eval_every > 0 or args.eval_only else "")):
+        if path:
+            vocab = TokenLoader(path, args.seq_len, args.global_batch, 0, data_world, args.seed).meta["vocab_size"]
+            if vocab > cfg.vocab_size:
+                raise ValueError(f"{what} {path} has vocab {vocab} but the model only {cfg.vocab_size}; tokenize with "
+                                 f"the model's tokenizer or use a bigger config")
+    if args.eval_only and not (args.resume or args.hf_checkpoint):
+        raise ValueError("--eval-only evaluates loaded weights: give --resume STEP_DIR or --hf-checkpoint FOLDER")
+    if not args.eval_only or args.resume:
+        resume_candidates(args.resume, Path(args.out) / "checkpoints")  # a missing or unexpected checkpoint
     return cfg
+
+
+def eval_settings(args: Args) -> tuple[str, int]:
+    """(validation data folder or '', evaluate every this many steps): <data>/val from tools/prepare_data.py unless
+    --eval-data names another dataset; by default with every checkpoint when that split exists."""
+    default_val = os.path.join(args.data, "val")
+    eval_dir = args.eval_data or (default_val if os.path.isdir(default_val) else "")
+    eval_every = args.eval_every if args.eval_every >= 0 else (args.ckpt_every if eval_dir else 0)
+    if (eval_every > 0 or args.eval_only) and not eval_dir:
+        raise ValueError(f"evaluation needs validation data but {default_val} does not exist; rerun tools.prepare_data "
+                         f"(it writes a val/ split) or pass --eval-data DIR (or --eval-every 0)")
+    return eval_dir, eval_every
 
 
 def report_bad_step(step, bad_ranks, bad_names, bad_in_a_row, args, mesh, ckpt_dir):
@@ -497,11 +502,10 @@ def evaluate(model, pipeline, loader, args, mesh, positions_BS, use_bf16) -> dic
                 totals[0] += pipeline.stages[1].stats[0]
         if pipeline is None or mesh.coord("pp") == 0:
             totals[1] += (labels != -100).sum()
-    load_LE = model.take_expert_load()
+    load_LE = reduce_stats(model.take_stats(), dist.group.WORLD if mesh.world > 1 else None)["expert_load"]
     traffic.take()
     if mesh.world > 1:
-        for t in (totals, load_LE):
-            dist.all_reduce(t)
+        dist.all_reduce(totals)
     loss = (totals[0] / totals[1].clamp(min=1)).item()
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(totals[1]),
             "val_load_max_over_mean": (load_LE.max(-1).values / load_LE.mean(-1)).tolist() if load_LE.numel() else []}

@@ -83,6 +83,10 @@ else
   RDZV=(--standalone --nnodes 1)
 fi
 
+# ---- the flags, config, layout and data checked once, in one process, before torchrun starts any rank: a user
+# error costs one `error:` line and a few seconds (train.py --dry-run runs the checks every rank runs first)
+WORLD_SIZE=$((NPROC * NNODES)) python -m "recipes.$RECIPE.train" --data "$DATA" --out "$OUT" "${DEFAULTS[@]}" "$@" --dry-run
+
 export MOE_TRAIN_STOP_FILE="${TMPDIR:-/tmp}/moe-train-stop-$$"  # the error that stopped the run (core/reliability.py)
 rm -f "$MOE_TRAIN_STOP_FILE"
 set -x +e

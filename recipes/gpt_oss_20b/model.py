@@ -33,7 +33,8 @@ from core.fp8 import convert_linears, fp8_grouped_mm
 from core.hf_io import CheckpointReader, dequantize_mxfp4, read_hf_config, write_hf_folder
 from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.swiglu import gptoss_swiglu
-from core.moe import expert_counts, expert_matmul, moe_forward
+from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias
+from core.training import check_args
 from core.weight_cache import cast_weight
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -112,6 +113,25 @@ class ModelConfig:
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
 
+
+
+def load_config(path) -> ModelConfig:
+    """The model config, with the mistakes a hand-edited config.json can hold reported in one line (train.py)."""
+    try:
+        cfg = ModelConfig.from_hf(path)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path} lacks or mistypes a field ({type(e).__name__}: {e}); compare it with "
+                         f"{tiny_config_path()}") from None
+    check_args({
+        f"{path}: num_experts_per_tok ({cfg.num_experts_per_tok}) must be in 1..num_experts ({cfg.num_experts})":
+            1 <= cfg.num_experts_per_tok <= cfg.num_experts,
+        f"{path}: num_attention_heads ({cfg.num_attention_heads}) must be a multiple of num_key_value_heads "
+        f"({cfg.num_key_value_heads})": cfg.num_key_value_heads >= 1 and cfg.num_attention_heads % cfg.num_key_value_heads == 0,
+        f"{path}: hidden_size, head_dim, intermediate sizes, vocab_size and num_hidden_layers must be >= 1":
+            min(cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size,
+                cfg.num_hidden_layers) >= 1,
+    })
+    return cfg
 # ---------------------------------------------------------------------------------------------- layers
 
 
@@ -365,7 +385,11 @@ class Model(nn.Module):
         """transformers' init: Normal(0, initializer_range) for every matrix, the sinks and the router bias, ones
         for norms, zeros for the other biases. Each tensor (each expert of a stacked tensor) draws from a
         generator seeded by the default generator and its name, so a partial model (pipeline stage, expert shard)
-        gets exactly its slice of the full model's weights. Seed the default generator the same on every rank."""
+        gets exactly its slice of the full model's weights. Seed the default generator the same on every rank. Every buffer starts at zero
+        (expert_bias): a buffer that needs another start value gets its rule here, since a model built on the meta
+        device (the --hf-checkpoint path) has nothing else to fill it (tests/test_recipes.py checks every buffer)."""
+        for buf in self.buffers():
+            buf.zero_()
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
@@ -450,6 +474,23 @@ class Model(nn.Module):
         cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
         return cfg.num_experts * (aux_2E[0] * aux_2E[1]).sum() / (cfg.num_hidden_layers * tokens * cp) ** 2
 
+    def take_stats(self) -> dict[str, tuple[torch.Tensor, str]]:
+        """This rank's statistics since the last call, for the log line, TensorBoard and metrics.jsonl: name ->
+        (tensor, "sum" | "max": how core/metrics.py:reduce_stats combines the ranks, which hold other tokens (dp,
+        cp, ep) or other layers (pp)). Every rank returns the same names and shapes (rows of layers held by other
+        pipeline stages are 0, or -inf for "max"). expert_load [MoE layers, E] is required (the expert bias and
+        the load heatmap use it); a new router adds its own entries. Scalars and 1-D tensors are logged."""
+        return {"expert_load": (self.take_expert_load(), "sum")}
+
+    @torch.no_grad()
+    def update_expert_bias(self, load_LE: torch.Tensor, rate: float) -> None:
+        """Aux-loss-free balancing step of every router this rank holds, from the global expert load [MoE layers, E]
+        (identical on every rank, so the biases stay identical too)."""
+        moe_ids = [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
+        for layer_id, load_E in zip(moe_ids, load_LE):
+            if str(layer_id) in self.layers:
+                update_expert_bias(self.layers[str(layer_id)].mlp.router.expert_bias, load_E, rate)
+
     def take_expert_load(self) -> torch.Tensor:
         """(token, slot) pairs per expert routed by this rank since the last call, [layers of the whole model, E]
         with zero rows for layers held by other pipeline stages."""
@@ -472,6 +513,13 @@ class PipelineStage:
         self.layers = [model.layers[str(i)] for i in layer_ids]
         self.input_ids = self.labels = self.loss_fn = None
         self.stats = 0
+
+    @staticmethod
+    def p2p_specs(cfg: ModelConfig, micro_batch: int, seq_len: int, hidden_dtype) -> list:
+        """(shape, dtype) of each tensor of `state` that crosses pp ranks: the hidden state [micro_batch, seq_len
+        (this rank's part under cp), H] in the compute dtype (bf16 on the bf16 path, Model.embed) and
+        the aux statistics [2, E] in fp32."""
+        return [((micro_batch, seq_len, cfg.hidden_size), hidden_dtype), ((2, cfg.num_experts), torch.float32)]
 
     def pre(self, inputs, mb):
         if not self.first:
