@@ -26,6 +26,7 @@ from core import fp8
 from core.checkpoint import complete_checkpoints, load_checkpoint, resume_candidates, save_checkpoint
 from core.context import cp_positions, split_for_cp
 from core.data import TokenLoader, load_tokenizer
+from core.memory import check_train_args
 from core.mesh import build_mesh, destroy_mesh
 from core.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from core.moe import traffic, update_expert_bias
@@ -43,7 +44,6 @@ from core.reliability import (
     step_is_finite,
 )
 from core.training import check_args, lr_factor, parse_args
-from tools.estimate_memory import check_train_args
 
 from .model import (
     Model,
