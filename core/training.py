@@ -1,9 +1,14 @@
-"""What every train.py needs around the model: flags from a dataclass and the lr schedule (the optimizer,
-with gradient reduction and clipping, is core/optimizer.py)."""
+"""What every train.py needs around the model: flags from a dataclass (--help shows each field's comment) and the
+lr schedule (the optimizer, with gradient reduction and clipping, is core/optimizer.py)."""
 
 import argparse
+import ast
 import dataclasses
+import inspect
+import io
 import math
+import textwrap
+import tokenize
 import typing
 
 
@@ -12,18 +17,77 @@ class _Parser(argparse.ArgumentParser):
         raise ValueError(f"{message} (see --help)")
 
 
-def parse_args(cls, argv=None):
-    """argparse flags mapped 1:1 onto the fields of a dataclass (`max_steps` -> `--max-steps`)."""
+def _own_field_comments(cls) -> dict[str, str]:
+    """field_comments of the fields written in this class's own body (rules: field_comments)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source (a class made at run time): the flags show their defaults only
+        return {}
+    fields = {}  # first line -> (name, last line) of each annotated name in the class body (dataclass fields)
+    for node in ast.parse(source).body[0].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            fields[node.lineno] = (node.target.id, node.end_lineno)
+    # tokenize, not a text search: a '#' inside a string (a default such as "#fff") is no comment
+    comment_at = {}  # line -> comment text without its '#'
+    code_lines = set()  # lines holding anything but a comment (a string spanning lines: each of them)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comment_at[tok.start[0]] = tok.string.lstrip("#").strip()
+        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER):
+            code_lines.update(range(tok.start[0], tok.end[0] + 1))
+    comments = {}
+    for first, (name, last) in fields.items():
+        parts = [comment_at[line] for line in range(first, last + 1) if line in comment_at]
+        line = last + 1
+        while parts and line in comment_at and line not in code_lines and not comment_at[line].startswith("---"):
+            parts.append(comment_at[line])
+            line += 1
+        if parts:
+            comments[name] = " ".join(parts)
+    return comments
+
+
+def field_comments(cls) -> dict[str, str]:
+    """{field name: its meaning} from the dataclass's source: the `# comment` on the field's line(s), continued by
+    comment-only lines directly below it (no blank line between). A comment-only line above a field, or below one
+    without a comment of its own, or one starting `# ---` (a section heading such as `# ---- reliability and
+    evaluation`), belongs to no field. Base classes' fields keep their own comments."""
+    comments = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):  # base first: a subclass's comment wins
+            comments.update(_own_field_comments(klass))
+    return comments
+
+
+def _shown(value) -> str:
+    """A default as --help shows it: strings bare (runs/my_arch), quoted only when empty or padded ('', 'def ')."""
+    if isinstance(value, str) and (not value or value != value.strip()):
+        return repr(value)
+    return str(value)
+
+
+def build_parser(cls) -> argparse.ArgumentParser:
+    """argparse flags mapped 1:1 onto the fields of a dataclass (`max_steps` -> `--max-steps`), each with its
+    meaning (field_comments) and default in --help."""
     parser = _Parser(description=cls.__doc__)
+    comments = field_comments(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
+        default = f"default: {_shown(f.default)}"
+        text = f"{comments[f.name]} ({default})" if f.name in comments else default
+        help = text.replace("%", "%%")  # argparse %-formats help text: a literal % must be doubled
         if f.type in (bool, bool | None):  # --flag / --no-flag (None: not given, the script decides)
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
         elif typing.get_origin(f.type) is typing.Literal:  # one of a few names
-            parser.add_argument(flag, choices=typing.get_args(f.type), default=f.default, help=f"default: {f.default}")
+            parser.add_argument(flag, choices=typing.get_args(f.type), default=f.default, help=help)
         else:
-            parser.add_argument(flag, type=f.type, default=f.default, help=f"default: {f.default}")
-    args = vars(parser.parse_args(argv))
+            parser.add_argument(flag, type=f.type, default=f.default, help=help)
+    return parser
+
+
+def parse_args(cls, argv=None):
+    """An instance of the dataclass `cls` from command-line flags (build_parser); a non-finite float is refused."""
+    args = vars(build_parser(cls).parse_args(argv))
     for name, value in args.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"--{name.replace('_', '-')} {value} is not a finite number")

@@ -1,6 +1,6 @@
-"""tools/estimate_memory.py against exact counts on CPU: parameter bytes of the built model, Adam state of a real
-ShardedAdamW (one process and 2 gloo ranks), bytes saved for backward measured with saved_tensors_hooks; the
-refusal with suggested layouts; and the skill's script on every recipe."""
+"""core/memory.py (the estimate) against exact counts on CPU: parameter bytes of the built model, Adam state of a
+real ShardedAdamW (one process and 2 gloo ranks), bytes saved for backward measured with saved_tensors_hooks; the
+refusal with suggested layouts; and the skill's script (tools/estimate_memory.py's command line) on every recipe."""
 
 import runpy
 import sys
@@ -9,17 +9,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from core import memory
 from core.optimizer import ReplicaSet, ShardedAdamW
 from core.pipeline import split_layers
 from tests.conftest import TINY_TRAIN_CONFIG
 from tests.multiproc import run_ranks
-from tools import estimate_memory as em
-
-RECIPES = em.RECIPES
+from tools.estimate_memory import RECIPES, recipe_module
 
 
 def tiny(recipe):
-    mod = em.recipe_module(recipe)
+    mod = recipe_module(recipe)
     return mod, mod.ModelConfig.from_hf(mod.tiny_config_path())
 
 
@@ -54,16 +53,16 @@ def test_params_and_optimizer_exact_one_process(recipe):
     state equals a real ShardedAdamW's."""
     mod, cfg = tiny(recipe)
     model = mod.Model(cfg)
-    layout = em.Layout(pp=2, ep=2, bf16=False)
+    layout = memory.Layout(pp=2, ep=2, bf16=False)
     stages = split_layers(cfg.num_hidden_layers, 2)
     for pp_rank, layers in enumerate((stages[0] + stages[3], stages[1] + stages[2])):
         want = 0
         for name, p in model.named_parameters():
             held = int(name.split(".")[1]) in layers if name.startswith("layers.") else pp_rank == 0
             want += held * p.numel() // (2 if ".mlp.experts." in name else 1)
-        got = em.param_bytes(em.meta_model(mod, cfg, **em.rank_parts(cfg, layout, pp_rank)), layout)
+        got = memory.param_bytes(memory.meta_model(mod, cfg, **memory.rank_parts(cfg, layout, pp_rank)), layout)
         assert got["weights"] == got["gradients"] == 4 * want
-    got = em.param_bytes(em.meta_model(mod, cfg), em.Layout(bf16=False))
+    got = memory.param_bytes(memory.meta_model(mod, cfg), memory.Layout(bf16=False))
     assert got["optimizer"] == adam_bytes(model, None, None) == 2 * got["weights"]
     assert got["weight_cache"] == 0  # fp32: no casts
 
@@ -86,9 +85,9 @@ def test_optimizer_shards_exact_on_two_ranks():
     ranks = run_ranks(2, _adam_on_two_ranks)
     for recipe in RECIPES:
         mod, cfg = tiny(recipe)
-        dp2 = em.param_bytes(em.meta_model(mod, cfg), em.Layout(dp=2, bf16=False))["optimizer"]
-        ep2 = em.param_bytes(em.meta_model(mod, cfg, experts=(0, cfg.num_experts // 2)),
-                             em.Layout(ep=2, bf16=False))["optimizer"]
+        dp2 = memory.param_bytes(memory.meta_model(mod, cfg), memory.Layout(dp=2, bf16=False))["optimizer"]
+        ep2 = memory.param_bytes(memory.meta_model(mod, cfg, experts=(0, cfg.num_experts // 2)),
+                             memory.Layout(ep=2, bf16=False))["optimizer"]
         assert (dp2, ep2) == ranks[0][recipe], recipe  # rank 0 holds the largest shards (ceil split)
         assert ranks[1][recipe][0] <= dp2
 
@@ -102,7 +101,7 @@ def test_activations_match_saved_tensors(recipe):
     for recompute in ("none", "attention", "layer"):
         torch.manual_seed(0)
         want = measured_saved_bytes(mod.Model(cfg, recompute=recompute), 4, 64)
-        got = em.estimate(mod, cfg, em.Layout(micro_batch=4, seq_len=64, bf16=False, recompute=recompute))
+        got = memory.estimate(mod, cfg, memory.Layout(micro_batch=4, seq_len=64, bf16=False, recompute=recompute))
         assert abs(got["activations"] / want - 1) < 0.05, (recompute, got["activations"], want)
 
 
@@ -111,31 +110,31 @@ def test_activations_scale_with_width():
     width a quarter) estimated from the tiny calibration scaled by the hidden size. 15%: the expert and attention
     widths do not scale exactly with the hidden size (the error seen is 8%); for the full configs this scaling is
     the estimate's main approximation."""
-    mod = em.recipe_module("qwen3_30b_a3b")
+    mod = recipe_module("qwen3_30b_a3b")
     cfg = mod.ModelConfig(**{k: v for k, v in TINY_TRAIN_CONFIG.items() if k != "model_type"})
     torch.manual_seed(0)
     want = measured_saved_bytes(mod.Model(cfg), 2, 64)
-    got = em.estimate(mod, cfg, em.Layout(micro_batch=2, seq_len=64, bf16=False))["activations"]
+    got = memory.estimate(mod, cfg, memory.Layout(micro_batch=2, seq_len=64, bf16=False))["activations"]
     assert abs(got / want - 1) < 0.15, (got, want)
 
 
 def test_refusal_names_layouts_that_fit():
     """A budget between the estimate with and without recompute: one line, naming layouts the estimator says fit."""
     mod, cfg = tiny("qwen3_30b_a3b")
-    layout = em.Layout(dp=2, micro_batch=8, seq_len=2048, bf16=True)
-    full = em.estimate(mod, cfg, layout)["total"]
-    lean = em.estimate(mod, cfg, em.Layout(dp=2, micro_batch=8, seq_len=2048, recompute="layer"))["total"]
+    layout = memory.Layout(dp=2, micro_batch=8, seq_len=2048, bf16=True)
+    full = memory.estimate(mod, cfg, layout)["total"]
+    lean = memory.estimate(mod, cfg, memory.Layout(dp=2, micro_batch=8, seq_len=2048, recompute="layer"))["total"]
     assert lean < full
-    gib = (lean + full) / 2 / em.GIB
+    gib = (lean + full) / 2 / memory.GIB
     with pytest.raises(ValueError) as e:
-        em.check_fits(mod, cfg, layout, gib, reserve_gib=0)
+        memory.check_fits(mod, cfg, layout, gib, reserve_gib=0)
     msg = str(e.value)
     assert "\n" not in msg and "layouts that fit: --pp" in msg
     for text in msg.split("layouts that fit: ")[1].split(" (python")[0].split("; "):
         f = text.split()
-        cand = em.Layout(int(f[1]), int(f[3]), int(f[5]), int(f[7]), int(f[9]), 2048, True, False, f[11])
-        assert cand.pp * cand.dp * cand.cp * cand.ep == 2 and em.fits(em.estimate(mod, cfg, cand), gib, 0)
-    em.check_fits(mod, cfg, layout, full / em.GIB + 0.01, reserve_gib=0)  # fits: no error
+        cand = memory.Layout(int(f[1]), int(f[3]), int(f[5]), int(f[7]), int(f[9]), 2048, True, False, f[11])
+        assert cand.pp * cand.dp * cand.cp * cand.ep == 2 and memory.fits(memory.estimate(mod, cfg, cand), gib, 0)
+    memory.check_fits(mod, cfg, layout, full / memory.GIB + 0.01, reserve_gib=0)  # fits: no error
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -162,7 +161,7 @@ def test_train_refuses_before_allocating(recipe, monkeypatch):
     import importlib
     train = importlib.import_module(f"recipes.{recipe}.train")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 4.2 * em.GIB}))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 4.2 * memory.GIB}))
     argv = ["--seq-len", "64", "--micro-batch", "64", "--global-batch", "64", "--data", "/nonexistent"]
     with pytest.raises(ValueError, match="exceeds 4 GiB - 4 GiB reserve for .* layouts that fit: --pp 1"):
         train.main(argv)

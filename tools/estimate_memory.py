@@ -1,61 +1,21 @@
 """Per-rank peak training memory of a recipe config under a layout, by component, and whether it fits a GPU.
 
+The command line of core/memory.py (what each component counts and how exact it is: that module's docstring):
+
     python -m tools.estimate_memory --recipe qwen3_30b_a3b --config recipes/qwen3_30b_a3b/config.json \
         --pp 2 --ep 4 --micro-batch 1 --seq-len 4096 --gpu-gib 141
 
-Components of the most loaded pipeline rank (every pp rank is built; the largest total is reported):
-  weights      fp32 master parameters: the recipe's Model built on `meta` for this rank's part (the layers of its
-               two DualPipeV stages from core.pipeline.split_layers, 1/ep of the routed experts, embedding and
-               head on pp rank 0), so the count is the model's own, not a formula
-  gradients    fp32, one per parameter (the full gradient lives until ShardedAdamW.reduce_gradients)
-  optimizer    AdamW's two fp32 moments of this rank's ZeRO-1 shard: dense parameters sharded over dp*cp*ep,
-               routed experts over dp*cp, ceil(numel / n) elements each (core/optimizer.py)
-  weight cache bf16 casts of the routed experts and the LM head (core/weight_cache.py); with --fp8, two 1-byte
-               copies of every attention / dense MLP / expert matrix instead (core/fp8.py)
-  activations  bytes saved for backward, measured once with torch.autograd.graph.saved_tensors_hooks on the
-               recipe's tiny config on CPU (per token and layer, and per token and vocab entry for the head),
-               scaled by tokens (micro_batch * seq_len / cp), layers held, hidden_size / tiny hidden_size,
-               vocab, 1/2 for bf16, and micro-batches in flight: pp + 1 under DualPipeV
-               (core/pipeline.py), 1 without pp
-  comm buffers dispatch + combine rows of the MoE all-to-alls (send and receive, tokens * top-k * hidden) and
-               the reduce-scatter bucket of the gradients (ShardedAdamW.bucket_bytes, at most)
-Plus --reserve-gib for the CUDA context and allocator fragmentation. The weights, gradients and optimizer are exact
-(the tests compare them with a built model and a real ShardedAdamW); activations are exact on the tiny configs
-up to the tolerance the tests state, and a first-order estimate for the full configs (the measured per-token bytes
-scale with the hidden size, while the expert and attention widths of a real config scale differently).
+Prints the components of the most loaded pipeline rank in GiB and FITS / DOES NOT FIT in --gpu-gib minus
+--reserve-gib (CUDA context and allocator fragmentation); when it does not fit, up to three layouts on the same
+number of GPUs that would.
 """
 
 import argparse
 import importlib
-import itertools
-import sys
-from dataclasses import dataclass, replace
 
-import torch
-
-from core.optimizer import _split
-from core.pipeline import split_layers
+from core.memory import GIB, Layout, estimate, fits, suggest
 
 RECIPES = ("qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b")
-GIB = 2**30
-BUCKET_BYTES = 256 << 20  # ShardedAdamW's default bucket_bytes
-
-
-@dataclass(frozen=True)
-class Layout:
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
-    ep: int = 1
-    micro_batch: int = 1
-    seq_len: int = 4096
-    bf16: bool = True
-    fp8: bool = False
-    recompute: str = "none"
-
-    def __str__(self):
-        return (f"--pp {self.pp} --dp {self.dp} --cp {self.cp} --ep {self.ep} --micro-batch {self.micro_batch} "
-                f"--recompute {self.recompute}")
 
 
 def recipe_module(recipe: str):
@@ -64,166 +24,6 @@ def recipe_module(recipe: str):
         return importlib.import_module(f"recipes.{recipe}.model")
     except ModuleNotFoundError:
         raise ValueError(f"no recipe folder recipes/{recipe}; use a folder name such as {', '.join(RECIPES)}") from None
-
-
-def rank_parts(cfg, layout: Layout, pp_rank: int) -> dict:
-    """Model(...) keyword arguments of one pp rank (as train.py builds it), with ep rank 0's experts."""
-    E, ep = cfg.num_experts, layout.ep
-    if E % ep:
-        raise ValueError(f"{E} experts cannot be split evenly over --ep {ep}; choose an ep that divides {E}")
-    layers = None
-    if layout.pp > 1:
-        stage_layers = split_layers(cfg.num_hidden_layers, layout.pp)
-        layers = stage_layers[pp_rank] + stage_layers[2 * layout.pp - 1 - pp_rank]
-    return dict(layers=layers, experts=(0, E // ep), embed=pp_rank == 0, head=pp_rank == 0)
-
-
-def meta_model(mod, cfg, **parts):
-    with torch.device("meta"):
-        return mod.Model(cfg, **parts)
-
-
-def saved_bytes(model, input_ids_BS) -> int:
-    """Bytes autograd keeps for backward in one forward_train (fp32 on CPU), each storage once, weights excluded."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in weights:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.forward_train(input_ids_BS, input_ids_BS)
-    return sum(seen.values())
-
-
-_CALIBRATION = {}
-
-
-def activation_calibration(mod, recompute: str, batch: int = 2, seq: int = 32) -> tuple:
-    """(tiny config, saved bytes per token and layer, saved bytes per token and vocab entry of the head), measured
-    on the recipe's tiny config on CPU in fp32: the whole model minus a model without layers gives the layers."""
-    key = (mod.__name__, recompute)
-    if key not in _CALIBRATION:
-        tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            ids = torch.randint(0, tiny.vocab_size, (batch, seq))
-            full = saved_bytes(mod.Model(tiny, recompute=recompute), ids)
-            head = saved_bytes(mod.Model(tiny, layers=[], recompute=recompute), ids)
-        tokens = batch * seq
-        _CALIBRATION[key] = (tiny, (full - head) / (tokens * tiny.num_hidden_layers), head / (tokens * tiny.vocab_size))
-    return _CALIBRATION[key]
-
-
-def param_bytes(model, layout: Layout) -> dict:
-    """Exact bytes of weights, gradients and Adam shards (ep rank 0, dp*cp rank 0: the largest shards)."""
-    n_dense = layout.dp * layout.cp * layout.ep
-    n_expert = layout.dp * layout.cp
-    weights = adam = cache = 0
-    for name, p in model.named_parameters():
-        expert = ".mlp.experts." in name
-        weights += 4 * p.numel()
-        lo, hi = _split(p.numel(), n_expert if expert else n_dense, 0)
-        adam += 8 * (hi - lo)
-        if layout.fp8 and p.ndim >= 2 and ".layers." in name and name.split(".")[-2] not in ("gate", "router"):
-            cache += 2 * p.numel()  # two FP8 copies (core/fp8.py: one per GEMM direction)
-        elif layout.bf16 and (expert or name.startswith("lm_head")):
-            cache += 2 * p.numel()
-    return dict(weights=weights, gradients=weights, optimizer=adam, weight_cache=cache)
-
-
-_PARAMS = {}
-
-
-def rank_param_bytes(mod, cfg, layout: Layout, pp_rank: int) -> tuple[dict, list[int], bool]:
-    """(param_bytes, layer ids, holds the head) of one pp rank, from the model built on meta (cached per layout)."""
-    key = (mod.__name__, id(cfg), layout.pp, layout.dp, layout.cp, layout.ep, layout.bf16, layout.fp8, pp_rank)
-    if key not in _PARAMS:
-        parts = rank_parts(cfg, layout, pp_rank)
-        model = meta_model(mod, cfg, **parts)
-        _PARAMS[key] = (param_bytes(model, layout), [int(i) for i in model.layers], parts["head"], cfg)
-    return _PARAMS[key][:3]
-
-
-def estimate(mod, cfg, layout: Layout) -> dict:
-    """Bytes per component on the most loaded pp rank, plus 'total' and 'pp_rank'. mod: the recipe's model module."""
-    if layout.seq_len % (2 * layout.cp):
-        raise ValueError(f"--seq-len {layout.seq_len} is not divisible by 2*cp = {2 * layout.cp}")
-    tiny, per_token_layer, per_token_vocab = activation_calibration(mod, layout.recompute)
-    tokens = layout.micro_batch * layout.seq_len // layout.cp
-    in_flight = layout.pp + 1 if layout.pp > 1 else 1
-    width = cfg.hidden_size / tiny.hidden_size * (0.5 if layout.bf16 else 1.0)
-    act_bytes = 2 if layout.bf16 else 4
-    best = None
-    for pp_rank in range(layout.pp):
-        params, layer_ids, has_head = rank_param_bytes(mod, cfg, layout, pp_rank)
-        out = dict(params)
-        head = per_token_vocab * cfg.vocab_size * (0.5 if layout.bf16 else 1.0) if has_head else 0
-        out["activations"] = int(in_flight * tokens * (len(layer_ids) * per_token_layer * width + head))
-        moe_layers = sum(cfg.is_moe_layer(i) for i in layer_ids)
-        rows = tokens * cfg.num_experts_per_tok * cfg.hidden_size * act_bytes if moe_layers else 0
-        out["comm_buffers"] = 4 * rows + min(BUCKET_BYTES, out["gradients"])  # dispatch+combine, send+recv
-        out["total"] = sum(out.values())
-        out["pp_rank"] = pp_rank
-        if best is None or out["total"] > best["total"]:
-            best = out
-    return best
-
-
-def fits(est: dict, gpu_gib: float, reserve_gib: float) -> bool:
-    return est["total"] <= (gpu_gib - reserve_gib) * GIB
-
-
-def suggest(mod, cfg, layout: Layout, gpu_gib: float, reserve_gib: float, limit: int = 3) -> list[Layout]:
-    """Layouts on the same number of GPUs (same sequence length and precision) that fit, fewest changes first."""
-    world = layout.pp * layout.dp * layout.cp * layout.ep
-    divisors = [d for d in range(1, world + 1) if world % d == 0]
-    found = []
-    for pp, cp, ep in itertools.product(divisors, divisors, divisors):
-        if world % (pp * cp * ep) or cfg.num_experts % ep or layout.seq_len % (2 * cp):
-            continue
-        if pp > 1 and 2 * pp - 2 > cfg.num_hidden_layers:
-            continue
-        for mb, rc in itertools.product(sorted({1, layout.micro_batch}), ("none", "attention", "layer")):
-            cand = replace(layout, pp=pp, dp=world // (pp * cp * ep), cp=cp, ep=ep, micro_batch=mb, recompute=rc)
-            if cand == layout:
-                continue
-            try:
-                est = estimate(mod, cfg, cand)
-            except ValueError:
-                continue
-            if fits(est, gpu_gib, reserve_gib):
-                changes = sum(getattr(cand, f) != getattr(layout, f) for f in ("pp", "cp", "ep", "micro_batch", "recompute"))
-                found.append((changes, est["total"], cand))
-    return [c for _, _, c in sorted(found, key=lambda x: (x[0], x[1]))[:limit]]
-
-
-def check_fits(mod, cfg, layout: Layout, gpu_gib: float, reserve_gib: float = 4.0) -> None:
-    """Raise a one-line ValueError when the layout does not fit, naming layouts that would."""
-    est = estimate(mod, cfg, layout)
-    if fits(est, gpu_gib, reserve_gib):
-        return
-    others = suggest(mod, cfg, layout, gpu_gib, reserve_gib)
-    hint = "; ".join(str(o) for o in others) if others else "none on this many GPUs: use more GPUs or a shorter --seq-len"
-    raise ValueError(f"estimated peak {est['total'] / GIB:.1f} GiB per GPU (pp rank {est['pp_rank']}) exceeds "
-                     f"{gpu_gib:.0f} GiB - {reserve_gib:.0f} GiB reserve for {layout}; layouts that fit: {hint} "
-                     f"(python -m tools.estimate_memory for the table)")
-
-
-def check_train_args(model_cls, cfg, args, world: int) -> None:
-    """train.py's guard: on CUDA, refuse a layout that cannot fit in this GPU's memory; nothing on CPU.
-    model_cls: the recipe's Model (its module is the recipe)."""
-    if not torch.cuda.is_available() or args.device == "cpu":
-        return
-    dp = args.dp if args.dp > 0 else world // (args.pp * args.cp * args.ep)
-    if dp < 1 or args.pp * dp * args.cp * args.ep != world:
-        return  # build_mesh reports a layout that does not match the world size
-    layout = Layout(args.pp, dp, args.cp, args.ep, args.micro_batch, args.seq_len, args.dtype != "fp32", args.fp8,
-                    args.recompute)
-    check_fits(sys.modules[model_cls.__module__], cfg, layout, torch.cuda.get_device_properties(0).total_memory / GIB)
 
 
 def table(est: dict) -> str:

@@ -32,6 +32,7 @@ from core import fp8
 from core.checkpoint import complete_checkpoints, load_checkpoint, resume_candidates, save_checkpoint
 from core.context import cp_positions, split_for_cp
 from core.data import TokenLoader, load_tokenizer
+from core.memory import check_train_args
 from core.mesh import build_mesh, destroy_mesh, resolve_layout
 from core.metrics import MetricsLogger, peak_flops, peak_memory_gib, reduce_stats
 from core.moe import traffic
@@ -49,7 +50,6 @@ from core.reliability import (
     step_is_finite,
 )
 from core.training import check_args, lr_factor, parse_args
-from tools.estimate_memory import check_train_args
 
 from .model import (
     Model,
