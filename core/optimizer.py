@@ -13,7 +13,8 @@ routed experts over (dp, cp) (each ep rank holds different experts). Rank i of a
 elements [i*c, (i+1)*c) of each flattened parameter, c = ceil(numel / n) (the last shards are shorter or
 empty: DTensor's Shard(0) split). The shard is a view into the parameter, so AdamW updates the weights in
 place. Checkpoints describe every tensor as a DTensor over the set's mesh (see `checkpoint_state`), so a
-checkpoint written at one (dp, ep) layout loads at another.
+checkpoint written at one (dp, ep) layout loads at another. `reinit_` re-initialises part of a parameter (say one
+routed expert) and zeroes its Adam moments in whichever shards hold them, for a recipe that replaces a dead expert.
 """
 
 import math
@@ -44,6 +45,7 @@ class _Entry:
     replicas: ReplicaSet
     n: int  # ranks in the replica group
     chunk: int  # c: elements per shard before truncation
+    start: int  # where the shard begins in the flattened parameter (i*c, or numel for an empty last shard)
     shard: torch.Tensor  # this rank's slice of the flattened parameter (a view)
 
 
@@ -69,7 +71,7 @@ class ShardedAdamW:
             for name, p in rs.params.items():
                 assert p.is_contiguous(), name
                 lo, hi = _split(p.numel(), n, rank)
-                self.entries.append(_Entry(name, p, rs, n, math.ceil(p.numel() / n), p.detach().view(-1)[lo:hi]))
+                self.entries.append(_Entry(name, p, rs, n, math.ceil(p.numel() / n), lo, p.detach().view(-1)[lo:hi]))
         self.by_name = {e.name: e for e in self.entries}
         on_gpu = self.entries[0].param.device.type == "cuda"
         # weight decay on matrices only (norm weights and biases are not decayed, as in Megatron)
@@ -153,6 +155,60 @@ class ShardedAdamW:
         self._init_state()
         held = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values() if t.ndim)
         return held, sum(2 * e.param.numel() * e.param.element_size() for e in self.entries)
+
+    # ----------------------------------------------------------------------------------- re-initialisation
+
+    @torch.no_grad()
+    def reinit_(self, name: str, index: int | slice, values: torch.Tensor | None = None) -> None:
+        """Re-initialise part of a parameter together with its Adam moments, e.g. a dead routed expert that a
+        router replaces by a fresh one mid-run: param[index] = values on this rank, and exp_avg = exp_avg_sq = 0
+        for the elements of that part that lie in this rank's shard (possibly none).
+
+        name: a parameter name as given in the ReplicaSets (model.named_parameters()). index: an int or a slice
+        (step 1) of dim 0 of this rank's local parameter, e.g. local expert j of a stacked [L, H, J] tensor.
+        values: the new weights, a tensor of shape param[index].shape (copied, cast to the parameter's dtype), or
+        None to keep the weights and reset only the moments. Call it between two steps, on every replica of the
+        parameter with the same arguments (as everything else here): each replica writes the weights and zeroes
+        the moments of its own shard, so no collective is needed. Torch's AdamW keeps one `step` per tensor (here
+        per shard, shared with the rest of the parameter), so the step count is not reset: once it is large the
+        bias corrections are ~1 and the part's first update is (1 - beta1) / sqrt(1 - beta2) * lr per element
+        (0.45 lr at betas (0.9, 0.95)) where a fresh Adam would take lr. Weights and moments change in place,
+        where `checkpoint_state` reads them, so a checkpoint saved afterwards holds the reset part."""
+        e = self.by_name.get(name)
+        if e is None:
+            known = list(self.by_name)
+            raise ValueError(f"reinit_: no parameter {name!r} in this optimizer; it has {len(known)}, e.g. "
+                             f"{', '.join(map(repr, known[:4]))}")
+        p = e.param
+        rows = p.shape[0] if p.ndim else 0
+        if isinstance(index, int) and not isinstance(index, bool):
+            if not -rows <= index < rows:
+                raise ValueError(f"reinit_: index {index} is out of range for dim 0 of {name} (size {rows})")
+            first = index % rows
+            last, part, where = first + 1, p[first], f"{name}[{first}]"
+        elif isinstance(index, slice):  # negative bounds count from the end, as in Python
+            first = 0 if index.start is None else index.start + rows * (index.start < 0)
+            last = rows if index.stop is None else index.stop + rows * (index.stop < 0)
+            if index.step not in (None, 1) or not 0 <= first < last <= rows:
+                raise ValueError(f"reinit_: {index} must select rows first:last (step 1) with 0 <= first < last <= "
+                                 f"{rows}, dim 0 of {name} {tuple(p.shape)}")
+            part, where = p[first:last], f"{name}[{first}:{last}]"
+        else:
+            raise ValueError(f"reinit_: index must be an int or a slice of dim 0 of {name}, got {index!r}")
+        if values is not None:
+            if not isinstance(values, torch.Tensor) or values.shape != part.shape:
+                got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+                raise ValueError(f"reinit_: values for {where} must have shape {tuple(part.shape)}, got {got}")
+            part.copy_(values)  # the shard is a view of the parameter: it sees the new weights too
+        # rows first:last of the contiguous parameter are flattened elements [first*row, last*row); this rank's
+        # shard holds [start, start + shard numel); their intersection, relative to the shard, is what to zero
+        row = p.numel() // rows
+        lo = max(first * row, e.start) - e.start
+        hi = min(last * row, e.start + e.shard.numel()) - e.start
+        state = self.optimizer.state.get(e.shard)  # none before the first step: torch will start from zeros
+        if state and lo < hi:
+            state["exp_avg"][lo:hi].zero_()
+            state["exp_avg_sq"][lo:hi].zero_()
 
     # ----------------------------------------------------------------------------------- checkpoints
 

@@ -3,7 +3,9 @@ torch.optim.AdamW (its single-tensor implementation) with the parameter groups w
 torch.nn.utils.clip_grad_norm_ and torch's own LinearLR / CosineAnnealingLR / SequentialLR, on a small plain
 model. In one process, and on 4 gloo ranks as dp=2 x ep=2 (dense parameters sharded 4 ways, the expert tensor
 split over ep and sharded 2 ways over dp, with last shards short or empty), for 6 steps with a checkpoint round
-trip (core/checkpoint.py, into freshly built objects) after step 3.
+trip (core/checkpoint.py, into freshly built objects) after step 3. Just before that checkpoint, one expert gets new
+weights and part of a dense matrix keeps its weights, both with their Adam moments reset (ShardedAdamW.reinit_ on
+one side, the same writes into torch's full tensors on the other), so the checkpoint carries the reset state.
 
 Both sides get the same gradients: the reference model's full-batch gradient, scaled so that the global norm
 alternates below and above the clipping limit, and handed to the replicas as random parts that sum to it. All
@@ -24,11 +26,15 @@ from core.optimizer import ReplicaSet, ShardedAdamW
 from core.training import lr_factor
 from tests.multiproc import run_ranks
 
-E, STEPS, SAVE_AT, WARMUP, MIN_RATIO, DECAY_FRACTION = 4, 6, 3, 2, 0.1, 0.5
+E, STEPS, SAVE_AT, WARMUP, MIN_RATIO, DECAY_FRACTION = 6, 6, 3, 2, 0.1, 0.5
 LR, WD, BETAS, EPS, MAX_NORM = 1e-2, 0.1, (0.9, 0.95), 1e-8, 1.0
 NORMS = [0.5, 3.0, 0.8, 2.0, 0.3, 5.0]  # global gradient norm of each step: below and above MAX_NORM in turn
 GRID = 2.0**-18
 NO_DECAY = {"fc1.bias", "norm.weight", "norm.bias", "fc2.bias"}  # norms and biases, as the recipe's groups promise
+# Reset after step SAVE_AT. At ep=2 an ep rank holds 3 experts [3, 10, 5] = 150 elements, shards [0, 75) and [75, 150)
+# over dp=2: expert 1 (local 1 of ep rank 0) is [50, 100), so one shard holds its start and the other its end.
+# fc1.weight [10, 6] rows 1:3 are elements [6, 18) of 60, shards of 15 over 4 ranks: [6, 15), [15, 18), empty, empty.
+REVIVED, DENSE_RESET = 1, ("fc1.weight", slice(1, 3))
 
 
 class Plain(nn.Module):
@@ -113,8 +119,17 @@ def optimizer_worker(ckpt_dir: str, schedule: str):
                 worst = max(worst, max_rel_diff(state[k], v.reshape(-1)[start:start + e.shard.numel()]))
         return worst
 
+    def overlap(opt, name, first, last):
+        """(part, shard): the flattened element ranges of rows first:last of `name` and of this rank's shard."""
+        e = opt.by_name[name]
+        row, start = e.param[0].numel(), e.shard.storage_offset() - e.param.storage_offset()
+        return (first * row, last * row), (start, start + e.shard.numel())
+
+    def weight_error(model):
+        return max(max_rel_diff(p, params[n][lo:hi] if n == "experts" else params[n]) for n, p in model.named_parameters())
+
     model, opt, sched = build(seed=0)
-    steps, weight_errors, state_after_load = [], [], None
+    steps, weight_errors, state_after_load, overlaps = [], [], None, []
     for step in range(STEPS):
         ref_opt.zero_grad()
         F.cross_entropy(ref(x), y, reduction="sum").backward()
@@ -138,9 +153,21 @@ def optimizer_worker(ckpt_dir: str, schedule: str):
         sched.step()
         opt.zero_grad()
         steps.append((lr, ref_lr, norm.item(), ref_norm.item()))
-        weight_errors.append(max(max_rel_diff(p, params[n][lo:hi] if n == "experts" else params[n])
-                                 for n, p in model.named_parameters()))
-        if step + 1 == SAVE_AT:  # checkpoint, then continue with new objects built from another seed
+        weight_errors.append(weight_error(model))
+        if step + 1 == SAVE_AT:  # reset an expert (new weights) and part of a dense matrix (same weights) ...
+            new_expert = torch.randn(10, 5, generator=gen) * 0.3  # drawn on every rank: gen stays in step
+            name, rows = DENSE_RESET
+            with torch.no_grad():
+                params["experts"][REVIVED] = new_expert
+            for key in ("exp_avg", "exp_avg_sq"):
+                ref_opt.state[params["experts"]][key][REVIVED] = 0
+                ref_opt.state[params[name]][key][rows] = 0
+            if lo <= REVIVED < hi:  # the ranks holding the expert (all its dp replicas) reset it
+                opt.reinit_("experts", REVIVED - lo, new_expert)
+                overlaps.append(overlap(opt, "experts", REVIVED - lo, REVIVED - lo + 1))
+            opt.reinit_(name, rows, None)
+            overlaps.append(overlap(opt, name, rows.start, rows.stop))
+            # ... then checkpoint, and continue with new objects built from another seed
             save_checkpoint(ckpt_dir, step + 1, opt.checkpoint_state(model), {"scheduler": sched.state_dict()},
                             mesh.rank)
             model, opt, sched = build(seed=1)
@@ -149,13 +176,14 @@ def optimizer_worker(ckpt_dir: str, schedule: str):
             opt.after_load(extra)
             sched.load_state_dict(extra["scheduler"])
             state_after_load = state_errors(opt)
-    result = steps, weight_errors, state_after_load, state_errors(opt)
+            weight_errors.append(weight_error(model))  # the new expert came back from the checkpoint
+    result = steps, weight_errors, state_after_load, state_errors(opt), overlaps
     destroy_mesh()
     return result
 
 
 def check(results):
-    for steps, weight_errors, state_after_load, state_at_end in results:
+    for steps, weight_errors, state_after_load, state_at_end, _ in results:
         for lr, ref_lr, norm, ref_norm in steps:
             assert lr == pytest.approx(ref_lr, rel=1e-12)
             assert norm == pytest.approx(ref_norm, rel=1e-6)
@@ -165,10 +193,45 @@ def check(results):
         assert state_after_load <= 1e-6 and state_at_end <= 1e-6, (state_after_load, state_at_end)
 
 
+def reset_cases(results) -> set[str]:
+    """How the reset parts met the ranks' shards: 'start' (the shard holds the part's start but not its end),
+    'end' (its end but not its start), 'empty', 'inside' (the shard holds the whole part), 'over' (the part covers
+    the shard)."""
+    cases = set()
+    for (a, b), (s, t) in [o for result in results for o in result[-1]]:
+        cases.add("empty" if min(b, t) <= max(a, s) else "inside" if s <= a and b <= t else
+                  "over" if a <= s and t <= b else "start" if a >= s else "end")
+    return cases
+
+
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])
 def test_one_process_equals_torch_adamw(schedule, tmp_path):
-    check([optimizer_worker(str(tmp_path), schedule)])
+    results = [optimizer_worker(str(tmp_path), schedule)]
+    check(results)
+    assert reset_cases(results) == {"inside"}
 
 
 def test_zero1_sharded_over_dp2_ep2_equals_torch_adamw(tmp_path):
-    check(run_ranks(4, optimizer_worker, str(tmp_path), "cosine"))
+    results = run_ranks(4, optimizer_worker, str(tmp_path), "cosine")
+    check(results)
+    assert reset_cases(results) == {"start", "end", "empty"}  # partial on both sides, and ranks with nothing to reset
+
+
+def test_reinit_rejects_bad_arguments():
+    """One line naming what to change for each bad argument; a reinit before the first step (no Adam state yet)
+    only writes the weights."""
+    model = Plain()
+    opt = ShardedAdamW([ReplicaSet(dict(model.named_parameters()), None, None)], LR, WD, BETAS, EPS)
+    for args, message in [(("expert", 0, None), r"no parameter 'expert' in this optimizer; it has 7, e\.g\. 'experts'"),
+                          (("experts", E, None), f"index {E} is out of range for dim 0 of experts \\(size {E}\\)"),
+                          (("experts", -E - 1, None), "out of range"),
+                          (("fc1.bias", slice(5, 11), None), "0 <= first < last <= 10"),
+                          (("fc1.bias", slice(3, 3), None), "must select rows"),
+                          (("fc1.bias", slice(0, 4, 2), None), "step 1"),
+                          (("experts", "0", None), "must be an int or a slice"),
+                          (("experts", 0, torch.zeros(1, 10, 5)), r"experts\[0\] must have shape \(10, 5\), got \(1, "),
+                          (("fc1.weight", slice(-2, None), torch.zeros(2, 5)), r"fc1\.weight\[8:10\] must have shape")]:
+        with pytest.raises(ValueError, match=message):
+            opt.reinit_(*args)
+    opt.reinit_("experts", -1, torch.ones(10, 5))
+    assert bool((model.experts[E - 1] == 1).all()) and not opt.optimizer.state
