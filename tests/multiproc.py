@@ -12,6 +12,7 @@ import faulthandler
 import os
 import tempfile
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -20,6 +21,19 @@ import torch.multiprocessing as mp
 
 TIMEOUT_S = float(os.environ.get("MULTIPROC_TIMEOUT_S", 300))
 _STACKS_GRACE_S = 5  # the parent waits this long after the ranks' deadline for their stack dumps
+
+
+@contextmanager
+def one_thread():
+    """The block runs with one intra-op thread, as every spawned rank does (_worker). A one-process reference that a
+    layout must equal bit for bit runs under it: ATen splits some reductions by thread count, so the same ops on
+    another thread count can round differently."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, deadline: float, fn, args):

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +48,7 @@ def test_launch_sh_and_a_copied_recipe(tmp_path):
                  *FAST, "--export-hf", str(tmp_path / "hf"))
     assert (data / "meta.json").is_file() and (data / "tokenizer.model").is_file()
     assert "mesh pp=2 dp=1 cp=1 ep=2" in out and "a2a rows" in out and "trained steps 1-4" in out
+    assert "FutureWarning" not in out and "DeprecationWarning" not in out  # e.g. a deprecated collective
     first_loss = float(re.search(r"step +1/4 \| loss ([0-9.]+)", out).group(1))
     vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
     assert abs(first_loss - math.log(vocab)) < 0.1, (first_loss, vocab)  # a fresh model predicts ~uniformly
@@ -63,8 +65,15 @@ def test_launch_sh_and_a_copied_recipe(tmp_path):
     assert sample.startswith("def") and len(sample) > len("def "), sample  # the prompt, then generated text
     assert (copy.parents[2] / "runs/my_arch/checkpoints/step_00000004/.metadata").is_file()
 
-    # bad input under torchrun: no restarts, no rank tracebacks, and the last line says what to do
+    # a bad flag: launch.sh checks the flags once (train.py --dry-run) before torchrun starts a rank: one line
+    start = time.time()
+    out = launch(ROOT / "recipes/qwen3_30b_a3b/launch.sh", {"DATA": str(data), "OUT": str(tmp_path / "bad"),
+                 "NPROC": "2", "EP": "2"}, "--ep", "3", returncode=2)
+    assert out.strip() == "error: 8 experts cannot be split evenly over --ep 3; choose an ep that divides 8", out
+    assert time.time() - start < 15
+    assert not (tmp_path / "bad/checkpoints").exists()
+
+    # a second launch into the same folder: caught by the same check, before torchrun
     out = launch(ROOT / "recipes/qwen3_30b_a3b/launch.sh", {"DATA": str(data), "OUT": str(tmp_path / "run"),
-                 "MAX_RESTARTS": "1"}, *FAST, returncode=1)
-    assert out.rstrip().splitlines()[-1].startswith("error: ") and "--resume auto" in out.rstrip().splitlines()[-1]
-    assert "[rank0]" not in out and "[rank1]" not in out
+                 "MAX_RESTARTS": "1"}, *FAST, returncode=2)
+    assert out.strip().startswith("error: ") and "--resume auto" in out and len(out.strip().splitlines()) == 1, out

@@ -57,3 +57,15 @@ def test_the_check_catches_every_form(tmp_path):
         "recipes/my_arch/train.py:4: import tools.estimate_memory",
         "recipes/my_arch/train.py:8: import tools",
     ]
+
+
+SHIPPED = ("qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b")
+
+
+def test_shipped_recipes_share_one_train_py():
+    """train.py is shared by copy: the shipped recipes' files are byte-identical, so an answer read from one holds for
+    all; what differs between architectures lives in model.py (a copied recipe may diverge on purpose)."""
+    texts = {name: (ROOT / "recipes" / name / "train.py").read_bytes() for name in SHIPPED}
+    differing = [name for name in SHIPPED[1:] if texts[name] != texts[SHIPPED[0]]]
+    assert not differing, f"recipes/{differing[0]}/train.py differs from recipes/{SHIPPED[0]}/train.py: make the " \
+                          f"change in all three (or move what differs into model.py)"

@@ -1,5 +1,8 @@
 """Training-script behaviour: data-parallel parity with one process, exact resume, clear errors."""
 
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -80,10 +83,26 @@ def assert_same_checkpoint(path, ref_path, tmp_path, tol: float = 0.0) -> None:
             assert got[key] == value, key
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_train_noting_warnings(argv):
+    """run_train, plus the deprecation warnings raised from this repository's own code (file:line: message)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run_train(argv)
+    ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+            if issubclass(w.category, (FutureWarning, DeprecationWarning)) and w.filename.startswith(str(ROOT))]
+    return result, ours
+
+
 def test_dp2_equals_single_process(tiny_train_setup, tmp_path):
+    """...and no deprecated call (torch's FutureWarning on e.g. all_gather_into_tensor) from the project's code."""
     config, data = tiny_train_setup
     single_losses, single_norms, single_weights = run_train(train_args(config, data, tmp_path / "single"))
-    results = run_ranks(2, run_train, train_args(config, data, tmp_path / "dp2"))
+    results = run_ranks(2, run_train_noting_warnings, train_args(config, data, tmp_path / "dp2"))
+    assert [deprecated for _, deprecated in results] == [[], []]
+    results = [result for result, _ in results]
     assert max(single_norms) > 0.05, "clipping should be active so that the global norm is exercised"
     for losses, norms, weights in results:  # both replicas
         assert rel_err(torch.tensor(losses), torch.tensor(single_losses)) <= 1e-5

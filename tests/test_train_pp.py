@@ -6,6 +6,7 @@ import json
 import pytest
 
 from recipes.qwen3_30b_a3b import train
+from recipes.qwen3_30b_a3b.model import Model
 from tests.conftest import TINY_TRAIN_CONFIG
 from tests.multiproc import run_ranks
 from tests.test_train import assert_matches_single, run_train, train_args
@@ -18,15 +19,47 @@ def pp_args(config, data, out, **extra):
     return train_args(config, data, out, steps=3, micro_batch=1, adam_eps=1e-6, **extra)
 
 
-def test_pipeline_layouts_equal_single_process(tiny_train_setup, tmp_path):
+TAKE_STATS = Model.take_stats
+
+
+def take_stats_with_router_counts(self) -> dict:
+    """Model.take_stats plus two statistics of the kind a new router adds, whose global values are known without
+    this repository's code: slots routed per MoE layer ("sum": every token of the global batch routes k slots) and
+    the most slots one rank routed per layer ("max": a data rank's share of the tokens times k; ranks without the
+    layer report 0)."""
+    stats = TAKE_STATS(self)
+    slots_L = stats["expert_load"][0].sum(-1)
+    return {**stats, "router_slots": (slots_L, "sum"), "rank_slots_max": (slots_L.clone(), "max")}
+
+
+def run_train_with_router_counts(argv):
+    Model.take_stats = take_stats_with_router_counts  # in this spawned rank only
+    return run_train(argv)
+
+
+def test_pipeline_layouts_equal_single_process(tiny_train_setup, tmp_path, monkeypatch, capsys):
     """pp=2, pp=2 x ep=2 and pp=2 x dp=2 with aux-loss-free balancing on: each rank updates the biases of its own
-    layers from the global load, bit-identical to one process's (assert_matches_single)."""
+    layers from the global load, bit-identical to one process's (assert_matches_single). The statistics a model
+    hands the loop (Model.take_stats) are summed or maxed over the ranks that hold other tokens or layers and reach
+    the log line, TensorBoard and metrics.jsonl."""
     config, data = tiny_train_setup
     args = lambda out, **extra: pp_args(config, data, tmp_path / out, expert_bias_rate=0.01, **extra)
+    monkeypatch.setattr(Model, "take_stats", take_stats_with_router_counts)
     single = run_train(args("single"))
+    log = capsys.readouterr().out
     assert all(w.any() for name, w in single[2].items() if name.endswith("expert_bias"))
     assert_matches_single(single, run_ranks(2, run_train, args("pp2", pp=2)))
-    assert_matches_single(single, run_ranks(4, run_train, args("pp2ep2", pp=2, ep=2)), ep=2)
+    assert_matches_single(single, run_ranks(4, run_train_with_router_counts, args("pp2ep2", pp=2, ep=2)), ep=2)
+    tokens, k, moe_layers = 8 * 32, TINY_TRAIN_CONFIG["num_experts_per_tok"], TINY_TRAIN_CONFIG["num_hidden_layers"]
+    for run, data_ranks in (("single", 1), ("pp2ep2", 2)):
+        records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["router_slots"] for r in records] == [[tokens * k] * moe_layers] * 3, run
+        assert [r["rank_slots_max"] for r in records] == [[tokens * k / data_ranks] * moe_layers] * 3, run
+    assert f"| router_slots {tokens * k} {tokens * k} | rank_slots_max {tokens * k} {tokens * k} |" in log
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "single" / "tensorboard")).Reload()
+    assert [e.value for e in events.Scalars("router_slots/layer_01")] == [tokens * k] * 3
     assert_matches_single(single, run_ranks(4, run_train, args("pp2dp2", pp=2, dp=2, no_overlap=True,
                                                                no_delay_wgrad=True)))
 

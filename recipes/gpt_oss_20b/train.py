@@ -4,7 +4,7 @@ loop (log, checkpoint) -> export.
     torchrun --nproc-per-node 2 -m recipes.<this folder>.train --steps 300 --ep 2      (or: bash launch.sh)
     python -m recipes.<this folder>.train --dry-run --ep 3        (check flags, config, layout, data; no training)
 
-This file is the same in every shipped recipe (tests/test_recipes.py compares them); what differs between
+This file is the same in every shipped recipe (tests/test_layers.py compares them); what differs between
 architectures lives in model.py: the config and its checks (`load_config`), the layers, the pipeline hand-off
 (`PipelineStage.p2p_specs`), the balance loss (`Model.aux_loss`), the step statistics (`Model.take_stats`).
 
