@@ -73,7 +73,7 @@ def format_table(results: list[Result]) -> str:
     lines = [f"{'check':<{width}}  {'worst error':>11}  {'tolerance':>11}  result  where", "-" * (width + 45)]
     for r in results:
         bound = f"{'>' if r.above else '<='} {r.tolerance:.0e}" if r.tolerance or r.above else "0 (bitwise)"
-        lines.append(f"{r.check:<{width}}  {r.error:>11.2e}  {bound:>11}  {'PASS' if r.ok else 'FAIL':<6}  {r.where}")
+        lines.append(f"{r.check:<{width}}  {r.error:>11.2e}  {bound:>11}  {'PASS' if r.ok else 'FAIL':<6}  {r.where}".rstrip())
     return "\n".join(lines)
 
 
