@@ -1,10 +1,402 @@
-"""Checks every recipe's tests run the same way (each recipe module passed in: recipes are copies, their tests
-are not): a partial model reads only its tensors, transformers' aux loss and router gradients, and a Hugging
-Face folder that goes through train.py with lr 0 comes out unchanged."""
+"""The correctness checks every recipe shares, written once: tests/test_recipes.py runs them for every folder under
+recipes/ and skills/validate-correctness/scripts/validate.py prints them as one table. What a recipe must
+declare for them is the block at the end of its model.py (TRANSFORMERS_CLASS, BASE_RECIPE, check_setup()).
+
+Each check returns Result rows (check, worst error, tolerance, where the worst was). Groups:
+  parity   logits, gradients and export against transformers' TRANSFORMERS_CLASS (tools/hf_parity.py:check_recipe)
+  base     a variant equals BASE_RECIPE when both train on check_setup()["base_config"] (its feature switched off)
+  export   a Hugging Face folder through train.py --lr 0 comes back bit for bit
+  buffers  every buffer of a meta-device build + init_weights + load_hf_checkpoint equals a fresh build's
+  layouts  ep2, pp2, cp2, pp2xep2, cp2xep2 equal one process (losses, grad norms, every weight after 3 steps); the
+           model-level loss, aux loss, expert load, logits and gradients at cp2 and cp2xep2; resume at ep2;
+           --recompute; pp2 in bf16; an export at pp2xep2. One spawned process group per world size runs all of
+           its jobs.
+
+Also the helpers other per-recipe tests share: a partial model reads only its tensors, transformers' aux loss and
+router gradients, and the counting dataset the tests train on."""
+
+import importlib
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import torch
+import torch.distributed as dist
 
-from tools.hf_parity import folder_tensors
+from core.context import cp_positions, split_for_cp
+from core.data import TokenLoader, write_shards
+from core.mesh import build_mesh
+from core.pipeline import split_layers
+from tests.multiproc import one_thread, run_ranks
+from tests.test_train import (
+    LAYOUT_TOLERANCE,
+    bitwise_error,
+    layout_errors,
+    rel_err,
+    run_train,
+    train_args,
+    worst_error,
+)
+from tools.hf_parity import check_recipe, folder_tensors, make_tiny_hf_model
+
+GROUPS = ("parity", "base", "export", "buffers", "layouts")
+# Tolerances, as relative norms ||a - b|| / ||b|| per tensor; 0 is bitwise: the same operations in the same order.
+# Parity: tools/hf_parity.py's 1e-4, layouts: tests/test_train.py:LAYOUT_TOLERANCE, each with its reason.
+BASE_TOLERANCE = 1e-6  # a switched-off feature may leave an operation whose rounding differs (a multiply by 1, an
+# add of 0 in another place): ~1e-7 per op in fp32, amplified a little by 3 Adam steps; a real difference (another
+# norm epsilon) is >= 1e-4 (tests/test_skill_validate.py)
+CLIP = 0.05  # tests/test_train.py:train_args' --grad-clip: the one-process run must exceed it to test the global norm
+LAYOUTS = {"ep2": {"ep": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2}, "pp2xep2": {"pp": 2, "ep": 2},
+           "cp2xep2": {"cp": 2, "ep": 2}}
+AUX_COEF = 0.1  # model-level cp check: large enough that the aux loss's gradient is visible in the router's
+
+
+@dataclass
+class Result:
+    check: str
+    error: float  # the worst found (a relative norm unless the check names another quantity)
+    tolerance: float
+    where: str = ""
+    above: bool = False  # True: the quantity must exceed `tolerance` (a sanity check of the setup), not stay below
+
+    @property
+    def ok(self) -> bool:
+        return self.error > self.tolerance if self.above else self.error <= self.tolerance
+
+
+def format_table(results: list[Result]) -> str:
+    width = max(len(r.check) for r in results)
+    lines = [f"{'check':<{width}}  {'worst error':>11}  {'tolerance':>11}  result  where", "-" * (width + 45)]
+    for r in results:
+        bound = f"{'>' if r.above else '<='} {r.tolerance:.0e}" if r.tolerance or r.above else "0 (bitwise)"
+        lines.append(f"{r.check:<{width}}  {r.error:>11.2e}  {bound:>11}  {'PASS' if r.ok else 'FAIL':<6}  {r.where}".rstrip())
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ recipes, data
+
+
+def recipe_names() -> list[str]:
+    """Every recipe folder (model.py and train.py) where `import recipes.<name>` looks, copies included."""
+    import recipes
+
+    return sorted({d.name for root in recipes.__path__ for d in Path(root).iterdir()
+                   if (d / "model.py").is_file() and (d / "train.py").is_file()})
+
+
+@dataclass
+class Recipe:
+    name: str
+    model: ModuleType  # recipes/<name>/model.py
+    train: ModuleType  # recipes/<name>/train.py
+    transformers_class: str | None
+    base: str | None
+    config: dict  # the check config (HF config.json fields)
+    seq_len: int
+    base_config: dict | None
+
+
+def load_recipe(name: str, vocab_size: int = 0) -> Recipe:
+    """A recipe and its check setup (the block at the end of its model.py); vocab_size widens the check config's
+    vocabulary to a dataset's. Raises ValueError in one line for an unknown folder or an incomplete block."""
+    if name not in recipe_names():
+        raise ValueError(f"unknown recipe {name!r}: the recipes are the folders under recipes/ with model.py and "
+                         f"train.py: {', '.join(recipe_names())}")
+    model = importlib.import_module(f"recipes.{name}.model")
+    declared = [n for n in ("TRANSFORMERS_CLASS", "BASE_RECIPE", "check_setup") if not hasattr(model, n)]
+    if declared:
+        raise ValueError(f"recipes/{name}/model.py lacks {', '.join(declared)}: copy the recipe-checks block from the "
+                         f"end of recipes/qwen3_30b_a3b/model.py and fill it in")
+    setup = model.check_setup()
+    if not model.TRANSFORMERS_CLASS and not model.BASE_RECIPE:
+        raise ValueError(f"recipes/{name}/model.py: TRANSFORMERS_CLASS and BASE_RECIPE are both None, so nothing "
+                         f"checks its numerics; name the recipe it was copied from in BASE_RECIPE")
+    if model.BASE_RECIPE and not setup.get("base_config"):
+        raise ValueError(f"recipes/{name}/model.py: BASE_RECIPE is {model.BASE_RECIPE!r} but check_setup() has no "
+                         f"base_config (the config with the new feature switched off)")
+    if not all(split_layers(setup["config"]["num_hidden_layers"], 2)):
+        raise ValueError(f"recipes/{name}/model.py: with the {setup['config']['num_hidden_layers']} layers of "
+                         f"check_setup()['config'] pp=2 leaves a pipeline stage without layers, so the pp2 checks would "
+                         f"not test a split model; give it at least 6 (each of the 4 stages then holds some)")
+    if setup["seq_len"] % 4:
+        raise ValueError(f"recipes/{name}/model.py: check_setup()['seq_len'] {setup['seq_len']} must be a multiple "
+                         f"of 4 (cp2 cuts each sequence into 4 chunks)")
+    widen = lambda config: config and {**config, "vocab_size": max(config["vocab_size"], vocab_size)}
+    return Recipe(name, model, importlib.import_module(f"recipes.{name}.train"), model.TRANSFORMERS_CLASS,
+                  model.BASE_RECIPE, widen(setup["config"]), setup["seq_len"], widen(setup.get("base_config")))
+
+
+def write_counting_data(out) -> Path:
+    """~12k tokens of vocabulary 256 in 120 documents, each counting upwards from its own start with its own
+    stride (learnable in a few steps), as token shards (core/data.py)."""
+    rng = random.Random(0)
+    docs = []
+    for _ in range(120):
+        start, stride = rng.randrange(3, 256), rng.randrange(1, 5)
+        docs.append([3 + (start + i * stride) % 253 for i in range(rng.randrange(20, 200))])
+    write_shards(docs, out, vocab_size=256, eos_id=2, tokenizer={"kind": "none"})
+    return Path(out)
+
+
+def data_vocab(data) -> int:
+    return TokenLoader(data, 2, 1, 0, 1, 0).meta["vocab_size"]
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.write_text(json.dumps(config))
+    return path
+
+
+def check_args(recipe: Recipe, config, data, out, **extra) -> list[str]:
+    """train.py flags of the layout checks: 3 steps of 8 micro-batches of 1 sequence, clipping at 0.05 active, the
+    aux-loss-free expert bias on (its updates, from the global expert load, must be bit-identical in every
+    layout). Adam eps 1e-6, not 1e-8: a stage boundary sums gradients in another order and cp runs the matmuls on
+    other shapes, so gradients differ from one process by ~3e-7 (float rounding); with eps 1e-8 the few elements
+    whose clipped gradient is ~eps turn that into lr-sized steps, ~1e-5 weight differences after 5 steps at cp2
+    (measured: grad norm 1.8e-5, weights 9.5e-6). dp splits whole sequences, keeps the shapes and is not affected;
+    losses and grad norms match at either eps."""
+    return train_args(config, data, out, **{"steps": 3, "micro_batch": 1, "adam_eps": 1e-6, "expert_bias_rate": 1e-2,
+                                            "seq_len": recipe.seq_len, **extra})
+
+
+def run_checks(name: str, data, workdir, groups=GROUPS) -> list[Result]:
+    """The named groups of checks (GROUPS) on recipe `name`, training on `data`; scratch files under workdir."""
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        raise ValueError(f"unknown check group(s) {', '.join(sorted(unknown))}: choose from {', '.join(GROUPS)}")
+    recipe, workdir = load_recipe(name, data_vocab(data)), Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    hf_in = None
+    if {"parity", "export", "buffers"} & set(groups):
+        hf_in = reference_folder(recipe, workdir / "hf_in")
+    results = []
+    if "parity" in groups and recipe.transformers_class:
+        results += parity_results(recipe, hf_in)
+    if "base" in groups and recipe.base:
+        results += base_equality_results(recipe, data, workdir)
+    if "export" in groups:
+        results += export_results(recipe, data, workdir, hf_in)
+    if "buffers" in groups:
+        results += buffer_results(recipe, hf_in)
+    if "layouts" in groups:
+        results += layout_results(recipe, data, workdir)
+    return results
+
+
+# ------------------------------------------------------------------------ parity, base, export, buffers
+
+
+def reference_folder(recipe: Recipe, out: Path) -> Path:
+    """A Hugging Face folder of the check config with random weights: written by transformers' save_pretrained
+    where the recipe has a counterpart (so loading is checked against the released layout), else by the recipe's
+    own save_hf_checkpoint of a fresh Model."""
+    if not recipe.transformers_class:
+        torch.manual_seed(0)
+        model = recipe.model.Model(recipe.model.ModelConfig.from_hf(write_config(out.with_suffix(".json"), recipe.config)))
+        recipe.model.save_hf_checkpoint(model, out)
+        return out
+    import transformers
+
+    cls = getattr(transformers, recipe.transformers_class, None)
+    if cls is None or getattr(cls.config_class, "model_type", None) != recipe.config["model_type"]:
+        raise ValueError(f"recipes/{recipe.name}/model.py: TRANSFORMERS_CLASS {recipe.transformers_class!r} is not a "
+                         f"transformers class for model_type {recipe.config['model_type']!r}")
+    return make_tiny_hf_model(recipe.config, out)
+
+
+def parity_results(recipe: Recipe, hf_dir: Path) -> list[Result]:
+    """tools/hf_parity.py:check_recipe's rows: logits and the export's logits as max abs errors, the gradients of
+    every checkpoint tensor (together, and the worst one) as relative norms; 1e-4 each, since transformers sums in
+    another order (fused experts, sdpa): measured ~1e-7 to 1e-6."""
+    results = []
+    for row in check_recipe(recipe.name, hf_dir, seq_len=recipe.seq_len):
+        check, _, tensor = row.check.partition(": ")  # "grad worst: NAME"
+        error = row.max_abs if row.metric == "max_abs" else row.rel
+        what = f"{check}, {'max abs' if row.metric == 'max_abs' else 'relative'}"
+        results.append(Result(f"= {recipe.transformers_class}: {what}", error, row.tol, tensor))
+    return results
+
+
+def base_equality_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
+    """One process each, the layout checks' flags, on base_config: every weight of the base equals the variant's
+    (weights only the variant has belong to its feature, which is switched off)."""
+    base = load_recipe(recipe.base)
+    config = write_config(workdir / "base_config.json", recipe.base_config)
+    ref = run_train(check_args(recipe, config, data, workdir / "base_ref"), base.train.main)
+    got = run_train(check_args(recipe, config, data, workdir / "base_variant"), recipe.train.main)
+    errors = layout_errors(ref, [(got[0], got[1], {k: v for k, v in got[2].items() if k in ref[2]})])
+    return [Result(f"= {recipe.base} with the feature off: {what}", error, BASE_TOLERANCE, where)
+            for what, (error, where) in errors.items()]
+
+
+def export_results(recipe: Recipe, data, workdir: Path, hf_in: Path) -> list[Result]:
+    """train.py --hf-checkpoint hf_in --lr 0 --export-hf: every tensor comes back bit for bit."""
+    hf_out = workdir / "hf_out"
+    recipe.train.main(train_args("unused", data, workdir / "export_run", steps=1, lr=0.0, hf_checkpoint=hf_in,
+                                 export_hf=hf_out, seq_len=recipe.seq_len))
+    before, after = folder_tensors(hf_in), folder_tensors(hf_out)
+    error, where = worst_error([(bitwise_error(after[n], t) if n in after else math.inf, n) for n, t in before.items()]
+                               + [(math.inf, f"exported, not in the input: {n}") for n in after.keys() - before.keys()])
+    return [Result("export round trip: HF folder -> train.py --lr 0 -> export", error, 0.0, where)]
+
+
+def buffer_results(recipe: Recipe, hf_dir: Path) -> list[Result]:
+    """train.py's --hf-checkpoint path builds on the meta device, allocates with to_empty (uninitialised memory:
+    NaN here, so a buffer init_weights forgets cannot be right by luck), calls init_weights and loads the folder,
+    which holds no buffers: every named buffer must equal a fresh build's."""
+    cfg = recipe.model.ModelConfig.from_hf(hf_dir)
+    torch.manual_seed(0)
+    fresh = dict(recipe.model.Model(cfg).named_buffers())
+    with torch.device("meta"):
+        model = recipe.model.Model(cfg)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.fill_(math.nan if t.is_floating_point() else 7)
+    model.init_weights()
+    recipe.model.load_hf_checkpoint(model, hf_dir)
+    built = dict(model.named_buffers())
+    errors = [(bitwise_error(built[n], t) if n in built else math.inf, n) for n, t in fresh.items()]
+    errors += [(math.inf, f"{n} (not in a fresh build)") for n in built.keys() - fresh.keys()]
+    error, where = worst_error(errors) if errors else (0.0, "no buffers")
+    return [Result(f"buffers ({len(fresh)}): meta build + init_weights + load = fresh build", error, 0.0, where)]
+
+
+# ------------------------------------------------------------------------------------------------ layouts
+
+
+def model_grads_worker(config_path, cp: int, ep: int, seq_len: int, recipe: str):
+    """Model level at cp (x ep): each (ep) data rank has its own 2 sequences (one micro-batch) and each cp rank its
+    2 of their 2*cp chunks; one process runs the same micro-batches whole over the full model. Errors of the
+    loss, aux loss, expert load, whole-sequence logits and every parameter's gradient. Runs inside a process group
+    the caller owns (layouts_worker)."""
+    mod = importlib.import_module(f"recipes.{recipe}.model")
+    mesh = build_mesh(dp=1, cp=cp, ep=ep)
+    cp_group, cp_rank, r = mesh.group("cp"), mesh.coord("cp"), mesh.data_rank
+    cfg = mod.ModelConfig.from_hf(config_path)
+    torch.manual_seed(0)
+    model = mod.Model(cfg, ep_group=mesh.group("ep"), cp_group=cp_group)
+    torch.manual_seed(0)
+    full = mod.Model(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2 * ep, seq_len), generator=torch.Generator().manual_seed(3))
+    labels = torch.roll(ids, -1, 1)
+    labels[0, 5:9] = -100  # ignored labels inside a chunk
+    n_labels = (labels != -100).sum()
+
+    refs, ref_loads = [], []  # per micro-batch: TrainOutput, expert load [MoE layers, E]
+    for d in range(ep):
+        refs.append(full.forward_train(ids[2 * d:2 * d + 2], labels[2 * d:2 * d + 2]))
+        ref_loads.append(full.take_expert_load())
+    sum(o.loss_sum / n_labels + AUX_COEF * o.aux_loss / ep for o in refs).backward()
+    ref = refs[r]
+    positions_BS = cp_positions(seq_len, cp_rank, cp)[None].expand(2, -1)
+    mine = [split_for_cp(t[2 * r:2 * r + 2], cp_rank, cp) for t in (ids, labels)]
+    out = model.forward_train(*mine, positions_BS)
+    (out.loss_sum / n_labels + AUX_COEF * out.aux_loss / ep).backward()
+
+    parts = torch.stack([out.loss_sum.detach(), out.aux_loss.detach()])  # each cp rank's part of the sums
+    load = model.take_expert_load()
+    for t in (parts, load):
+        dist.all_reduce(t, group=cp_group)
+    errors = {"loss": rel_err(parts[0], ref.loss_sum.detach()), "aux loss": rel_err(parts[1], ref.aux_loss.detach()),
+              "expert load": rel_err(load, ref_loads[r])}
+    with torch.no_grad():  # whole sequences on every cp rank (sampling, evaluation)
+        errors["logits (whole sequences)"] = rel_err(model(ids[2 * r:2 * r + 2]), full(ids[2 * r:2 * r + 2]))
+    full_params = dict(full.named_parameters())
+    for name, p in model.named_parameters():
+        experts = ".mlp.experts." in name
+        grad = p.grad.clone()  # summed over the ranks replicating it: (cp) for experts, (cp, ep) for the rest
+        dist.all_reduce(grad, group=mesh.group("dp", "cp") if experts else mesh.group("dp", "cp", "ep"))
+        ref_grad = full_params[name].grad
+        if experts:
+            lo = model.get_submodule(name.rsplit(".", 1)[0]).lo
+            ref_grad = ref_grad[lo:lo + p.shape[0]]
+        errors["grad " + name] = rel_err(grad, ref_grad)
+    return errors
+
+
+def layouts_worker(recipe: str, jobs: dict) -> dict:
+    """Every job in turn on this rank, all in one process group: ("train", argv) -> run_train's result,
+    ("grads", (config, cp, ep, seq_len)) -> model_grads_worker's errors. train.py's closing destroy_mesh is skipped:
+    a new rendezvous per run races with slower ranks still leaving the previous one."""
+    dist.init_process_group("gloo")
+    train = importlib.import_module(f"recipes.{recipe}.train")
+    train.destroy_mesh = lambda: None
+    results = {name: run_train(arg, train.main) if kind == "train" else model_grads_worker(*arg, recipe=recipe)
+               for name, (kind, arg) in jobs.items()}
+    dist.barrier()
+    dist.destroy_process_group()
+    return results
+
+
+def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
+    """Two references in this process (fp32, and bf16 on one thread), then one spawn of 2 ranks and one of 4, each
+    running all of its jobs in one process group: the five layouts against fp32 (pp2xep2 also exporting), the
+    model-level cp checks, resume at ep2, recompute at pp2 and cp2 against the same layout without, pp2 in bf16."""
+    config = write_config(workdir / "check_config.json", recipe.config)
+    args = lambda out, **extra: check_args(recipe, config, data, workdir / out, **extra)
+    single = run_train(args("single", export_hf=workdir / "hf_single"), recipe.train.main)
+    with one_thread():
+        single_bf16 = run_train(args("single_bf16", dtype="bf16"), recipe.train.main)
+    jobs = {2: {"pp2 recompute": ("train", args("pp2r", pp=2, recompute="layer")),
+                "cp2 recompute": ("train", args("cp2r", cp=2, recompute="attention")),
+                "pp2 bf16": ("train", args("pp2bf16", pp=2, dtype="bf16")),
+                # resume at ep=2: 4 steps with a checkpoint at 2, then again from that checkpoint
+                "full": ("train", args("full", ep=2, steps=4, ckpt_every=2)),
+                "resumed": ("train", args("resumed", ep=2, steps=4, resume=workdir / "full/checkpoints/step_00000002")),
+                "grads cp2": ("grads", (config, 2, 1, recipe.seq_len))},
+            4: {"grads cp2xep2": ("grads", (config, 2, 2, recipe.seq_len))}}
+    for name, layout in LAYOUTS.items():
+        export = {"export_hf": workdir / "hf_pp2xep2"} if name == "pp2xep2" else {}
+        jobs[math.prod(layout.values())][name] = ("train", args(name, **layout, **export))
+    runs = {}
+    for world, world_jobs in jobs.items():  # per job: every rank's result
+        per_rank = run_ranks(world, layouts_worker, recipe.name, world_jobs)
+        runs.update({name: [rank[name] for rank in per_rank] for name in world_jobs})
+
+    single_losses = single[0]
+    results = [Result("1 process learns: last loss / first loss", single_losses[-1] / single_losses[0], 1.0),
+               Result("1 process clips (global norm exercised): max grad norm", max(single[1]), CLIP, above=True)]
+    bias = (0.0, "")
+    for name, layout in LAYOUTS.items():
+        worst = layout_errors(single, runs[name], ep=layout.get("ep", 1))
+        error, where = worst_error((e, f"{what} {w}") for what, (e, w) in worst.items() if what != "expert bias")
+        results.append(Result(f"{name} = 1 process: losses, grad norms, weights", error, LAYOUT_TOLERANCE, where))
+        bias = worst_error([bias, (worst["expert bias"][0], f"{name} {worst['expert bias'][1]}")])
+    results.append(Result("expert bias in every layout = 1 process", bias[0], 0.0, bias[1]))
+    for name in ("grads cp2", "grads cp2xep2"):
+        error, where = worst_error((e, f"rank {rank} {k}") for rank, errors in enumerate(runs[name])
+                                   for k, e in errors.items())
+        results.append(Result(f"{name.split()[1]} model: loss, aux, load, logits, grads", error, LAYOUT_TOLERANCE, where))
+
+    uninterrupted = [(losses[2:], norms[2:], weights) for losses, norms, weights in runs["full"]]
+    results.append(same_runs_result("resume at ep2 from step 2 = uninterrupted run", uninterrupted, runs["resumed"]))
+    results.append(same_runs_result("pp2 --recompute layer = pp2", runs["pp2"], runs["pp2 recompute"]))
+    results.append(same_runs_result("cp2 --recompute attention = cp2", runs["cp2"], runs["cp2 recompute"]))
+    error, where = worst_error((e, f"{what} {w}") for what, (e, w) in
+                               layout_errors(single_bf16, runs["pp2 bf16"], error=bitwise_error).items())
+    results.append(Result("pp2 bf16 = 1 bf16 process", error, 0.0, where))
+    results.append(Result("bf16 runs in bf16: its 1-process losses vs fp32", rel_err(torch.tensor(single_bf16[0]),
+                          torch.tensor(single[0])), 0.0, above=True))
+    exported, reference = folder_tensors(workdir / "hf_pp2xep2"), folder_tensors(workdir / "hf_single")
+    error, where = worst_error([(rel_err(exported[n], t) if n in exported else math.inf, n) for n, t in reference.items()]
+                               + [(math.inf, f"exported, not in 1 process's: {n}") for n in exported.keys() - reference.keys()])
+    results.append(Result("pp2xep2 export = 1-process export", error, LAYOUT_TOLERANCE, where))
+    return results
+
+
+def same_runs_result(check: str, references: list, results: list) -> Result:
+    """Each rank's (losses, grad norms, weights) bit for bit equal to the same rank's in a run of the same layout."""
+    error, where = worst_error((e, f"rank {rank} {what} {w}") for rank, (reference, result) in
+                               enumerate(zip(references, results)) for what, (e, w) in
+                               layout_errors(reference, [result], error=bitwise_error).items())
+    return Result(check, error, 0.0, where)
+
+
+# ------------------------------------------------------------------------- helpers of per-recipe tests
 
 
 def assert_partial_model_reads_only_its_tensors(recipe, path, num_tensors: int) -> None:
@@ -35,14 +427,3 @@ def assert_aux_loss_matches(ref, model, ids, grad_pairs) -> None:
     aux.backward()
     for ours, theirs in grad_pairs():
         assert ((ours.grad - theirs.grad).norm() / theirs.grad.norm()).item() <= 1e-5
-
-
-def assert_export_keeps_the_weights(main, data, run_dir, hf_in, hf_out) -> None:
-    """train.py --hf-checkpoint hf_in --lr 0 --export-hf hf_out: every tensor comes back bit for bit."""
-    from tests.test_train import train_args
-
-    main(train_args("unused", data, run_dir, steps=1, lr=0.0, hf_checkpoint=hf_in, export_hf=hf_out))
-    before, after = folder_tensors(hf_in), folder_tensors(hf_out)
-    assert before.keys() == after.keys()
-    for name in before:
-        assert torch.equal(before[name], after[name]), name

@@ -1,5 +1,6 @@
 """GPT-OSS recipe against transformers' GptOssForCausalLM (tiny random models, fp32, CPU), and the released
-MXFP4 checkpoint layout against transformers' own MXFP4 dequantisation."""
+MXFP4 checkpoint layout against transformers' own MXFP4 dequantisation, also read at ep=2 by train.py. (What every
+recipe shares, layouts included, is tests/test_recipes.py.)"""
 
 import json
 from pathlib import Path
@@ -12,8 +13,11 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
 from recipes.gpt_oss_20b import model as gpt_oss
-from recipes.gpt_oss_20b.model import Model, ModelConfig, load_hf_checkpoint, real_config_path
+from recipes.gpt_oss_20b import train
+from recipes.gpt_oss_20b.model import Model, ModelConfig, check_setup, load_hf_checkpoint, real_config_path
+from tests.multiproc import run_ranks
 from tests.recipe_checks import assert_aux_loss_matches, assert_partial_model_reads_only_its_tensors
+from tests.test_train import run_train, train_args
 from tools.hf_parity import check_recipe, folder_tensors, format_table, make_tiny_hf_model
 
 BASE = dict(model_type="gpt_oss", vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
@@ -140,6 +144,18 @@ def test_mxfp4_released_layout_matches_transformers_dequantisation(tmp_path):
     print(f"\nMXFP4 folder: experts bit-equal to convert_moe_packed_tensors; logits vs transformers max abs {err:.2e}")
     assert err <= 1e-4
 
+
+
+def test_released_layout_read_at_ep2_exports_the_dequantised_weights(tiny_train_setup, tmp_path):
+    """train.py --hf-checkpoint on the released layout at ep=2 (each rank dequantises only its experts), exported
+    after a step of lr 0: transformers' dequantised experts and the bf16 dense tensors, exactly."""
+    released = write_released_layout(make_tiny_hf_model(check_setup()["config"], tmp_path / "fp32"), tmp_path / "mxfp4")
+    run_ranks(2, run_train, train_args("unused", tiny_train_setup[1], tmp_path / "run", steps=1, lr=0.0, ep=2,
+                                       hf_checkpoint=tmp_path / "mxfp4", export_hf=tmp_path / "hf_out"), train.main)
+    exported, source = folder_tensors(tmp_path / "hf_out"), folder_tensors(tmp_path / "mxfp4")
+    assert exported.keys() == released.keys() | {k for k in source if "_blocks" not in k and "_scales" not in k}
+    for name, t in exported.items():
+        assert torch.equal(t, released[name] if name in released else source[name].float()), name
 
 def test_config_errors(tmp_path):
     path = tmp_path / "config.json"

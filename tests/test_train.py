@@ -1,5 +1,6 @@
 """Training-script behaviour: data-parallel parity with one process, exact resume, clear errors."""
 
+import math
 import warnings
 from pathlib import Path
 
@@ -11,9 +12,26 @@ from core.mesh import resolve_layout
 from recipes.qwen3_30b_a3b import train
 from tests.multiproc import run_ranks
 
+# Layouts against one process, fp32: the same sums in another order (reduce-scatter, stage boundaries, cp chunks)
+# round differently, ~1e-7 relative, which 3 Adam steps (eps 1e-6) grow to ~1e-6 in the weights (measured worst
+# 3.1e-6, DeepSeek-V2 at cp2); a wrong reduction (a contribution missing or counted twice) moves them far more
+# (the bugs tried on the shared checks moved them by 0.3 to 1.3).
+LAYOUT_TOLERANCE = 1e-5
+
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def bitwise_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """0 when a and b are bit for bit equal, else their relative error (inf when that rounds to 0)."""
+    return 0.0 if torch.equal(a, b) else rel_err(a, b) or math.inf
+
+
+def worst_error(errors) -> tuple[float, str]:
+    """The largest (error, where) pair, NaN counting as the largest; (0.0, "") when there is none or all are 0."""
+    error, where = max(errors, key=lambda e: (math.isnan(e[0]), e[0]), default=(0.0, ""))
+    return (error, where) if error != 0 else (0.0, "")
 
 
 def train_args(config, data, out, steps=5, **extra):
@@ -30,24 +48,35 @@ def run_train(argv, main=train.main):
     return [h["loss"] for h in history], [h["grad_norm"] for h in history], {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def assert_matches_single(reference, results, ep: int = 1) -> list[float]:
-    """Every rank's (losses, grad norms, weights) equal one process's within 1e-5 (relative); a rank's routed
-    experts are its ep-th slice (ep is the innermost mesh dim, so ep rank = rank % ep); all ranks together hold
-    every weight. Expert-selection biases (--expert-bias-rate) are bit-identical to one process's on every rank.
-    Returns the worst relative errors [losses, grad norms, weight tensor]."""
+def layout_errors(reference, results, ep: int = 1, error=rel_err) -> dict[str, tuple[float, str]]:
+    """The worst error of every rank's losses, grad norms and weights against one process's, and where it was:
+    {"losses", "grad norms", "weights", "expert bias": (error, where)}. A rank's routed experts are its ep-th slice
+    (ep is the innermost mesh dim, so ep rank = rank % ep); all ranks together must hold every weight (a weight
+    none holds: inf). Expert-selection biases (--expert-bias-rate) are compared bit for bit, the rest by `error`."""
     ref_losses, ref_norms, ref_weights = reference
-    seen, worst = set(), [0.0, 0.0, 0.0]
+    found = {"losses": [], "grad norms": [], "weights": [], "expert bias": []}
+    held = set()
     for rank, (losses, norms, weights) in enumerate(results):
-        errors = [rel_err(torch.tensor(losses), torch.tensor(ref_losses)), rel_err(torch.tensor(norms), torch.tensor(ref_norms))]
-        assert max(errors) <= 1e-5, (rank, errors)
+        found["losses"].append((error(torch.tensor(losses), torch.tensor(ref_losses)), f"rank {rank}"))
+        found["grad norms"].append((error(torch.tensor(norms), torch.tensor(ref_norms)), f"rank {rank}"))
         for name, w in weights.items():
             ref = ref_weights[name].chunk(ep)[rank % ep] if ".mlp.experts." in name else ref_weights[name]
-            seen.add(name)
-            errors.append(0.0 if torch.equal(w, ref) else 1.0 if name.endswith("expert_bias") else rel_err(w, ref))
-            assert errors[-1] <= 1e-5, (rank, name)
-        worst = [max(a, b) for a, b in zip(worst, errors[:2] + [max(errors[2:])])]
-    assert seen == set(ref_weights)
-    return worst
+            held.add(name)
+            bias = name.endswith("expert_bias")
+            found["expert bias" if bias else "weights"].append(
+                ((bitwise_error if bias else error)(w, ref), f"rank {rank} {name}"))
+    found["weights"] += [(math.inf, f"held by no rank: {name}") for name in sorted(set(ref_weights) - held)]
+    return {what: worst_error(errors) for what, errors in found.items()}
+
+
+def assert_matches_single(reference, results, ep: int = 1) -> list[float]:
+    """Every rank's (losses, grad norms, weights) equal one process's within LAYOUT_TOLERANCE (relative), the
+    expert biases bit for bit (layout_errors). Returns the worst relative errors [losses, grad norms, weights]."""
+    errors = layout_errors(reference, results, ep)
+    bounds = {"losses": LAYOUT_TOLERANCE, "grad norms": LAYOUT_TOLERANCE, "weights": LAYOUT_TOLERANCE, "expert bias": 0}
+    failed = {what: errors[what] for what, bound in bounds.items() if not errors[what][0] <= bound}
+    assert not failed, f"differ from one process (error, where): {failed}"
+    return [errors[what][0] for what in ("losses", "grad norms", "weights")]
 
 
 def checkpoint_contents(path, tmp_path) -> dict:
@@ -168,19 +197,6 @@ def test_clear_errors(tiny_train_setup, tmp_path):
         train.main(train_args(config, tmp_path / "no_data", tmp_path))
     with pytest.raises(ValueError, match="divisible"):
         train.main(train_args(config, data, tmp_path, micro_batch=3))
-
-
-def test_hf_checkpoint_in_export_out(tiny_train_setup, tmp_path):
-    """--hf-checkpoint loads released-format weights; with lr 0 the exported folder holds exactly them."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from tests.conftest import TINY_TRAIN_CONFIG
-    from tests.recipe_checks import assert_export_keeps_the_weights
-
-    fields = {k: v for k, v in TINY_TRAIN_CONFIG.items() if k != "model_type"}
-    Qwen3MoeForCausalLM(Qwen3MoeConfig(**fields)).save_pretrained(tmp_path / "hf_in")
-    assert_export_keeps_the_weights(train.main, tiny_train_setup[1], tmp_path / "run", tmp_path / "hf_in",
-                                    tmp_path / "hf_out")
 
 
 def test_bf16_autocast_path_trains(tiny_train_setup, tmp_path):

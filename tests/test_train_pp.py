@@ -1,5 +1,7 @@
-"""The Qwen3 recipe with --pp (DualPipeV): pp=2, pp=4, pp=2 x ep=2 and pp=2 x dp=2 train exactly like one process
-running the same global batch and micro-batch split (losses, grad norms, every weight after the steps)."""
+"""The Qwen3 recipe with --pp (DualPipeV) in the layouts the shared recipe checks do not run: pp=4, pp=2 x dp=2
+without overlap or delayed weight gradients, pp=2 x cp=2; each trains exactly like one process running the same
+global batch and micro-batch split (losses, grad norms, every weight after the steps). pp=2 and pp=2 x ep=2 run
+for every recipe in tests/test_recipes.py."""
 
 import json
 
@@ -15,7 +17,7 @@ from tests.test_train import assert_matches_single, run_train, train_args
 def pp_args(config, data, out, **extra):
     """3 steps of 8 micro-batches of 1 sequence. Adam eps 1e-6 instead of 1e-8: a stage boundary sums gradient
     contributions in another order, and Adam turns the ~1e-7 relative rounding of near-zero gradient elements
-    into lr-sized steps (see tests/test_context_parallel.py); losses and grad norms match at either eps."""
+    into lr-sized steps (see tests/recipe_checks.py:check_args); losses and grad norms match at either eps."""
     return train_args(config, data, out, steps=3, micro_batch=1, adam_eps=1e-6, **extra)
 
 
@@ -37,21 +39,22 @@ def run_train_with_router_counts(argv):
     return run_train(argv)
 
 
-def test_pipeline_layouts_equal_single_process(tiny_train_setup, tmp_path, monkeypatch, capsys):
-    """pp=2, pp=2 x ep=2 and pp=2 x dp=2 with aux-loss-free balancing on: each rank updates the biases of its own
-    layers from the global load, bit-identical to one process's (assert_matches_single). The statistics a model
-    hands the loop (Model.take_stats) are summed or maxed over the ranks that hold other tokens or layers and reach
-    the log line, TensorBoard and metrics.jsonl."""
+def test_pp2_dp2_without_overlap_or_delay_equals_single_process(tiny_train_setup, tmp_path, monkeypatch, capsys):
+    """With aux-loss-free balancing on: each rank updates the biases of its own layers from the global load,
+    bit-identical to one process's (assert_matches_single). The statistics a model hands the loop
+    (Model.take_stats) are summed or maxed over the ranks that hold other tokens (dp) or layers (pp) and reach the
+    log line, TensorBoard and metrics.jsonl."""
     config, data = tiny_train_setup
     args = lambda out, **extra: pp_args(config, data, tmp_path / out, expert_bias_rate=0.01, **extra)
     monkeypatch.setattr(Model, "take_stats", take_stats_with_router_counts)
     single = run_train(args("single"))
     log = capsys.readouterr().out
     assert all(w.any() for name, w in single[2].items() if name.endswith("expert_bias"))
-    assert_matches_single(single, run_ranks(2, run_train, args("pp2", pp=2)))
-    assert_matches_single(single, run_ranks(4, run_train_with_router_counts, args("pp2ep2", pp=2, ep=2)), ep=2)
+    results = run_ranks(4, run_train_with_router_counts, args("pp2dp2", pp=2, dp=2, no_overlap=True,
+                                                              no_delay_wgrad=True))
+    assert_matches_single(single, results)
     tokens, k, moe_layers = 8 * 32, TINY_TRAIN_CONFIG["num_experts_per_tok"], TINY_TRAIN_CONFIG["num_hidden_layers"]
-    for run, data_ranks in (("single", 1), ("pp2ep2", 2)):
+    for run, data_ranks in (("single", 1), ("pp2dp2", 2)):
         records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         assert [r["router_slots"] for r in records] == [[tokens * k] * moe_layers] * 3, run
         assert [r["rank_slots_max"] for r in records] == [[tokens * k / data_ranks] * moe_layers] * 3, run
@@ -60,8 +63,6 @@ def test_pipeline_layouts_equal_single_process(tiny_train_setup, tmp_path, monke
 
     events = EventAccumulator(str(tmp_path / "single" / "tensorboard")).Reload()
     assert [e.value for e in events.Scalars("router_slots/layer_01")] == [tokens * k] * 3
-    assert_matches_single(single, run_ranks(4, run_train, args("pp2dp2", pp=2, dp=2, no_overlap=True,
-                                                               no_delay_wgrad=True)))
 
 
 def test_pp4_equals_single_process(tiny_train_setup, tmp_path):

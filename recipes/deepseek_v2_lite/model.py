@@ -731,6 +731,38 @@ def real_config_path() -> Path:
     return Path(__file__).with_name("config.json")
 
 
+# ------------------------------------------------------------------------------------------- recipe checks
+# What the shared correctness checks need to know about this recipe. tests/test_recipes.py runs them for every
+# folder under recipes/ (a copy of this folder is checked with no test file added) and
+# skills/validate-correctness/scripts/validate.py --recipe <folder> prints them as one table: parity with
+# transformers (or equality with BASE_RECIPE), every parallel layout against one process, resume, recompute, bf16,
+# export round trip, buffers. No name here starts with "test" (pytest would collect it where a test imports it).
+#   TRANSFORMERS_CLASS  the transformers class this model equals (logits, gradients, checkpoint names); None once
+#                       the model departs from it, and then BASE_RECIPE must name the recipe it was copied from.
+#   BASE_RECIPE         None, or the recipe folder this one is a variant of: trained on check_setup()["base_config"]
+#                       (the new feature switched off) both give the same losses, grad norms and weights.
+#   check_setup()       "config": the small model every check builds and trains (config.json fields; vocab_size
+#                       >= 256, the test data's); "seq_len": tokens per sequence, a multiple of 4 (cp2 cuts it into
+#                       4 chunks) and long enough for the attention's blocks and windows (64 or 128 if it needs);
+#                       "base_config": config.json fields both this recipe and BASE_RECIPE read, or None.
+TRANSFORMERS_CLASS = "DeepseekV2ForCausalLM"
+BASE_RECIPE = None
+
+
+def check_setup() -> dict:
+    """6 layers, the first dense (with pp=2 each of the 4 stages holds some), 4 experts top-2 with 1 shared expert,
+    YaRN (original length 16 < 32: the scaled frequencies and the softmax scale both act), the sequence-wise
+    balance loss with alpha 0.1 (large enough that its gradient shows in the router's)."""
+    config = {"model_type": "deepseek_v2", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 6,
+              "num_attention_heads": 4, "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+              "qk_rope_head_dim": 8, "v_head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 32, "n_shared_experts": 1, "intermediate_size": 64, "first_k_dense_replace": 1,
+              "aux_loss_alpha": 0.1, "seq_aux": True, "rope_theta": 10000.0,
+              "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 16, "mscale": 1.0,
+                               "mscale_all_dim": 0.707}, "max_position_embeddings": 64}
+    return {"config": config, "seq_len": 32, "base_config": None}
+
+
 if __name__ == "__main__":  # print the parameter count of the released config without allocating it
     with torch.device("meta"):
         m = Model(ModelConfig.from_hf(real_config_path()))

@@ -652,6 +652,35 @@ def real_config_path() -> Path:
     return Path(__file__).with_name("config.json")
 
 
+# ------------------------------------------------------------------------------------------- recipe checks
+# What the shared correctness checks need to know about this recipe. tests/test_recipes.py runs them for every
+# folder under recipes/ (a copy of this folder is checked with no test file added) and
+# skills/validate-correctness/scripts/validate.py --recipe <folder> prints them as one table: parity with
+# transformers (or equality with BASE_RECIPE), every parallel layout against one process, resume, recompute, bf16,
+# export round trip, buffers. No name here starts with "test" (pytest would collect it where a test imports it).
+#   TRANSFORMERS_CLASS  the transformers class this model equals (logits, gradients, checkpoint names); None once
+#                       the model departs from it, and then BASE_RECIPE must name the recipe it was copied from.
+#   BASE_RECIPE         None, or the recipe folder this one is a variant of: trained on check_setup()["base_config"]
+#                       (the new feature switched off) both give the same losses, grad norms and weights.
+#   check_setup()       "config": the small model every check builds and trains (config.json fields; vocab_size
+#                       >= 256, the test data's); "seq_len": tokens per sequence, a multiple of 4 (cp2 cuts it into
+#                       4 chunks) and long enough for the attention's blocks and windows (64 or 128 if it needs);
+#                       "base_config": config.json fields both this recipe and BASE_RECIPE read, or None.
+TRANSFORMERS_CLASS = "GptOssForCausalLM"
+BASE_RECIPE = None
+
+
+def check_setup() -> dict:
+    """6 layers alternating sliding and full attention (with pp=2 each of the 4 stages holds some), sinks, 4
+    experts top-2 with biases. Window 6 over sequences of 32: at cp=2 the 4 chunks hold 8 tokens each, so a query
+    early in a chunk sees keys of the chunk before it, held by the other cp rank (chunks 0, 3 on rank 0 and 1, 2 on
+    rank 1)."""
+    config = {"model_type": "gpt_oss", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 6,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4,
+              "num_experts_per_tok": 2, "intermediate_size": 32, "sliding_window": 6, "router_aux_loss_coef": 0.01}
+    return {"config": config, "seq_len": 32, "base_config": None}
+
+
 if __name__ == "__main__":  # print the parameter count of the released config without allocating it
     with torch.device("meta"):
         m = Model(ModelConfig.from_hf(real_config_path()))

@@ -1,16 +1,18 @@
 """Train a recipe in one parallel layout and as one process on the same batches; print losses, grad norms and
 the worst relative errors (losses, grad norms, every weight on every rank) against 1e-5. Exit code 1 on a FAIL.
+For debugging one layout, with any train.py flags; validate.py runs a recipe's whole correctness set.
 
     python skills/validate-correctness/scripts/check_layout.py --recipe qwen3_30b_a3b --layout pp2xep2 \\
-        --data data/stdlib [--config FILE] [--steps 3] [-- extra train.py flags, e.g. --recompute layer]
+        [--data DIR] [--config FILE] [--steps 3] [-- extra train.py flags, e.g. --recompute layer]
 
-The layout is `x`-joined pp/dp/cp/ep factors (pp2xep2 = 4 gloo ranks on CPU, spawned here). Both runs use
-tests/test_train.py's tiny training flags (seq 32, global batch 8) with micro-batch 1 and Adam eps 1e-6 (see
-tests/test_train_pp.py), and the comparison is tests/test_train.py:assert_matches_single.
+The layout is `x`-joined pp/dp/cp/ep factors (pp2xep2 = 4 gloo ranks on CPU, spawned here). Both runs use the
+recipe's check setup (the block at the end of its model.py: config and sequence length) and the flags of the
+shared layout checks (tests/recipe_checks.py:check_args: global batch 8, micro-batch 1, Adam eps 1e-6, expert
+bias on); the comparison is tests/test_train.py:assert_matches_single. Without --data the tests' counting
+dataset is written to a temporary folder.
 """
 
 import argparse
-import importlib
 import math
 import re
 import sys
@@ -20,7 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root
 
 from tests.multiproc import run_ranks  # noqa: E402
-from tests.test_train import assert_matches_single, run_train, train_args  # noqa: E402
+from tests.recipe_checks import check_args, data_vocab, load_recipe, write_config, write_counting_data  # noqa: E402
+from tests.test_train import LAYOUT_TOLERANCE, assert_matches_single, run_train  # noqa: E402
 
 
 def parse_layout(text: str) -> dict[str, int]:
@@ -34,17 +37,16 @@ def parse_layout(text: str) -> dict[str, int]:
 
 def check_layout(recipe: str, layout: dict[str, int], data, out_dir, config="", steps: int = 3, extra=()):
     """(single-process result, every rank's result, worst errors or the assertion message, table lines)."""
-    train = importlib.import_module(f"recipes.{recipe}.train")
-    config = config or Path(train.__file__).with_name("config_tiny.json")
-    argv = lambda out, **flags: train_args(config, data, Path(out_dir) / out, steps=steps, micro_batch=1,
-                                           adam_eps=1e-6, **flags) + list(extra)
+    setup = load_recipe(recipe, data_vocab(data))
+    config = config or write_config(Path(out_dir) / "check_config.json", setup.config)
+    argv = lambda out, **flags: check_args(setup, config, data, Path(out_dir) / out, steps=steps, **flags) + list(extra)
     name = "x".join(f"{k}{v}" for k, v in layout.items())
-    single = run_train(argv("single"), train.main)
-    ranks = run_ranks(math.prod(layout.values()), run_train, argv(name, **layout), train.main)
+    single = run_train(argv("single"), setup.train.main)
+    ranks = run_ranks(math.prod(layout.values()), run_train, argv(name, **layout), setup.train.main)
     try:
         verdict = assert_matches_single(single, ranks, ep=layout.get("ep", 1))
     except AssertionError as e:
-        verdict = f"FAIL: {str(e).splitlines()[0]}  <- (rank, [loss, grad norm errors]) or (rank, weight name)"
+        verdict = f"FAIL: {str(e).splitlines()[0]}"
     lines = [f"layout {name} ({len(ranks)} ranks) vs one process: recipe {recipe}, {steps} steps",
              f"{'step':>4}  {'loss 1 proc':>12}  {'loss ' + name:>14}  {'grad norm 1 proc':>16}  {'grad norm ' + name:>18}"]
     for i, (loss, norm) in enumerate(zip(single[0], single[1])):
@@ -53,7 +55,7 @@ def check_layout(recipe: str, layout: dict[str, int], data, out_dir, config="", 
         lines.append(verdict)
     else:
         lines += [f"{'worst relative error':<22}  {'value':>9}  tolerance  result"]
-        lines += [f"{what:<22}  {err:>9.2e}  {1e-5:>9.0e}  PASS" for what, err in
+        lines += [f"{what:<22}  {err:>9.2e}  {LAYOUT_TOLERANCE:>9.0e}  PASS" for what, err in
                   zip(("losses", "grad norms", "weights (every rank)"), verdict)]
     return single, ranks, verdict, lines
 
@@ -62,14 +64,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", required=True, help="folder name under recipes/")
     parser.add_argument("--layout", required=True, help="e.g. pp2xep2, ep2, cp2, pp2xdp2")
-    parser.add_argument("--data", default="data/stdlib", help="token shards (python -m tools.prepare_data --default)")
-    parser.add_argument("--config", default="", help="HF config.json (default: the recipe's config_tiny.json)")
+    parser.add_argument("--data", default="", help="token shards (default: the tests' counting dataset)")
+    parser.add_argument("--config", default="", help="HF config.json (default: the recipe's check_setup() config)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("extra", nargs="*", help="after --: more train.py flags for both runs")
     args = parser.parse_args(argv)
     layout = parse_layout(args.layout)
     with tempfile.TemporaryDirectory() as tmp:
-        *_, verdict, lines = check_layout(args.recipe, layout, args.data, tmp, args.config, args.steps, args.extra)
+        data = args.data or write_counting_data(Path(tmp) / "data")
+        *_, verdict, lines = check_layout(args.recipe, layout, data, tmp, args.config, args.steps, args.extra)
     print("\n".join(lines))
     ok = not isinstance(verdict, str)
     print("ALL PASS" if ok else "SOME CHECKS FAILED")

@@ -1,0 +1,85 @@
+"""The shared correctness checks (tests/recipe_checks.py) for every recipe folder found under recipes/ when the
+tests are collected: `cp -r recipes/deepseek_v2_lite recipes/my_arch` is tested with no test file added.
+
+Per recipe: parity with transformers (or equality with its base recipe), the export round trip and every buffer;
+every parallel layout against one process with resume, recompute, bf16 and a sharded export (one spawned process
+group per world size); the copied folder's launch.sh (train.py being the same file in the shipped recipes is tests/test_layers.py's). And
+the copy itself: a copy of a shipped recipe in a scratch clone of the repository is collected and passes."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.recipe_checks import GROUPS, format_table, recipe_names, run_checks
+from tests.test_launch import ROOT, copy_recipe, launch
+from tests.test_layers import SHIPPED
+
+RECIPES = recipe_names()
+SHARED_TESTS = ("test_numerics_export_and_buffers", "test_layouts_equal_one_process", "test_copied_folder_runs_its_launch_sh")
+
+
+def assert_all_pass(results) -> None:
+    print("\n" + format_table(results))
+    assert results and all(r.ok for r in results), "\n" + format_table([r for r in results if not r.ok])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_numerics_export_and_buffers(recipe, tiny_train_setup, tmp_path):
+    """transformers parity (logits, every gradient, export) where the recipe has a counterpart, equality with its
+    base recipe where it is a variant; an HF folder through train.py --lr 0 unchanged; every buffer after a meta
+    build + init_weights + load equal to a fresh build's."""
+    assert_all_pass(run_checks(recipe, tiny_train_setup[1], tmp_path, [g for g in GROUPS if g != "layouts"]))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_layouts_equal_one_process(recipe, tiny_train_setup, tmp_path):
+    """ep2, pp2, cp2, pp2xep2, cp2xep2 against one process; model-level cp2 and cp2xep2; resume at ep2; recompute
+    at pp2 and cp2; pp2 in bf16; export at pp2xep2 (tests/recipe_checks.py:layout_results)."""
+    assert_all_pass(run_checks(recipe, tiny_train_setup[1], tmp_path, ["layouts"]))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_copied_folder_runs_its_launch_sh(recipe, tiny_train_setup, tmp_path):
+    """cp -r recipes/<recipe> recipes/my_arch: the copy's launch.sh trains its own model with the CPU defaults
+    (4 ranks, pp=2 x ep=2, the tiny config) and exports."""
+    copy = copy_recipe(recipe, tmp_path)  # no OUT: the run goes to runs/my_arch
+    out = launch(copy, {"DATA": str(tiny_train_setup[1])}, "--steps", "2", "--seq-len", "64", "--ckpt-every", "2",
+                 "--export-hf", str(tmp_path / "hf"))
+    assert "-m recipes.my_arch.train" in out and "mesh pp=2 dp=1 cp=1 ep=2" in out and "trained steps 1-2" in out
+    assert (copy.parents[2] / "runs/my_arch/checkpoints/step_00000002/.metadata").is_file()
+    assert (tmp_path / "hf/config.json").is_file()
+
+
+def clone_checkout(dest):
+    """The files git sees in this checkout (tracked, and new ones not ignored), as they are now, copied to dest."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split("\0")
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():  # (a tracked file deleted in the working tree is not)
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
+def pytest_in(clone, *args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=clone, env=env,
+                          capture_output=True, text=True, timeout=1200)
+
+
+# one copy's layouts in the default suite (the mechanism is the same for every base); the others with -m slow
+@pytest.mark.parametrize("base", [pytest.param(r, marks=() if r == SHIPPED[0] else pytest.mark.slow) for r in SHIPPED])
+def test_a_copied_recipe_is_checked_with_no_test_file_added(base, tmp_path):
+    """cp -r recipes/<base> recipes/my_arch in a scratch clone: the clone's suite collects every shared check for
+    my_arch, and my_arch's numerics and layouts pass there (its launch.sh: the test above, on the same files)."""
+    clone = clone_checkout(tmp_path / "clone")
+    shutil.copytree(clone / "recipes" / base, clone / "recipes/my_arch", ignore=shutil.ignore_patterns("__pycache__"))
+    collected = pytest_in(clone, "--collect-only", "tests/test_recipes.py")
+    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
+    ids = collected.stdout.split()
+    assert all(f"tests/test_recipes.py::{test}[my_arch]" in ids for test in SHARED_TESTS), collected.stdout
+    run = pytest_in(clone, "tests/test_recipes.py", "-k", "my_arch and not launch_sh")
+    assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout[-5000:] + run.stderr[-3000:]
