@@ -54,10 +54,15 @@ def test_copied_folder_runs_its_launch_sh(recipe, tiny_train_setup, tmp_path):
 
 
 def clone_checkout(dest):
-    """The files git sees in this checkout (tracked, and new ones not ignored), as they are now, copied to dest."""
+    """The files git sees in this checkout (tracked, and new ones not ignored), as they are now, copied to dest;
+    outside a git checkout, the tree without what .gitignore names (data, runs, caches)."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.split("\0")
-    for name in filter(None, listed):
+                            capture_output=True, text=True)
+    if listed.returncode:
+        shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(".git", "__pycache__", ".*_cache", "*.egg-info",
+                                                                  "data", "runs", "build"))
+        return dest
+    for name in filter(None, listed.stdout.split("\0")):
         if (ROOT / name).is_file():  # (a tracked file deleted in the working tree is not)
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, dest / name)
