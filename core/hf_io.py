@@ -84,6 +84,21 @@ class CheckpointReader:
         handle = self._open(self.weight_map[name])
         return handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows]
 
+    def get_rows(self, name: str, expected_shape: tuple[int, ...], ids) -> torch.Tensor:
+        """Rows `ids` of the first dimension, in that order (e.g. one rank's experts of any placement): each run
+        of consecutive ids is read from disk alone. The name is recorded once."""
+        runs = []
+        for e in ids:
+            if runs and e == runs[-1][1]:
+                runs[-1][1] += 1
+            else:
+                runs.append([e, e + 1])
+        parts = [self.get(name, expected_shape, slice(lo, hi)) for lo, hi in runs]
+        del self.names_read[len(self.names_read) - len(runs) + 1:]
+        if not parts:  # no rows: the tensor's other dimensions
+            return torch.empty(0, *expected_shape[1:])
+        return torch.cat(parts)
+
 
 # FP4 E2M1 codes 0..15: sign bit 3, then 0, .5, 1, 1.5, 2, 3, 4, 6
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

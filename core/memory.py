@@ -4,8 +4,8 @@ and a config; `check_train_args` is train.py's guard, `python -m tools.estimate_
 
 Components of the most loaded pipeline rank (every pp rank is built; the largest total is reported):
   weights      fp32 master parameters: the recipe's Model built on `meta` for this rank's part (the layers of its
-               two DualPipeV stages from core.pipeline.split_layers, 1/ep of the routed experts, embedding and
-               head on pp rank 0), so the count is the model's own, not a formula
+               two DualPipeV stages from core.pipeline.split_layers, the routed experts of the ep rank holding
+               the most under the expert placement, embedding and head on pp rank 0), so the count is the model's own, not a formula
   gradients    fp32, one per parameter (the full gradient lives until ShardedAdamW.reduce_gradients)
   optimizer    AdamW's two fp32 moments of this rank's ZeRO-1 shard: dense parameters sharded over dp*cp*ep,
                routed experts over dp*cp, ceil(numel / n) elements each (core/optimizer.py)
@@ -33,6 +33,7 @@ import torch
 
 from core.optimizer import _split
 from core.pipeline import split_layers
+from core.placement import Placement
 
 GIB = 2**30
 BUCKET_BYTES = 256 << 20  # ShardedAdamW's default bucket_bytes
@@ -51,22 +52,24 @@ class Layout:
     bf16: bool = True
     fp8: bool = False
     recompute: str = "none"
+    expert_placement: str = ""  # train.py's --expert-placement ('': the even split)
 
     def __str__(self):
         return (f"--pp {self.pp} --dp {self.dp} --cp {self.cp} --ep {self.ep} --micro-batch {self.micro_batch} "
-                f"--recompute {self.recompute}")
+                f"--recompute {self.recompute}" + (f" --expert-placement {self.expert_placement}"
+                                                   if self.expert_placement else ""))
 
 
 def rank_parts(cfg, layout: Layout, pp_rank: int) -> dict:
-    """Model(...) keyword arguments of one pp rank (as train.py builds it), with ep rank 0's experts."""
-    E, ep = cfg.num_experts, layout.ep
-    if E % ep:
-        raise ValueError(f"{E} experts cannot be split evenly over --ep {ep}; choose an ep that divides {E}")
+    """Model(...) keyword arguments of one pp rank (as train.py builds it), with the experts of the ep rank that
+    holds the most."""
+    placement = Placement.parse(layout.expert_placement, cfg.num_experts, layout.ep)
+    most = max(placement.experts, key=len)
     layers = None
     if layout.pp > 1:
         stage_layers = split_layers(cfg.num_hidden_layers, layout.pp)
         layers = stage_layers[pp_rank] + stage_layers[2 * layout.pp - 1 - pp_rank]
-    return dict(layers=layers, experts=(0, E // ep), embed=pp_rank == 0, head=pp_rank == 0)
+    return dict(layers=layers, expert_ids=most, embed=pp_rank == 0, head=pp_rank == 0)
 
 
 def meta_model(mod, cfg, **parts):
@@ -110,7 +113,7 @@ def activation_calibration(mod, recompute: str, batch: int = 2, seq: int = 32) -
 
 
 def param_bytes(model, layout: Layout) -> dict:
-    """Exact bytes of weights, gradients and Adam shards (ep rank 0, dp*cp rank 0: the largest shards)."""
+    """Exact bytes of weights, gradients and Adam shards (dp*cp rank 0: the largest shards) of this model."""
     n_dense = layout.dp * layout.cp * layout.ep
     n_expert = layout.dp * layout.cp
     weights = adam = cache = 0
@@ -131,7 +134,8 @@ _PARAMS = {}
 
 def rank_param_bytes(mod, cfg, layout: Layout, pp_rank: int) -> tuple[dict, list[int], bool]:
     """(param_bytes, layer ids, holds the head) of one pp rank, from the model built on meta (cached per layout)."""
-    key = (mod.__name__, id(cfg), layout.pp, layout.dp, layout.cp, layout.ep, layout.bf16, layout.fp8, pp_rank)
+    key = (mod.__name__, id(cfg), layout.pp, layout.dp, layout.cp, layout.ep, layout.expert_placement, layout.bf16,
+           layout.fp8, pp_rank)
     if key not in _PARAMS:
         parts = rank_parts(cfg, layout, pp_rank)
         model = meta_model(mod, cfg, **parts)
@@ -174,12 +178,13 @@ def suggest(mod, cfg, layout: Layout, gpu_gib: float, reserve_gib: float, limit:
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     found = []
     for pp, cp, ep in itertools.product(divisors, divisors, divisors):
-        if world % (pp * cp * ep) or cfg.num_experts % ep or layout.seq_len % (2 * cp):
+        if world % (pp * cp * ep) or layout.seq_len % (2 * cp):
             continue
         if pp > 1 and 2 * pp - 2 > cfg.num_hidden_layers:
             continue
         for mb, rc in itertools.product(sorted({1, layout.micro_batch}), ("none", "attention", "layer")):
-            cand = replace(layout, pp=pp, dp=world // (pp * cp * ep), cp=cp, ep=ep, micro_batch=mb, recompute=rc)
+            cand = replace(layout, pp=pp, dp=world // (pp * cp * ep), cp=cp, ep=ep, micro_batch=mb, recompute=rc,
+                           expert_placement=layout.expert_placement if ep == layout.ep else "")
             if cand == layout:
                 continue
             try:
@@ -213,5 +218,5 @@ def check_train_args(model_cls, cfg, args, world: int) -> None:
     if dp < 1 or args.pp * dp * args.cp * args.ep != world:
         return  # build_mesh reports a layout that does not match the world size
     layout = Layout(args.pp, dp, args.cp, args.ep, args.micro_batch, args.seq_len, args.dtype != "fp32", args.fp8,
-                    args.recompute)
+                    args.recompute, args.expert_placement)
     check_fits(sys.modules[model_cls.__module__], cfg, layout, torch.cuda.get_device_properties(0).total_memory / GIB)

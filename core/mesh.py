@@ -65,17 +65,13 @@ class Mesh:
             return self.device_mesh.get_group(dims[0])
         return self.device_mesh[dims]._flatten("_".join(dims)).get_group()
 
-    def replica_mesh(self, experts: bool) -> DeviceMesh | None:
-        """How this pipeline stage's parameters lie over its ranks, for DTensor checkpoints (None at world size
-        1: plain tensors). Dense parameters are replicated over (dp, cp, ep): a 1-D mesh of those ranks. Routed
-        experts are split over ep and replicated over (dp, cp): a 2-D mesh (ep, dp*cp)."""
+    def replica_mesh(self) -> DeviceMesh | None:
+        """How this pipeline stage's dense parameters lie over its ranks, for DTensor checkpoints (None at world
+        size 1: plain tensors): replicated over (dp, cp, ep), a 1-D mesh of those ranks. Routed experts are
+        checkpointed per expert instead (core/optimizer.py:expert_checkpoint_entries), whatever their placement."""
         if self.device_mesh is None:
             return None
-        if not experts:
-            return self.device_mesh["dp", "cp", "ep"]._flatten("dp_cp_ep")
-        ranks = self.device_mesh.mesh[self.coord("pp")].permute(2, 0, 1).reshape(self.ep, self.dp * self.cp)
-        groups = [self.device_mesh.get_group("ep"), self.device_mesh["dp", "cp"]._flatten("dp_cp").get_group()]
-        return DeviceMesh.from_group(groups, self.device.type, mesh=ranks, mesh_dim_names=("ep", "dp_cp"))
+        return self.device_mesh["dp", "cp", "ep"]._flatten("dp_cp_ep")
 
     def first_replica(self, experts: bool) -> bool:
         """Whether this rank is the first of those replicating its dense (over dp, cp, ep) or expert (over dp, cp)

@@ -19,7 +19,8 @@ Router contract (what a recipe's router hands to this file; E experts, k slots p
   out[0] = .7 expert2(x0) + .3 expert0(x0), out[1] = expert3(x1), out[2] = 0.
 
 Legend: T tokens on this rank, H hidden, k slots per token, E experts in the model, n ranks in the ep group,
-L = E / n experts per rank (rank d holds experts [d*L, (d+1)*L)), P (token, destination rank) pairs this
+L experts on this rank (core/placement.py: which rank holds each expert at which local index; by default rank d
+holds a contiguous block, as even as possible, and a rank may hold none), P (token, destination rank) pairs this
 rank sends, Q pairs it receives, R (received row, local expert) pairs = rows of the grouped GEMM,
 X = H + k (a dispatched row carries the token and its k routing weights for that rank).
 
@@ -30,7 +31,7 @@ before sending back, so the combine also moves one row per (token, rank). Drople
 One MoE layer on one micro-batch, in the five steps a pipeline schedule can interleave (2 and 4 are the
 all-to-alls; `start_*` returns at once and `.wait()` gives the result with autograd attached):
 
-    plan = DispatchPlan(topk_ids_Tk, E, ep_group)              # routing exchange (small, blocking)
+    plan = DispatchPlan(topk_ids_Tk, E, ep_group, placement)   # routing exchange (small, blocking)
     x_QX = plan.start_dispatch(x_TH, topk_weights_Tk).wait()    # (2)
     y_QH = plan.run_experts(x_QX, experts_fn)                   # (3) experts_fn(rows_RH, counts_L) -> [R, H]
     y_PH = plan.start_combine(y_QH).wait()                      # (4)
@@ -45,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from core.kernels.dispatch_index import expert_counts, group_by_expert
+from core.placement import Placement
 from core.weight_cache import cast_weight
 
 # torch._grouped_mm (public as F.grouped_mm from torch 2.10 on); None in versions that have neither
@@ -179,16 +181,20 @@ def _true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
 class DispatchPlan:
     """Where one micro-batch's tokens go in the ep group, and how received rows map onto local experts."""
 
-    def __init__(self, topk_ids_Tk: torch.Tensor, num_experts: int, group):
+    def __init__(self, topk_ids_Tk: torch.Tensor, num_experts: int, group, placement: Placement | None = None):
+        """placement: which rank holds each expert (None: Placement.even over the group)."""
         n = 1 if group is None else dist.get_world_size(group)
         me = 0 if group is None else dist.get_rank(group)
-        assert num_experts % n == 0, f"{num_experts} experts cannot be split over {n} ep ranks"
+        placement = Placement.even(num_experts, n) if placement is None else placement
+        assert (placement.num_experts, placement.ep) == (num_experts, n), (placement, num_experts, n)
         T, k = topk_ids_Tk.shape
-        L = num_experts // n
+        L = len(placement.experts[me])
         self.group, self.num_tokens, self.k = group, T, k
         ids_Tk = topk_ids_Tk.long()
         keep_Tk = (ids_Tk >= 0) & (ids_Tk < num_experts)  # ids >= E are reported below, on every rank
-        dest_Tk = torch.where(keep_Tk, ids_Tk // L, n)  # rank n: nowhere (a masked slot)
+        rank_E, local_E = placement.tables(ids_Tk.device)
+        safe_Tk = ids_Tk.clamp(0, num_experts - 1)  # table lookups of masked slots (their result is unused)
+        dest_Tk = torch.where(keep_Tk, rank_E[safe_Tk], n)  # rank n: nowhere (a masked slot)
         goes_TN = torch.zeros(T, n + 1, dtype=torch.bool, device=ids_Tk.device).scatter_(1, dest_Tk, True)[:, :n]
         # per destination: rows (tokens), (token, expert) pairs, and this rank's out-of-range ids
         bad = (~keep_Tk & (ids_Tk >= 0)).sum()
@@ -210,13 +216,16 @@ class DispatchPlan:
         flat_P = _true_positions(goes_TN.T, sum(self.send_splits))  # grouped by destination, tokens in order
         dest_P, self.token_P = flat_P // max(T, 1), flat_P % max(T, 1)
         self.here_Pk = dest_Tk[self.token_P] == dest_P[:, None]  # which of the token's slots live at that rank
-        local_ids_Pk = torch.where(self.here_Pk, ids_Tk[self.token_P] - dest_P[:, None] * L, -1)
+        local_ids_Pk = torch.where(self.here_Pk, local_E[safe_Tk[self.token_P]], -1)  # index at the destination
         if group is None:
             local_ids_Qk = local_ids_Pk
         else:  # the local expert ids of every row (small, blocking)
             local_ids_Qk = local_ids_Pk.new_empty(sum(self.recv_splits), k)
             dist.all_to_all_single(local_ids_Qk, local_ids_Pk, self.recv_splits, self.send_splits, group=group)
-        self.order_R, self.counts_L = group_by_expert(local_ids_Qk, L, num_pairs)  # Triton on GPU
+        if L:
+            self.order_R, self.counts_L = group_by_expert(local_ids_Qk, L, num_pairs)  # Triton on GPU
+        else:  # a rank without experts receives no rows
+            self.order_R = self.counts_L = torch.zeros(0, dtype=torch.long, device=ids_Tk.device)
 
     def dispatch_payload(self, x_TH: torch.Tensor, topk_weights_Tk: torch.Tensor) -> torch.Tensor:
         """Each token once per destination rank, with its routing weights for that rank's experts: [P, X]."""
@@ -232,7 +241,8 @@ class DispatchPlan:
         each received row's weighted expert outputs: [Q, H]."""
         x_QH, w_Qk = x_QX[:, : -self.k], x_QX[:, -self.k :]
         row_R = self.order_R // self.k
-        y_RH = experts_fn(x_QH[row_R], self.counts_L)
+        # no local experts: no rows (R = 0), and the empty result stays in the graph so the combine's backward runs
+        y_RH = experts_fn(x_QH[row_R], self.counts_L) if self.counts_L.numel() else x_QH[row_R]
         y_RH = y_RH * w_Qk.reshape(-1)[self.order_R].unsqueeze(-1)
         return y_RH.new_zeros(x_QH.shape[0], y_RH.shape[-1]).index_add(0, row_R, y_RH)
 
@@ -245,9 +255,10 @@ class DispatchPlan:
         return y_PH.new_zeros(self.num_tokens, y_PH.shape[-1]).index_add(0, self.token_P, y_PH)
 
 
-def moe_forward(x_TH, topk_ids_Tk, topk_weights_Tk, num_experts: int, group, experts_fn):
+def moe_forward(x_TH, topk_ids_Tk, topk_weights_Tk, num_experts: int, group, experts_fn,
+                placement: Placement | None = None):
     """The five steps back to back (no overlap): routed-expert output [T, H] and rows moved [2]."""
-    plan = DispatchPlan(topk_ids_Tk, num_experts, group)
+    plan = DispatchPlan(topk_ids_Tk, num_experts, group, placement)
     x_QX = plan.start_dispatch(x_TH, topk_weights_Tk).wait()
     y_PH = plan.start_combine(plan.run_experts(x_QX, experts_fn)).wait()
     return plan.unpermute(y_PH), plan.rows_moved

@@ -12,8 +12,9 @@ A `ReplicaSet` is a set of parameters replicated over the same ranks: dense para
 routed experts over (dp, cp) (each ep rank holds different experts). Rank i of a set's n ranks owns
 elements [i*c, (i+1)*c) of each flattened parameter, c = ceil(numel / n) (the last shards are shorter or
 empty: DTensor's Shard(0) split). The shard is a view into the parameter, so AdamW updates the weights in
-place. Checkpoints describe every tensor as a DTensor over the set's mesh (see `checkpoint_state`), so a
-checkpoint written at one (dp, ep) layout loads at another. `reinit_` re-initialises part of a parameter (say one
+place. Checkpoints describe a dense tensor as a DTensor over the set's mesh and store routed experts per global
+expert id (see `checkpoint_state`), so a checkpoint written at one (dp, ep) layout and expert placement loads at
+another. `reinit_` re-initialises part of a parameter (say one
 routed expert) and zeroes its Adam moments in whichever shards hold them, for a recipe that replaces a dead expert.
 """
 
@@ -35,7 +36,9 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 class ReplicaSet:
     params: dict[str, torch.nn.Parameter]
     group: object  # ProcessGroup of the replicas, or None when this rank is the only copy
-    mesh: DeviceMesh | None  # checkpoint layout: leading dims split dim 0 of the parameter, the last dim = replicas
+    mesh: DeviceMesh | None  # checkpoint layout of the dense parameters: a 1-D mesh of the replicas (None: plain)
+    expert_ids: dict[str, list[int]] | None = None  # routed experts: name -> global expert id of each row of dim 0;
+    # checkpointed per expert (expert_checkpoint_entries), whatever the placement
 
 
 @dataclass
@@ -57,6 +60,14 @@ def _split(numel: int, n: int, i: int) -> tuple[int, int]:
 
 def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+
+
+def expert_checkpoint_entries(name: str, full_LX: torch.Tensor, expert_ids: list[int]) -> dict[str, torch.Tensor]:
+    """A tensor whose rows are routed experts (a weight or optimizer state of the local experts [L, ...]) as
+    checkpoint entries, one per global expert: '{name}[{e}]' -> row (a view: a load fills it in place). A
+    checkpoint so written loads under any expert placement and ep size: each rank asks for its experts' keys."""
+    assert full_LX.shape[0] == len(expert_ids), (name, full_LX.shape, expert_ids)
+    return {f"{name}[{e}]": full_LX[j] for j, e in enumerate(expert_ids)}
 
 
 class ShardedAdamW:
@@ -221,15 +232,30 @@ class ShardedAdamW:
                 self.optimizer.state[e.shard] = {"step": step, "exp_avg": torch.zeros_like(e.shard),
                                                  "exp_avg_sq": torch.zeros_like(e.shard)}
 
+    def full_state(self, e: _Entry, key: str) -> torch.Tensor:
+        """Adam state `key` of a whole parameter (all-gathered from its replicas' shards; collective over them), on
+        the CPU: [param shape]."""
+        shard = self.optimizer.state[e.shard][key]
+        if e.replicas.group is None:
+            return shard.view(e.param.shape).cpu()
+        full = shard.new_empty(e.n * e.chunk)
+        all_gather_flat(full, torch.nn.functional.pad(shard, (0, e.chunk - shard.numel())), group=e.replicas.group)
+        return full[: e.param.numel()].view(e.param.shape).cpu()
+
     def checkpoint_state(self, model: torch.nn.Module) -> dict:
-        """{'model', 'optim'} for torch.distributed.checkpoint, sharing storage with the live tensors (a load
-        fills them in place). A parameter of a set with a mesh is a DTensor: its global shape multiplies dim 0
-        by the mesh's leading dims (the expert shards), replicated over the last dim; its Adam moments are
-        DTensors over the flattened global parameter, split like the weights and then over the replicas."""
+        """{'model', 'optim'} for torch.distributed.checkpoint. Collective over the replicas of routed experts.
+        Dense: sharing storage with the live tensors (a load fills them in place); a parameter of a set with a
+        mesh is a DTensor replicated over it, its Adam moments DTensors over the flattened parameter, split over
+        the replicas. Routed experts (a set with expert_ids): one entry per global expert
+        (expert_checkpoint_entries), the weights as views of the parameter, the moments as rows of the whole
+        moments (all-gathered over the replicas, on the CPU; `after_load` puts this rank's shard back)."""
         self._init_state()
         model_sd = {}
         for name, t in model.state_dict().items():
             e = self.by_name.get(name)
+            if e is not None and e.replicas.expert_ids is not None:
+                model_sd.update(expert_checkpoint_entries(name, t, e.replicas.expert_ids[name]))
+                continue
             mesh = None if e is None else e.replicas.mesh
             if mesh is None:
                 model_sd[name] = t
@@ -242,6 +268,12 @@ class ShardedAdamW:
         for e in self.entries:
             state, mesh = self.optimizer.state[e.shard], e.replicas.mesh
             optim_sd[e.name] = {"step": state["step"]}
+            if e.replicas.expert_ids is not None:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    for entry, row in expert_checkpoint_entries(e.name, self.full_state(e, key),
+                                                                e.replicas.expert_ids[e.name]).items():
+                        optim_sd.setdefault(entry, {})[key] = row
+                continue
             for key in ("exp_avg", "exp_avg_sq"):
                 if mesh is None:
                     optim_sd[e.name][key] = state[key]
@@ -252,6 +284,15 @@ class ShardedAdamW:
         return {"model": model_sd, "optim": optim_sd}
 
     def after_load(self, state: dict) -> None:
-        """Apply what torch.distributed.checkpoint cannot load in place (the learning rates)."""
+        """Apply what torch.distributed.checkpoint cannot load in place: the learning rates, and this rank's shard
+        of each routed expert's Adam moments (loaded whole, per expert)."""
         for g, lr in zip(self.param_groups, state["optim"]["lr"].tolist()):
             g["lr"] = lr
+        for e in self.entries:
+            if e.replicas.expert_ids is None:
+                continue
+            for key in ("exp_avg", "exp_avg_sq"):
+                rows = [state["optim"][f"{e.name}[{x}]"][key] for x in e.replicas.expert_ids[e.name]]
+                full = torch.stack(rows) if rows else torch.zeros(0)
+                shard = self.optimizer.state[e.shard][key]
+                shard.copy_(full.view(-1)[e.start: e.start + shard.numel()])

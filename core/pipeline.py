@@ -19,7 +19,7 @@ and this file runs the two all-to-alls between them (core/moe.py):
     (3) layer.routed_experts(rows_RH, counts_L) -> [R, H]   routed experts (GEMMs: core.moe.expert_matmul)
     (4) combine all-to-all                           [here]
     (5) layer.finish(state, out_TH) -> state         residual add (the weighted sum happened in the combine)
-plus `layer.num_experts` and `layer.ep_group`.
+plus `layer.num_experts`, `layer.ep_group` and `layer.placement` (core/placement.py; None: the even split).
 
 Overlap: a chunk's forward runs as a generator that yields right after starting an all-to-all; its backward
 runs segment by segment (the forward is cut into autograd segments at the all-to-alls) and yields right after
@@ -85,7 +85,7 @@ def _forward_steps(stage, inputs: list, mb: int, tape: _Tape, out: list):
             state = layer.dense(state)
             continue
         state, x_TH, ids_Tk, weights_Tk = layer.attention(state)  # (1)
-        plan = DispatchPlan(ids_Tk, layer.num_experts, layer.ep_group)
+        plan = DispatchPlan(ids_Tk, layer.num_experts, layer.ep_group, layer.placement)
         *state, payload = tape.cut([*state, plan.dispatch_payload(x_TH, weights_Tk)])
         dispatch = AllToAll(payload, plan.send_splits, plan.recv_splits, layer.ep_group)  # (2)
         [buffer] = tape.cut([dispatch.out])

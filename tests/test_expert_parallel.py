@@ -13,10 +13,18 @@ import torch.nn.functional as F
 from core.mesh import build_mesh, destroy_mesh
 from core.moe import grouped_mm, moe_forward, update_expert_bias
 from core.optimizer import ReplicaSet, ShardedAdamW
+from core.placement import Placement
 from recipes.qwen3_30b_a3b import train
 from recipes.qwen3_30b_a3b.model import Model, ModelConfig
 from tests.multiproc import run_ranks
-from tests.test_train import assert_matches_single, assert_same_checkpoint, rel_err, run_train, train_args
+from tests.test_train import (
+    assert_matches_single,
+    assert_same_checkpoint,
+    held_experts,
+    rel_err,
+    run_train,
+    train_args,
+)
 
 H, I, E = 8, 6, 4  # hidden, expert ffn, experts for the core-level checks
 
@@ -36,38 +44,47 @@ def routings(tokens: int, k_max: int):
     yield "all to the last rank's experts", torch.full((tokens, 1), E - 1)
 
 
+PLACEMENTS = {2: [None, [1, 0, 1, 1], [0, 0, 0, 0]], 4: [None, [3, 0, 0, 1]]}  # even; uneven and non-contiguous;
+# a rank without experts (the ep rank of each expert, as --expert-placement gives it)
+
+
 def dispatch_worker(tokens_per_rank: int):
     """Every rank builds the same global problem, runs its token slice through its experts with the ep group,
-    and returns errors against the single-process computation plus rows moved vs the analytic count."""
+    and returns errors against the single-process computation plus rows moved vs the analytic count; for each
+    expert placement of PLACEMENTS (a rank's experts: tests/test_train.py:held_experts)."""
     mesh = build_mesh(dp=1, ep=int(os.environ["WORLD_SIZE"]))
     group, n, me = mesh.group("ep"), mesh.ep, mesh.coord("ep")
-    L = E // n
     results = []
-    for name, ids_all in routings(n * tokens_per_rank, E):
-        k = ids_all.shape[1]
-        g = torch.Generator().manual_seed(2)
-        x_all = torch.randn(n * tokens_per_rank, H, generator=g, requires_grad=True)
-        w_all = torch.rand(n * tokens_per_rank, k, generator=g, requires_grad=True)
-        w1 = torch.randn(E, H, I, generator=g, requires_grad=True)
-        w2 = torch.randn(E, I, H, generator=g, requires_grad=True)
-        probe = torch.randn(n * tokens_per_rank, H, generator=g)
-        ref, _ = moe_forward(x_all, ids_all, w_all, E, None, expert_mlp(w1, w2))
-        (ref * probe).sum().backward()
+    for table in PLACEMENTS[n]:
+        mine_E = held_experts(E, n, me, table)
+        rank_E = [next(r for r in range(n) if e in held_experts(E, n, r, table)) for e in range(E)]
+        placement = None if table is None else Placement(table, n)
+        for name, ids_all in routings(n * tokens_per_rank, E):
+            k = ids_all.shape[1]
+            g = torch.Generator().manual_seed(2)
+            x_all = torch.randn(n * tokens_per_rank, H, generator=g, requires_grad=True)
+            w_all = torch.rand(n * tokens_per_rank, k, generator=g, requires_grad=True)
+            w1 = torch.randn(E, H, I, generator=g, requires_grad=True)
+            w2 = torch.randn(E, I, H, generator=g, requires_grad=True)
+            probe = torch.randn(n * tokens_per_rank, H, generator=g)
+            ref, _ = moe_forward(x_all, ids_all, w_all, E, None, expert_mlp(w1, w2))
+            (ref * probe).sum().backward()
 
-        mine = slice(me * tokens_per_rank, (me + 1) * tokens_per_rank)
-        x = x_all.detach()[mine].clone().requires_grad_(True)
-        w = w_all.detach()[mine].clone().requires_grad_(True)
-        w1_local = w1.detach()[me * L:(me + 1) * L].clone().requires_grad_(True)
-        w2_local = w2.detach()[me * L:(me + 1) * L].clone().requires_grad_(True)
-        out, rows = moe_forward(x, ids_all[mine], w, E, group, expert_mlp(w1_local, w2_local))
-        (out * probe[mine]).sum().backward()
-        errors = {"out": rel_err(out, ref[mine]), "dx": rel_err(x.grad, x_all.grad[mine]),
-                  "dweights": rel_err(w.grad, w_all.grad[mine]),
-                  "dw1": rel_err(w1_local.grad, w1.grad[me * L:(me + 1) * L]),
-                  "dw2": rel_err(w2_local.grad, w2.grad[me * L:(me + 1) * L])}
-        dest = (ids_all[mine] // L).tolist()  # analytic: one row per (token, other rank) vs one per (token, slot)
-        expected = [sum(len(set(d) - {me}) for d in dest), sum(r != me for d in dest for r in d)]
-        results.append((name, errors, rows.tolist(), expected))
+            mine = slice(me * tokens_per_rank, (me + 1) * tokens_per_rank)
+            x = x_all.detach()[mine].clone().requires_grad_(True)
+            w = w_all.detach()[mine].clone().requires_grad_(True)
+            w1_local = w1.detach()[mine_E].clone().requires_grad_(True)
+            w2_local = w2.detach()[mine_E].clone().requires_grad_(True)
+            out, rows = moe_forward(x, ids_all[mine], w, E, group, expert_mlp(w1_local, w2_local), placement)
+            (out * probe[mine]).sum().backward()
+            errors = {"out": rel_err(out, ref[mine]), "dx": rel_err(x.grad, x_all.grad[mine]),
+                      "dweights": rel_err(w.grad, w_all.grad[mine])}
+            if mine_E:  # (a rank without experts has no weights)
+                errors.update({"dw1": rel_err(w1_local.grad, w1.grad[mine_E]),
+                               "dw2": rel_err(w2_local.grad, w2.grad[mine_E])})
+            dest = [[rank_E[e] for e in t] for t in ids_all[mine].tolist()]  # analytic: one row per (token, other
+            expected = [sum(len(set(d) - {me}) for d in dest), sum(r != me for d in dest for r in d)]  # rank) vs slot
+            results.append((f"{name}, placement {table}", errors, rows.tolist(), expected))
     destroy_mesh()
     return results
 
@@ -78,7 +95,7 @@ def test_dispatch_combine_equals_single_process(world):
         for name, errors, rows, expected in rank_results:
             assert max(errors.values()) <= 1e-5, (world, name, errors)
             assert rows == expected, (world, name, rows, expected)
-            if name == "topk=E":  # a token goes to each other rank once, not once per expert there
+            if name == "topk=E, placement None":  # a token goes to each other rank once, not once per expert there
                 assert rows == [6 * (world - 1), 6 * (world - 1) * (E // world)]
 
 
@@ -119,9 +136,9 @@ def model_grads_worker(config_path, dp: int, ep: int):
             dist.all_reduce(grad, group=group)
         ref = full_params[name].grad
         if experts:
-            lo = model.get_submodule(name.rsplit(".", 1)[0]).lo
-            ref = ref[lo:lo + p.shape[0]]
-            errors["init " + name] = rel_err(p.detach(), full_params[name].detach()[lo:lo + p.shape[0]])
+            mine = held_experts(cfg.num_experts, ep, mesh.coord("ep"))
+            ref = ref[mine]
+            errors["init " + name] = rel_err(p.detach(), full_params[name].detach()[mine])
         errors[name] = rel_err(grad, ref)
     destroy_mesh()
     return errors, state_bytes
@@ -212,7 +229,7 @@ def test_expert_bias_changes_the_choice_not_the_weights():
 
     cfg = ModelConfig(hidden_size=H, num_experts=E, num_experts_per_tok=2, moe_intermediate_size=I)
     g = torch.Generator().manual_seed(0)
-    moe = MoE(cfg, (0, E), None, None)
+    moe = MoE(cfg, range(E), None, None)
     router_w = torch.randn(E, H, generator=g)
     x = torch.randn(64, H, generator=g)
     probe = torch.randn(64, 2, generator=g)

@@ -130,7 +130,7 @@ def test_mxfp4_released_layout_matches_transformers_dequantisation(tmp_path):
     load_hf_checkpoint(model, tmp_path / "mxfp4")
     state = model.state_dict()
     assert len(expected) == 4 and all(torch.equal(state[n], t) for n, t in expected.items())
-    shard = Model(model.cfg, layers=[0], experts=(1, 3), embed=False, head=False)
+    shard = Model(model.cfg, layers=[0], expert_ids=[1, 2], embed=False, head=False)
     names = load_hf_checkpoint(shard, tmp_path / "mxfp4")
     assert "model.layers.0.mlp.experts.down_proj_blocks" in names
     assert torch.equal(shard.layers["0"].mlp.experts.down_proj, expected["layers.0.mlp.experts.down_proj"][1:3])

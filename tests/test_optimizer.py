@@ -91,8 +91,8 @@ def optimizer_worker(ckpt_dir: str, schedule: str):
         model = Plain(lo, hi, seed)
         experts = {"experts": model.experts}
         dense = {n: p for n, p in model.named_parameters() if n != "experts"}
-        opt = ShardedAdamW([ReplicaSet(dense, dense_group, mesh.replica_mesh(experts=False)),
-                            ReplicaSet(experts, expert_group, mesh.replica_mesh(experts=True))],
+        opt = ShardedAdamW([ReplicaSet(dense, dense_group, mesh.replica_mesh()),
+                            ReplicaSet(experts, expert_group, None, {"experts": list(range(lo, hi))})],
                            LR, WD, BETAS, EPS, norm_group=torch.distributed.group.WORLD if mesh.world > 1 else None)
         sched = LambdaLR(opt.optimizer, lambda s: lr_factor(s, schedule, WARMUP, STEPS, MIN_RATIO, DECAY_FRACTION))
         return model, opt, sched

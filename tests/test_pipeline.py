@@ -29,7 +29,7 @@ class ToyLayer(nn.Module):
         self.router = nn.Linear(H, E, bias=False)
         self.w1 = nn.Parameter(torch.randn(E, H, 2 * H)[lo:hi].clone() * 0.1)
         self.w2 = nn.Parameter(torch.randn(E, 2 * H, H)[lo:hi].clone() * 0.1)
-        self.num_experts, self.ep_group = E, ep_group
+        self.num_experts, self.ep_group, self.placement = E, ep_group, None
 
     def attention(self, state):
         h = state[0] + torch.tanh(self.mix(state[0]))

@@ -107,6 +107,6 @@ def test_fused_expert_layout_loads_a_slice(tmp_path):
     load_hf_checkpoint(fused, tmp_path / "fused")
     for key, value in full.state_dict().items():
         assert torch.equal(fused.state_dict()[key], value), key
-    shard = Model(ModelConfig.from_hf(path), layers=[0], experts=(4, 6), embed=False, head=False)
+    shard = Model(ModelConfig.from_hf(path), layers=[0], expert_ids=[4, 5], embed=False, head=False)
     load_hf_checkpoint(shard, tmp_path / "fused")
     assert torch.equal(shard.layers["0"].mlp.experts.down_proj, full.layers["0"].mlp.experts.down_proj[4:6])

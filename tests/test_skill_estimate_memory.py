@@ -86,7 +86,7 @@ def test_optimizer_shards_exact_on_two_ranks():
     for recipe in RECIPES:
         mod, cfg = tiny(recipe)
         dp2 = memory.param_bytes(memory.meta_model(mod, cfg), memory.Layout(dp=2, bf16=False))["optimizer"]
-        ep2 = memory.param_bytes(memory.meta_model(mod, cfg, experts=(0, cfg.num_experts // 2)),
+        ep2 = memory.param_bytes(memory.meta_model(mod, cfg, expert_ids=range(cfg.num_experts // 2)),
                              memory.Layout(ep=2, bf16=False))["optimizer"]
         assert (dp2, ep2) == ranks[0][recipe], recipe  # rank 0 holds the largest shards (ceil split)
         assert ranks[1][recipe][0] <= dp2

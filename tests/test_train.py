@@ -48,11 +48,23 @@ def run_train(argv, main=train.main):
     return [h["loss"] for h in history], [h["grad_norm"] for h in history], {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def layout_errors(reference, results, ep: int = 1, error=rel_err) -> dict[str, tuple[float, str]]:
+def held_experts(num_experts: int, ep: int, ep_rank: int, placement=None) -> list[int]:
+    """Global ids of the routed experts ep rank `ep_rank` holds, in local order, written out here apart from
+    core/placement.py: `placement` (the ep rank of each expert, --expert-placement) or, for None, contiguous
+    blocks with the first E % ep ranks holding one more."""
+    if placement is None:
+        base, extra = divmod(num_experts, ep)
+        first = ep_rank * base + min(ep_rank, extra)
+        return list(range(first, first + base + (ep_rank < extra)))
+    return [e for e, rank in enumerate(placement) if rank == ep_rank]
+
+
+def layout_errors(reference, results, ep: int = 1, error=rel_err, placement=None) -> dict[str, tuple[float, str]]:
     """The worst error of every rank's losses, grad norms and weights against one process's, and where it was:
-    {"losses", "grad norms", "weights", "expert bias": (error, where)}. A rank's routed experts are its ep-th slice
-    (ep is the innermost mesh dim, so ep rank = rank % ep); all ranks together must hold every weight (a weight
-    none holds: inf). Expert-selection biases (--expert-bias-rate) are compared bit for bit, the rest by `error`."""
+    {"losses", "grad norms", "weights", "expert bias": (error, where)}. A rank's routed experts are those of its ep
+    rank (ep is the innermost mesh dim, so ep rank = rank % ep) under `placement` (held_experts); all ranks
+    together must hold every weight (a weight none holds: inf). Expert-selection biases (--expert-bias-rate) are
+    compared bit for bit, the rest by `error`."""
     ref_losses, ref_norms, ref_weights = reference
     found = {"losses": [], "grad norms": [], "weights": [], "expert bias": []}
     held = set()
@@ -60,7 +72,9 @@ def layout_errors(reference, results, ep: int = 1, error=rel_err) -> dict[str, t
         found["losses"].append((error(torch.tensor(losses), torch.tensor(ref_losses)), f"rank {rank}"))
         found["grad norms"].append((error(torch.tensor(norms), torch.tensor(ref_norms)), f"rank {rank}"))
         for name, w in weights.items():
-            ref = ref_weights[name].chunk(ep)[rank % ep] if ".mlp.experts." in name else ref_weights[name]
+            ref = ref_weights[name]
+            if ".mlp.experts." in name:
+                ref = ref[held_experts(ref.shape[0], ep, rank % ep, placement)]
             held.add(name)
             bias = name.endswith("expert_bias")
             found["expert bias" if bias else "weights"].append(
@@ -69,10 +83,10 @@ def layout_errors(reference, results, ep: int = 1, error=rel_err) -> dict[str, t
     return {what: worst_error(errors) for what, errors in found.items()}
 
 
-def assert_matches_single(reference, results, ep: int = 1) -> list[float]:
+def assert_matches_single(reference, results, ep: int = 1, placement=None) -> list[float]:
     """Every rank's (losses, grad norms, weights) equal one process's within LAYOUT_TOLERANCE (relative), the
     expert biases bit for bit (layout_errors). Returns the worst relative errors [losses, grad norms, weights]."""
-    errors = layout_errors(reference, results, ep)
+    errors = layout_errors(reference, results, ep, placement=placement)
     bounds = {"losses": LAYOUT_TOLERANCE, "grad norms": LAYOUT_TOLERANCE, "weights": LAYOUT_TOLERANCE, "expert bias": 0}
     failed = {what: errors[what] for what, bound in bounds.items() if not errors[what][0] <= bound}
     assert not failed, f"differ from one process (error, where): {failed}"

@@ -10,8 +10,8 @@ q/k head, R rope part (one rope key shared by all heads), U v head dim, C kv lat
 (held by this rank), k experts per token, M routed rows (token, expert), I expert ffn width, J = 2*I.
 
 A Model may be partial: `layers` picks which decoder layers it holds (parameter names keep the global
-layer index, `layers.7.…`), `experts` which routed experts (a [lo, hi) range; with `ep_group` given, this
-rank's 1/ep of them, and tokens reach them through core/moe.py's all-to-all), `embed`/`head` whether it
+layer index, `layers.7.…`), `expert_ids` which routed experts (global ids; with `ep_group` given, this rank's
+experts of the `placement`, core/placement.py, and tokens reach them through core/moe.py's all-to-all), `embed`/`head` whether it
 holds the embedding and the final norm + LM head. Checkpoint I/O then touches only those tensors.
 """
 
@@ -33,6 +33,7 @@ from core.hf_io import CheckpointReader, read_hf_config, write_hf_folder
 from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.swiglu import swiglu
 from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias
+from core.placement import Placement
 from core.training import check_args
 from core.weight_cache import cast_weight
 
@@ -298,13 +299,15 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts [lo, hi) stacked for grouped GEMMs: gate_up_proj [E, H, J], down_proj [E, I, H]."""
+    """Routed experts stacked for grouped GEMMs: gate_up_proj [E, H, J], down_proj [E, I, H]; local expert j is
+    global expert expert_ids[j]."""
 
-    def __init__(self, cfg: ModelConfig, lo: int, hi: int):
+    def __init__(self, cfg: ModelConfig, expert_ids: list[int]):
         super().__init__()
-        self.lo, self.hi = lo, hi
-        self.gate_up_proj = nn.Parameter(torch.empty(hi - lo, cfg.hidden_size, 2 * cfg.moe_intermediate_size))
-        self.down_proj = nn.Parameter(torch.empty(hi - lo, cfg.moe_intermediate_size, cfg.hidden_size))
+        self.expert_ids = list(expert_ids)
+        E = len(self.expert_ids)
+        self.gate_up_proj = nn.Parameter(torch.empty(E, cfg.hidden_size, 2 * cfg.moe_intermediate_size))
+        self.down_proj = nn.Parameter(torch.empty(E, cfg.moe_intermediate_size, cfg.hidden_size))
         self.fp8 = False  # set by enable_fp8
 
     def forward(self, rows_MH, counts_E):
@@ -314,10 +317,10 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, experts: tuple[int, int], ep_group, cp_group):
+    def __init__(self, cfg: ModelConfig, expert_ids: list[int], ep_group, cp_group):
         super().__init__()
         self.gate = Router(cfg)
-        self.experts = Experts(cfg, *experts)
+        self.experts = Experts(cfg, expert_ids)
         self.shared_experts = DenseMLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
         self.num_experts, self.k = cfg.num_experts, cfg.num_experts_per_tok
         self.ep_group, self.cp_group = ep_group, cp_group
@@ -370,16 +373,16 @@ class DecoderLayer(nn.Module):
     SwiGLU), or of a dense layer. The all-to-alls and the router (whose expert counts are statistics) never run
     twice; with cp, the latent gather runs again with its attention block (on every cp rank alike)."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, experts: tuple[int, int], ep_group, cp_group=None,
-                 recompute: str = "none"):
+    def __init__(self, cfg: ModelConfig, layer_id: int, expert_ids: list[int], ep_group, cp_group=None,
+                 recompute: str = "none", placement: Placement | None = None):
         super().__init__()
         self.recompute = recompute
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, cp_group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.moe = cfg.is_moe_layer(layer_id)
-        self.mlp = MoE(cfg, experts, ep_group, cp_group) if self.moe else DenseMLP(cfg, cfg.intermediate_size)
-        self.num_experts, self.ep_group = cfg.num_experts, ep_group
+        self.mlp = MoE(cfg, expert_ids, ep_group, cp_group) if self.moe else DenseMLP(cfg, cfg.intermediate_size)
+        self.num_experts, self.ep_group, self.placement = cfg.num_experts, ep_group, placement
         self.rope = None
 
     def attention(self, state):  # (1)
@@ -417,7 +420,8 @@ class DecoderLayer(nn.Module):
         if not self.moe:
             return self.dense(state)
         state, x_TH, ids_Tk, weights_Tk = self.attention(state)
-        out_TH, _ = moe_forward(x_TH, ids_Tk, weights_Tk, self.num_experts, self.ep_group, self.routed_experts)
+        out_TH, _ = moe_forward(x_TH, ids_Tk, weights_Tk, self.num_experts, self.ep_group, self.routed_experts,
+                                self.placement)
         return self.finish(state, out_TH)
 
 
@@ -432,8 +436,11 @@ class TrainOutput:
 
 
 class Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, layers=None, experts: tuple[int, int] | None = None,
-                 embed: bool = True, head: bool = True, ep_group=None, cp_group=None, recompute: str = "none"):
+    def __init__(self, cfg: ModelConfig, layers=None, expert_ids: list[int] | None = None, embed: bool = True,
+                 head: bool = True, ep_group=None, cp_group=None, recompute: str = "none",
+                 placement: Placement | None = None):
+        """layers: the decoder layers held (None: all); expert_ids: the routed experts held, global ids (None:
+        all); with ep_group, this rank's experts of `placement` instead (None: Placement.even)."""
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute {recompute!r} is not one of {', '.join(RECOMPUTE)}")
@@ -442,14 +449,12 @@ class Model(nn.Module):
         self.base_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         layer_ids = range(cfg.num_hidden_layers) if layers is None else layers
         if ep_group is not None:
-            ep, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-            if cfg.num_experts % ep:
-                raise ValueError(f"{cfg.num_experts} experts cannot be split evenly over --ep {ep}; "
-                                 f"choose an ep that divides {cfg.num_experts}")
-            experts = (ep_rank * cfg.num_experts // ep, (ep_rank + 1) * cfg.num_experts // ep)
-        experts = (0, cfg.num_experts) if experts is None else experts
+            placement = placement or Placement.even(cfg.num_experts, dist.get_world_size(ep_group))
+            placement.check(cfg.num_experts, dist.get_world_size(ep_group))
+            expert_ids = placement.experts[dist.get_rank(ep_group)]
+        expert_ids = range(cfg.num_experts) if expert_ids is None else expert_ids
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, experts, ep_group, cp_group, recompute)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, expert_ids, ep_group, cp_group, recompute, placement)
                                      for i in layer_ids})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
@@ -459,8 +464,8 @@ class Model(nn.Module):
     def init_weights(self):
         """Normal(0, initializer_range) for every matrix, ones for norms, zeros for biases (transformers' init).
         Each tensor (each expert of a stacked tensor) draws from a generator seeded by the default generator and
-        its name, so a partial model (pipeline stage, expert shard) gets exactly its slice of the full model's
-        weights. Seed the default generator the same on every rank. Every buffer starts at zero
+        its name (an expert's: with its global id), so a partial model (pipeline stage, any expert placement) gets
+        exactly its part of the full model's weights. Seed the default generator the same on every rank. Every buffer starts at zero
         (expert_bias): a buffer that needs another start value gets its rule here, since a model built on the meta
         device (the --hf-checkpoint path) has nothing else to fill it (tests/test_recipes.py checks every buffer)."""
         for buf in self.buffers():
@@ -473,9 +478,9 @@ class Model(nn.Module):
             elif name.endswith(".bias"):
                 p.zero_()
             else:
-                lo = self.get_submodule(name.rsplit(".", 1)[0]).lo if ".experts." in name else None
-                for j, block in enumerate(p if lo is not None else [p]):
-                    key = name if lo is None else f"{name}.{lo + j}"
+                ids = self.get_submodule(name.rsplit(".", 1)[0]).expert_ids if ".experts." in name else None
+                for j, block in enumerate(p if ids is not None else [p]):
+                    key = name if ids is None else f"{name}.{ids[j]}"
                     gen = torch.Generator(p.device).manual_seed(self.base_seed ^ zlib.crc32(key.encode()))
                     block.normal_(0.0, self.cfg.initializer_range, generator=gen)
 
@@ -679,12 +684,11 @@ def load_hf_checkpoint(model: Model, path) -> list[str]:
             continue
         experts, prefix = layer.mlp.experts, f"model.layers.{lname}.mlp.experts"
         if f"{prefix}.gate_up_proj" in reader:  # fused layout [E, J, H] / [E, H, I] (transformers in memory)
-            E = model.cfg.num_experts
-            rows = slice(experts.lo, experts.hi)  # read only this model's experts
-            experts.gate_up_proj.copy_(reader.get(f"{prefix}.gate_up_proj", (E, 2 * I, H), rows).transpose(1, 2))
-            experts.down_proj.copy_(reader.get(f"{prefix}.down_proj", (E, H, I), rows).transpose(1, 2))
+            E, ids = model.cfg.num_experts, experts.expert_ids  # read only this model's experts
+            experts.gate_up_proj.copy_(reader.get_rows(f"{prefix}.gate_up_proj", (E, 2 * I, H), ids).transpose(1, 2))
+            experts.down_proj.copy_(reader.get_rows(f"{prefix}.down_proj", (E, H, I), ids).transpose(1, 2))
             continue
-        for j, e in enumerate(range(experts.lo, experts.hi)):
+        for j, e in enumerate(experts.expert_ids):
             experts.gate_up_proj[j, :, :I] = reader.get(f"{prefix}.{e}.gate_proj.weight", (I, H)).T
             experts.gate_up_proj[j, :, I:] = reader.get(f"{prefix}.{e}.up_proj.weight", (I, H)).T
             experts.down_proj[j] = reader.get(f"{prefix}.{e}.down_proj.weight", (H, I)).T
@@ -698,14 +702,14 @@ def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
     I = model.cfg.moe_intermediate_size
     for name, p in model.named_parameters():
         if name.endswith("experts.gate_up_proj"):
-            prefix, lo = "model." + name.removesuffix(".gate_up_proj"), model.get_submodule(name.rsplit(".", 1)[0]).lo
-            for j in range(p.shape[0]):
-                out[f"{prefix}.{lo + j}.gate_proj.weight"] = p[j, :, :I].T
-                out[f"{prefix}.{lo + j}.up_proj.weight"] = p[j, :, I:].T
+            prefix, ids = "model." + name.removesuffix(".gate_up_proj"), model.get_submodule(name.rsplit(".", 1)[0]).expert_ids
+            for j, e in enumerate(ids):
+                out[f"{prefix}.{e}.gate_proj.weight"] = p[j, :, :I].T
+                out[f"{prefix}.{e}.up_proj.weight"] = p[j, :, I:].T
         elif name.endswith("experts.down_proj"):
-            prefix, lo = "model." + name.removesuffix(".down_proj"), model.get_submodule(name.rsplit(".", 1)[0]).lo
-            for j in range(p.shape[0]):
-                out[f"{prefix}.{lo + j}.down_proj.weight"] = p[j].T
+            prefix, ids = "model." + name.removesuffix(".down_proj"), model.get_submodule(name.rsplit(".", 1)[0]).expert_ids
+            for j, e in enumerate(ids):
+                out[f"{prefix}.{e}.down_proj.weight"] = p[j].T
         else:
             out[_hf_name(name)] = p
     return out

@@ -11,8 +11,8 @@ V vocab, E experts (held by this rank), k experts per token, R = T*k routed rows
 J = 2*I (gate and up interleaved: gate = [..., 0::2], up = [..., 1::2]), L layers.
 
 A Model may be partial: `layers` picks which decoder layers it holds (parameter names keep the global
-layer index, `layers.7.…`), `experts` which routed experts (a [lo, hi) range; with `ep_group` given, this
-rank's 1/ep of them, and tokens reach them through core/moe.py's all-to-all), `embed`/`head` whether it
+layer index, `layers.7.…`), `expert_ids` which routed experts (global ids; with `ep_group` given, this rank's
+experts of the `placement`, core/placement.py, and tokens reach them through core/moe.py's all-to-all), `embed`/`head` whether it
 holds the embedding and the final norm + LM head. Checkpoint I/O then touches only those tensors.
 """
 
@@ -34,6 +34,7 @@ from core.hf_io import CheckpointReader, dequantize_mxfp4, read_hf_config, write
 from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.swiglu import gptoss_swiglu
 from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias
+from core.placement import Placement, gather_experts
 from core.training import check_args
 from core.weight_cache import cast_weight
 
@@ -234,13 +235,14 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts [lo, hi) stacked for grouped GEMMs, in transformers' layout: gate_up_proj [E, H, J]
-    (gate and up interleaved), gate_up_proj_bias [E, J], down_proj [E, I, H], down_proj_bias [E, H]."""
+    """Routed experts stacked for grouped GEMMs, in transformers' layout: gate_up_proj [E, H, J]
+    (gate and up interleaved), gate_up_proj_bias [E, J], down_proj [E, I, H], down_proj_bias [E, H]; local
+    expert j is global expert expert_ids[j]."""
 
-    def __init__(self, cfg: ModelConfig, lo: int, hi: int):
+    def __init__(self, cfg: ModelConfig, expert_ids: list[int]):
         super().__init__()
-        self.lo, self.hi, self.alpha, self.limit = lo, hi, cfg.swiglu_alpha, cfg.swiglu_limit
-        E, H, I = hi - lo, cfg.hidden_size, cfg.intermediate_size
+        self.expert_ids, self.alpha, self.limit = list(expert_ids), cfg.swiglu_alpha, cfg.swiglu_limit
+        E, H, I = len(self.expert_ids), cfg.hidden_size, cfg.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I))
         self.down_proj = nn.Parameter(torch.empty(E, I, H))
@@ -258,10 +260,10 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, experts: tuple[int, int], ep_group, cp_group):
+    def __init__(self, cfg: ModelConfig, expert_ids: list[int], ep_group, cp_group):
         super().__init__()
         self.router = Router(cfg)
-        self.experts = Experts(cfg, *experts)
+        self.experts = Experts(cfg, expert_ids)
         self.num_experts, self.k, self.ep_group, self.cp_group = cfg.num_experts, cfg.num_experts_per_tok, ep_group, cp_group
         self.load_E = None  # (token, slot) pairs routed per expert since Model.take_expert_load
 
@@ -307,16 +309,16 @@ class DecoderLayer(nn.Module):
 
     moe = True  # every GPT-OSS layer has routed experts
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, experts: tuple[int, int], ep_group, cp_group=None,
-                 recompute: str = "none"):
+    def __init__(self, cfg: ModelConfig, layer_id: int, expert_ids: list[int], ep_group, cp_group=None,
+                 recompute: str = "none", placement: Placement | None = None):
         super().__init__()
         self.recompute = recompute
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg, experts, ep_group, cp_group)
+        self.mlp = MoE(cfg, expert_ids, ep_group, cp_group)
         self.window = cfg.window(layer_id)
-        self.num_experts, self.ep_group = cfg.num_experts, ep_group
+        self.num_experts, self.ep_group, self.placement = cfg.num_experts, ep_group, placement
         self.rope = None
 
     def attention(self, state):  # (1)
@@ -342,7 +344,8 @@ class DecoderLayer(nn.Module):
     def forward(self, state):
         """The five steps back to back (the pipeline schedule runs them interleaved instead)."""
         state, x_TH, ids_Tk, weights_Tk = self.attention(state)
-        out_TH, _ = moe_forward(x_TH, ids_Tk, weights_Tk, self.num_experts, self.ep_group, self.routed_experts)
+        out_TH, _ = moe_forward(x_TH, ids_Tk, weights_Tk, self.num_experts, self.ep_group, self.routed_experts,
+                                self.placement)
         return self.finish(state, out_TH)
 
 
@@ -357,8 +360,11 @@ class TrainOutput:
 
 
 class Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, layers=None, experts: tuple[int, int] | None = None,
-                 embed: bool = True, head: bool = True, ep_group=None, cp_group=None, recompute: str = "none"):
+    def __init__(self, cfg: ModelConfig, layers=None, expert_ids: list[int] | None = None, embed: bool = True,
+                 head: bool = True, ep_group=None, cp_group=None, recompute: str = "none",
+                 placement: Placement | None = None):
+        """layers: the decoder layers held (None: all); expert_ids: the routed experts held, global ids (None:
+        all); with ep_group, this rank's experts of `placement` instead (None: Placement.even)."""
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute {recompute!r} is not one of {', '.join(RECOMPUTE)}")
@@ -367,14 +373,12 @@ class Model(nn.Module):
         self.base_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         layer_ids = range(cfg.num_hidden_layers) if layers is None else layers
         if ep_group is not None:
-            ep, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-            if cfg.num_experts % ep:
-                raise ValueError(f"{cfg.num_experts} experts cannot be split evenly over --ep {ep}; "
-                                 f"choose an ep that divides {cfg.num_experts}")
-            experts = (ep_rank * cfg.num_experts // ep, (ep_rank + 1) * cfg.num_experts // ep)
-        experts = (0, cfg.num_experts) if experts is None else experts
+            placement = placement or Placement.even(cfg.num_experts, dist.get_world_size(ep_group))
+            placement.check(cfg.num_experts, dist.get_world_size(ep_group))
+            expert_ids = placement.experts[dist.get_rank(ep_group)]
+        expert_ids = range(cfg.num_experts) if expert_ids is None else expert_ids
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, experts, ep_group, cp_group, recompute)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, expert_ids, ep_group, cp_group, recompute, placement)
                                      for i in layer_ids})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
@@ -384,8 +388,8 @@ class Model(nn.Module):
     def init_weights(self):
         """transformers' init: Normal(0, initializer_range) for every matrix, the sinks and the router bias, ones
         for norms, zeros for the other biases. Each tensor (each expert of a stacked tensor) draws from a
-        generator seeded by the default generator and its name, so a partial model (pipeline stage, expert shard)
-        gets exactly its slice of the full model's weights. Seed the default generator the same on every rank. Every buffer starts at zero
+        generator seeded by the default generator and its name (an expert's: with its global id), so a partial
+        model (pipeline stage, any expert placement) gets exactly its part of the full model's weights. Seed the default generator the same on every rank. Every buffer starts at zero
         (expert_bias): a buffer that needs another start value gets its rule here, since a model built on the meta
         device (the --hf-checkpoint path) has nothing else to fill it (tests/test_recipes.py checks every buffer)."""
         for buf in self.buffers():
@@ -398,9 +402,9 @@ class Model(nn.Module):
             elif name.endswith("bias") and not name.endswith("router.bias"):
                 p.zero_()
             else:
-                lo = self.get_submodule(name.rsplit(".", 1)[0]).lo if ".experts." in name else None
-                for j, block in enumerate(p if lo is not None else [p]):
-                    key = name if lo is None else f"{name}.{lo + j}"
+                ids = self.get_submodule(name.rsplit(".", 1)[0]).expert_ids if ".experts." in name else None
+                for j, block in enumerate(p if ids is not None else [p]):
+                    key = name if ids is None else f"{name}.{ids[j]}"
                     gen = torch.Generator(p.device).manual_seed(self.base_seed ^ zlib.crc32(key.encode()))
                     block.normal_(0.0, self.cfg.initializer_range, generator=gen)
 
@@ -596,16 +600,15 @@ def load_hf_checkpoint(model: Model, path) -> list[str]:
         if ".experts." not in name:
             p.copy_(reader.get(hf, p.shape))
             continue
-        lo = model.get_submodule(name.rsplit(".", 1)[0]).lo
-        rows = slice(lo, lo + p.shape[0])  # this shard's experts only
+        ids = model.get_submodule(name.rsplit(".", 1)[0]).expert_ids  # this rank's experts only
         if hf in reader or not name.endswith(EXPERT_MATRICES):
-            p.copy_(reader.get(hf, (E, *p.shape[1:]), rows))
+            p.copy_(reader.get_rows(hf, (E, *p.shape[1:]), ids))
             continue
         K, M = p.shape[1:]  # [in, out]
         if K % 32:
             raise ValueError(f"{hf}: MXFP4 needs an input width divisible by 32, the config gives {K}")
-        blocks = reader.get(hf + "_blocks", (E, M, K // 32, 16), rows)
-        scales = reader.get(hf + "_scales", (E, M, K // 32), rows)
+        blocks = reader.get_rows(hf + "_blocks", (E, M, K // 32, 16), ids)
+        scales = reader.get_rows(hf + "_scales", (E, M, K // 32), ids)
         p.copy_(dequantize_mxfp4(blocks, scales, p.dtype).flatten(-2).transpose(1, 2))
     return reader.names_read
 
@@ -613,8 +616,8 @@ def load_hf_checkpoint(model: Model, path) -> list[str]:
 @torch.no_grad()
 def hf_state_dict(model: Model, dense: bool = True, experts: bool = True) -> dict[str, torch.Tensor]:
     """This model's tensors under the names transformers writes. With an ep group, each ep rank gathers the
-    whole expert tensors of every ep-th layer (layer i on ep rank i % ep) and returns those: every rank calls
-    it, and no rank holds more than its share. `dense` / `experts`: whether to return the non-expert / expert
+    whole expert tensors of every ep-th layer (layer i on ep rank i % ep; core/placement.py:gather_experts puts
+    every rank's experts back in global order) and returns those: every rank calls it. `dense` / `experts`: whether to return the non-expert / expert
     tensors (whether this rank is their first replica)."""
     out = {}
     ep_group = model.ep_group
@@ -626,9 +629,7 @@ def hf_state_dict(model: Model, dense: bool = True, experts: bool = True) -> dic
             continue
         owner = int(name.split(".")[1]) % ep
         if ep > 1:
-            parts = [torch.empty_like(p) for _ in range(ep)] if ep_rank == owner else None
-            dist.gather(p.detach().contiguous(), parts, dst=dist.get_global_rank(ep_group, owner), group=ep_group)
-            p = torch.cat(parts) if parts else None
+            p = gather_experts(p.detach(), model.layers[name.split(".")[1]].placement, ep_group, owner)
         if experts and ep_rank == owner:
             out[_hf_name(name)] = p
     return out

@@ -38,6 +38,7 @@ from core.metrics import MetricsLogger, peak_flops, peak_memory_gib, reduce_stat
 from core.moe import traffic
 from core.optimizer import ReplicaSet, ShardedAdamW
 from core.pipeline import DualPipeV, split_layers
+from core.placement import Placement
 from core.profiling import StepProfiler, parse_steps
 from core.reliability import (
     PG_TIMEOUT_S,
@@ -79,6 +80,7 @@ class Args:
     dp: int = -1  # -1: world size / (pp * cp * ep)
     cp: int = 1  # each sequence split over this many ranks (keys/values gathered); --seq-len divisible by 2*cp
     ep: int = 1  # routed experts split over this many ranks (tokens reach them by all-to-all)
+    expert_placement: str = ""  # ep rank of each routed expert, comma-separated (6 experts at --ep 4: 0,0,1,1,2,3); '': contiguous, as even as possible
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     compile: bool | None = None  # torch.compile the dense parts of each layer; default on for CUDA, off for CPU
@@ -150,14 +152,14 @@ def main(argv=None):
     if eval_dir and (eval_every > 0 or args.eval_only):
         eval_loader = TokenLoader(eval_dir, args.seq_len, args.global_batch, mesh.data_rank, mesh.data_world, args.seed)
 
-    # ---- model: this rank's 1/ep of the routed experts, everything else whole (HF weights or random init)
+    # ---- model: this rank's routed experts (--expert-placement), everything else whole (HF weights or random init)
     # with --pp, this rank's two stages of the V: stage r (holding the embedding on rank 0) and stage 2pp-1-r
     # (holding the head on rank 0)
     pp_rank = mesh.coord("pp")
     stages = (pp_rank, 2 * args.pp - 1 - pp_rank)
     parts = dict(layers=None if stage_layers is None else stage_layers[stages[0]] + stage_layers[stages[1]],
                  embed=pp_rank == 0, head=pp_rank == 0, ep_group=mesh.group("ep"), cp_group=mesh.group("cp"),
-                 recompute=args.recompute)
+                 recompute=args.recompute, placement=Placement.parse(args.expert_placement, cfg.num_experts, args.ep))
     if args.hf_checkpoint:
         with torch.device("meta"):
             model = Model(cfg, **parts)
@@ -186,8 +188,9 @@ def main(argv=None):
     # ---- optimizer (ZeRO-1: Adam state sharded over each parameter's replicas) and lr schedule
     experts = {n: p for n, p in model.named_parameters() if ".mlp.experts." in n}
     dense = {n: p for n, p in model.named_parameters() if n not in experts}
-    optimizer = ShardedAdamW([ReplicaSet(dense, mesh.group("dp", "cp", "ep"), mesh.replica_mesh(experts=False)),
-                              ReplicaSet(experts, mesh.group("dp", "cp"), mesh.replica_mesh(experts=True))],
+    expert_ids = {n: model.get_submodule(n.rsplit(".", 1)[0]).expert_ids for n in experts}  # checkpoints per expert
+    optimizer = ShardedAdamW([ReplicaSet(dense, mesh.group("dp", "cp", "ep"), mesh.replica_mesh()),
+                              ReplicaSet(experts, mesh.group("dp", "cp"), None, expert_ids)],
                              args.lr, args.weight_decay, (args.beta1, args.beta2), args.adam_eps,
                              norm_group=dist.group.WORLD if mesh.world > 1 else None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda s: lr_factor(s, **schedule))
@@ -421,10 +424,8 @@ def check_run(args: Args, world: int):
     cfg = load_config(args.hf_checkpoint or args.config)
     if args.pp > 1:
         split_layers(cfg.num_hidden_layers, args.pp)  # clear error if too few layers for 2*pp stages
-    if cfg.num_experts % args.ep:
-        raise ValueError(f"{cfg.num_experts} experts cannot be split evenly over --ep {args.ep}; "
-                         f"choose an ep that divides {cfg.num_experts}")
     pp, dp, cp, ep = resolve_layout(world, args.pp, args.dp, args.cp, args.ep)
+    Placement.parse(args.expert_placement, cfg.num_experts, ep)  # a bad table
     data_world = dp * ep  # ranks reading different sequences (cp ranks share theirs)
     if args.micro_batch < 1 or args.global_batch < 1 or args.global_batch % (data_world * args.micro_batch):
         raise ValueError(f"--global-batch {args.global_batch} must be divisible by data ranks ({data_world}) "
