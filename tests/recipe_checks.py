@@ -7,7 +7,8 @@ Each check returns Result rows (check, worst error, tolerance, where the worst w
   base     a variant equals BASE_RECIPE when both train on check_setup()["base_config"] (its feature switched off)
   export   a Hugging Face folder through train.py --lr 0 comes back bit for bit
   buffers  every buffer of a meta-device build + init_weights + load_hf_checkpoint equals a fresh build's
-  layouts  ep2, pp2, cp2, pp2xep2, cp2xep2 equal one process (losses, grad norms, every weight after 3 steps); the
+  layouts  ep2, pp2, cp2, pp2xep2, cp2xep2, and ep2 / ep4 under uneven expert placements (PLACED) equal one
+           process (losses, grad norms, every weight after 3 steps); the
            model-level loss, aux loss, expert load, logits and gradients at cp2 and cp2xep2; resume at ep2;
            --recompute; pp2 in bf16; an export at pp2xep2. One spawned process group per world size runs all of
            its jobs.
@@ -52,6 +53,10 @@ BASE_TOLERANCE = 1e-6  # a switched-off feature may leave an operation whose rou
 CLIP = 0.05  # tests/test_train.py:train_args' --grad-clip: the one-process run must exceed it to test the global norm
 LAYOUTS = {"ep2": {"ep": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2}, "pp2xep2": {"pp": 2, "ep": 2},
            "cp2xep2": {"cp": 2, "ep": 2}}
+# expert placements (train.py --expert-placement, the ep rank of each routed expert) for E experts: at ep=2 uneven
+# and not contiguous (expert 1 alone on rank 0), at ep=4 with rank 2 holding none
+PLACED = {"ep2 placed": lambda E: [0 if e == 1 else 1 for e in range(E)],
+          "ep4 placed": lambda E: [(3, 0, 0, 1)[e] if e < 4 else (0, 1, 3)[e % 3] for e in range(E)]}
 AUX_COEF = 0.1  # model-level cp check: large enough that the aux loss's gradient is visible in the router's
 
 
@@ -352,6 +357,11 @@ def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
     for name, layout in LAYOUTS.items():
         export = {"export_hf": workdir / "hf_pp2xep2"} if name == "pp2xep2" else {}
         jobs[math.prod(layout.values())][name] = ("train", args(name, **layout, **export))
+    num_experts = recipe.model.ModelConfig.from_hf(config).num_experts
+    placements = {name: table(num_experts) for name, table in PLACED.items()}
+    for name, table in placements.items():
+        ep = int(name[2])
+        jobs[ep][name] = ("train", args(name.replace(" ", "_"), ep=ep, expert_placement=",".join(map(str, table))))
     runs = {}
     for world, world_jobs in jobs.items():  # per job: every rank's result
         per_rank = run_ranks(world, layouts_worker, recipe.name, world_jobs)
@@ -361,10 +371,11 @@ def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
     # in 3 warm-up steps is no check: a new architecture's may rise (a centered norm's did) and still be right
     results = [Result("1 process clips (global norm exercised): max grad norm", max(single[1]), CLIP, above=True)]
     bias = (0.0, "")
-    for name, layout in LAYOUTS.items():
-        worst = layout_errors(single, runs[name], ep=layout.get("ep", 1))
+    for name, layout in [*LAYOUTS.items(), *((name, {"ep": int(name[2])}) for name in PLACED)]:
+        worst = layout_errors(single, runs[name], ep=layout["ep"] if "ep" in layout else 1, placement=placements.get(name))
         error, where = worst_error((e, f"{what} {w}") for what, (e, w) in worst.items() if what != "expert bias")
-        results.append(Result(f"{name} = 1 process: losses, grad norms, weights", error, LAYOUT_TOLERANCE, where))
+        label = f"{name} {','.join(map(str, placements[name]))}" if name in placements else name
+        results.append(Result(f"{label} = 1 process: losses, grad norms, weights", error, LAYOUT_TOLERANCE, where))
         bias = worst_error([bias, (worst["expert bias"][0], f"{name} {worst['expert bias'][1]}")])
     results.append(Result("expert bias in every layout = 1 process", bias[0], 0.0, bias[1]))
     for name in ("grads cp2", "grads cp2xep2"):
