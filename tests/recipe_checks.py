@@ -8,10 +8,9 @@ Each check returns Result rows (check, worst error, tolerance, where the worst w
   export   a Hugging Face folder through train.py --lr 0 comes back bit for bit
   buffers  every buffer of a meta-device build + init_weights + load_hf_checkpoint equals a fresh build's
   layouts  ep2, pp2, cp2, pp2xep2, cp2xep2, and ep2 / ep4 under uneven expert placements (PLACED) equal one
-           process (losses, grad norms, every weight after 3 steps); the
-           model-level loss, aux loss, expert load, logits and gradients at cp2 and cp2xep2; resume at ep2;
-           --recompute; pp2 in bf16; an export at pp2xep2. One spawned process group per world size runs all of
-           its jobs.
+           process (losses, grad norms, every weight after 3 steps); the model-level loss, aux loss, expert load,
+           logits and gradients at cp2 and cp2xep2; resume at ep2; --recompute; pp2 in bf16; an export at pp2xep2
+           and at ep4 under an uneven placement. One spawned process group per world size runs all of its jobs.
 
 Also the helpers other per-recipe tests share: a partial model reads only its tensors, transformers' aux loss and
 router gradients, and the counting dataset the tests train on."""
@@ -339,8 +338,8 @@ def layouts_worker(recipe: str, jobs: dict) -> dict:
 
 def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
     """Two references in this process (fp32, and bf16 on one thread), then one spawn of 2 ranks and one of 4, each
-    running all of its jobs in one process group: the five layouts against fp32 (pp2xep2 also exporting), the
-    model-level cp checks, resume at ep2, recompute at pp2 and cp2 against the same layout without, pp2 in bf16."""
+    running all of its jobs in one process group: the five layouts and the two placements (PLACED) against fp32
+    (pp2xep2 and ep4 placed also exporting), the model-level cp checks, resume at ep2, recompute at pp2 and cp2 against the same layout without, pp2 in bf16."""
     config = write_config(workdir / "check_config.json", recipe.config)
     args = lambda out, **extra: check_args(recipe, config, data, workdir / out, **extra)
     single = run_train(args("single", export_hf=workdir / "hf_single"), recipe.train.main)
@@ -361,7 +360,9 @@ def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
     placements = {name: table(num_experts) for name, table in PLACED.items()}
     for name, table in placements.items():
         ep = int(name[2])
-        jobs[ep][name] = ("train", args(name.replace(" ", "_"), ep=ep, expert_placement=",".join(map(str, table))))
+        export = {"export_hf": workdir / "hf_ep4_placed"} if ep == 4 else {}
+        jobs[ep][name] = ("train", args(name.replace(" ", "_"), ep=ep, expert_placement=",".join(map(str, table)),
+                                        **export))
     runs = {}
     for world, world_jobs in jobs.items():  # per job: every rank's result
         per_rank = run_ranks(world, layouts_worker, recipe.name, world_jobs)
@@ -392,10 +393,12 @@ def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
     results.append(Result("pp2 bf16 = 1 bf16 process", error, 0.0, where))
     results.append(Result("bf16 runs in bf16: its 1-process losses vs fp32", rel_err(torch.tensor(single_bf16[0]),
                           torch.tensor(single[0])), 0.0, above=True))
-    exported, reference = folder_tensors(workdir / "hf_pp2xep2"), folder_tensors(workdir / "hf_single")
-    error, where = worst_error([(rel_err(exported[n], t) if n in exported else math.inf, n) for n, t in reference.items()]
-                               + [(math.inf, f"exported, not in 1 process's: {n}") for n in exported.keys() - reference.keys()])
-    results.append(Result("pp2xep2 export = 1-process export", error, LAYOUT_TOLERANCE, where))
+    reference = folder_tensors(workdir / "hf_single")
+    for name in ("pp2xep2", "ep4_placed"):
+        exported = folder_tensors(workdir / f"hf_{name}")
+        error, where = worst_error([(rel_err(exported[n], t) if n in exported else math.inf, n) for n, t in reference.items()]
+                                   + [(math.inf, f"exported, not in 1 process's: {n}") for n in exported.keys() - reference.keys()])
+        results.append(Result(f"{name.replace('_', ' ')} export = 1-process export", error, LAYOUT_TOLERANCE, where))
     return results
 
 

@@ -141,8 +141,8 @@ def test_uneven_placements_on_eight_ranks_and_at_ep2(tmp_path):
     for e in (6, 5):
         configs[e] = tmp_path / f"config{e}.json"
         configs[e].write_text(json.dumps({**TINY_TRAIN_CONFIG, "num_experts": e}))
-    args = lambda e, out, **extra: train_args(configs[e], data, tmp_path / out, steps=3, micro_batch=1,
-                                              adam_eps=1e-6, expert_bias_rate=0.01, **extra)
+    args = lambda e, out, **extra: train_args(configs[e], data, tmp_path / out, steps=3, micro_batch=1, global_batch=16,
+                                              adam_eps=1e-6, expert_bias_rate=0.01, **extra)  # pp2 x ep4: 4 micro-batches
     single = {e: run_train(args(e, f"single{e}")) for e in (6, 5)}
     eight = {"pp2xep4": ("train", args(6, "a", pp=2, ep=4)), "dp2xep4": ("train", args(6, "b", dp=2, ep=4)),
              "dp2xep4 zero": ("train", args(6, "c", dp=2, ep=4, expert_placement=ZERO_RANK))}

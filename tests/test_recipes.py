@@ -38,7 +38,7 @@ def test_numerics_export_and_buffers(recipe, tiny_train_setup, tmp_path):
 def test_layouts_equal_one_process(recipe, tiny_train_setup, tmp_path):
     """ep2, pp2, cp2, pp2xep2, cp2xep2, and ep2 / ep4 under uneven expert placements against one process;
     model-level cp2 and cp2xep2; resume at ep2; recompute
-    at pp2 and cp2; pp2 in bf16; export at pp2xep2 (tests/recipe_checks.py:layout_results)."""
+    at pp2 and cp2; pp2 in bf16; export at pp2xep2 and ep4 placed (tests/recipe_checks.py:layout_results)."""
     assert_all_pass(run_checks(recipe, tiny_train_setup[1], tmp_path, ["layouts"]))
 
 
