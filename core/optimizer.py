@@ -110,10 +110,11 @@ class ShardedAdamW:
             for e in bucket:
                 e.param.grad = None
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, extra: list[torch.Tensor] = ()) -> torch.Tensor:
         """Scale the (reduced) gradients so that their global L2 norm is at most max_norm (0: no clipping);
-        returns the norm before clipping. Shards partition every parameter, so each element counts once."""
-        grads = [e.shard.grad for e in self.entries]
+        returns the norm before clipping. Shards partition every parameter, so each element counts once. extra:
+        more reduced gradients this rank alone holds (core/muon.py's owned matrices), counted and clipped too."""
+        grads = [e.shard.grad for e in self.entries] + list(extra)
         # squares summed in fp64: the layouts split this sum differently (per shard, per pipeline rank, then an
         # all-reduce), and in fp32 its last bit then depended on the layout. With clipping on, that bit moved the
         # clip factor, and with it every weight by ~3e-8, which the next step's bf16 weight copies amplified into
@@ -221,16 +222,17 @@ class ShardedAdamW:
                 self.optimizer.state[e.shard] = {"step": step, "exp_avg": torch.zeros_like(e.shard),
                                                  "exp_avg_sq": torch.zeros_like(e.shard)}
 
-    def checkpoint_state(self, model: torch.nn.Module) -> dict:
+    def checkpoint_state(self, model: torch.nn.Module, replicas: dict[str, ReplicaSet] | None = None) -> dict:
         """{'model', 'optim'} for torch.distributed.checkpoint, sharing storage with the live tensors (a load
         fills them in place). A parameter of a set with a mesh is a DTensor: its global shape multiplies dim 0
         by the mesh's leading dims (the expert shards), replicated over the last dim; its Adam moments are
-        DTensors over the flattened global parameter, split like the weights and then over the replicas."""
+        DTensors over the flattened global parameter, split like the weights and then over the replicas. replicas:
+        the ReplicaSet of each parameter name, when some are trained by another optimizer (core/muon.py)."""
         self._init_state()
+        replicas = replicas or {e.name: e.replicas for e in self.entries}
         model_sd = {}
         for name, t in model.state_dict().items():
-            e = self.by_name.get(name)
-            mesh = None if e is None else e.replicas.mesh
+            mesh = replicas[name].mesh if name in replicas else None
             if mesh is None:
                 model_sd[name] = t
                 continue

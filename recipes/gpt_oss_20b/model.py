@@ -240,6 +240,7 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, lo: int, hi: int):
         super().__init__()
         self.lo, self.hi, self.alpha, self.limit = lo, hi, cfg.swiglu_alpha, cfg.swiglu_limit
+        self.expert_ids = list(range(lo, hi))  # global id of each local expert (keys of per-expert optimizer state)
         E, H, I = hi - lo, cfg.hidden_size, cfg.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I))
@@ -500,6 +501,20 @@ class Model(nn.Module):
             if layer.mlp.load_E is not None:
                 load_LE[int(i)], layer.mlp.load_E = layer.mlp.load_E, None
         return load_LE
+
+    def muon_matrices(self, name: str, t: torch.Tensor) -> dict[str, tuple[torch.Tensor, list[int]]]:
+        """The weight matrices of the transformers checkpoint layout in parameter `name`, which --optimizer muon
+        orthogonalises one by one (core/muon.py): {kind: ([S, A, B] view of t, global id of each of the S
+        matrices)}; t is the parameter or a tensor of its shape (its gradient). Routed experts: one matrix per
+        expert, gate and up apart; attention, dense MLP and shared-expert projections: one each. {} for what
+        AdamW trains: the embedding, the LM head, norms, biases, sinks and the router."""
+        if ".mlp.experts." in name:
+            ids = self.get_submodule(name.rsplit(".", 1)[0]).expert_ids
+            if name.endswith("gate_up_proj"):  # [E, H, J], gate and up interleaved (core/kernels/swiglu.py)
+                return {"gate": (t[..., 0::2], ids), "up": (t[..., 1::2], ids)}
+            return {"down": (t, ids)} if name.endswith("down_proj") else {}  # (biases: AdamW)
+        other = name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.router.weight"))
+        return {"": (t.unsqueeze(0), [0])} if t.ndim == 2 and not other else {}
 
 
 class PipelineStage:

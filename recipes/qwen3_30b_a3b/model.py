@@ -205,6 +205,7 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, lo: int, hi: int):
         super().__init__()
         self.lo, self.hi = lo, hi
+        self.expert_ids = list(range(lo, hi))  # global id of each local expert (keys of per-expert optimizer state)
         self.gate_up_proj = nn.Parameter(torch.empty(hi - lo, cfg.hidden_size, 2 * cfg.moe_intermediate_size))
         self.down_proj = nn.Parameter(torch.empty(hi - lo, cfg.moe_intermediate_size, cfg.hidden_size))
         self.fp8 = False  # set by enable_fp8
@@ -469,6 +470,21 @@ class Model(nn.Module):
             if mlp is not None and mlp.load_E is not None:
                 load_LE[row], mlp.load_E = mlp.load_E, None
         return load_LE
+
+    def muon_matrices(self, name: str, t: torch.Tensor) -> dict[str, tuple[torch.Tensor, list[int]]]:
+        """The weight matrices of the transformers checkpoint layout in parameter `name`, which --optimizer muon
+        orthogonalises one by one (core/muon.py): {kind: ([S, A, B] view of t, global id of each of the S
+        matrices)}; t is the parameter or a tensor of its shape (its gradient). Routed experts: one matrix per
+        expert, gate and up apart; attention, dense MLP and shared-expert projections: one each. {} for what
+        AdamW trains: the embedding, the LM head, norms and the router."""
+        if ".mlp.experts." in name:
+            ids = self.get_submodule(name.rsplit(".", 1)[0]).expert_ids
+            if name.endswith("gate_up_proj"):  # [E, H, J]: gate = [..., :I], up = [..., I:] (core/kernels/swiglu.py)
+                gate, up = t.chunk(2, dim=-1)
+                return {"gate": (gate, ids), "up": (up, ids)}
+            return {"down": (t, ids)}
+        other = name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight"))
+        return {"": (t.unsqueeze(0), [0])} if t.ndim == 2 and not other else {}
 
 
 class PipelineStage:
