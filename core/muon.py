@@ -258,6 +258,30 @@ class MuonAdamW:
         return (held + sum(b.momentum_kAB.numel() * 4 for b in self.owned),
                 full + sum(pc.param.numel() * 4 for pc in {id(pc.param): pc for pc in self.pieces}.values()))
 
+    @torch.no_grad()
+    def reinit_(self, name: str, index: int | slice, values: torch.Tensor | None = None) -> None:
+        """ShardedAdamW.reinit_ (same arguments, same contract: every replica calls it alike, between two steps):
+        param[index] = values, and the optimizer state of that part reset: Adam's moments for an AdamW parameter,
+        the momentum of the matrices this rank owns, where index meets them, for a Muon one."""
+        if not any(pc.name == name for pc in self.pieces):
+            return self.adamw.reinit_(name, index, values)  # (its error lists the parameters for an unknown name)
+        p = next(pc.param for pc in self.pieces if pc.name == name)
+        if not isinstance(index, (int, slice)) or isinstance(index, bool):
+            raise ValueError(f"reinit_: index must be an int or a slice of dim 0 of {name}, got {index!r}")
+        if isinstance(index, int) and not -p.shape[0] <= index < p.shape[0]:
+            raise ValueError(f"reinit_: index {index} is out of range for dim 0 of {name} (size {p.shape[0]})")
+        part = p[index]
+        if values is not None:
+            if not isinstance(values, torch.Tensor) or values.shape != part.shape:
+                got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+                raise ValueError(f"reinit_: values for {name}[{index}] must have shape {tuple(part.shape)}, got {got}")
+            part.copy_(values)
+        reset = torch.zeros_like(p, dtype=torch.bool)
+        reset[index] = True
+        for b in self.owned:
+            if b.piece.name == name:
+                b.momentum_kAB[b.piece.view(self.split, reset).index_select(0, b.index_k)] = 0
+
     # ----------------------------------------------------------------------------------------- checkpoints
 
     def checkpoint_state(self, model: torch.nn.Module) -> dict:

@@ -119,6 +119,19 @@ def run_against_torch(name: str, workdir: Path, steps: int = 4) -> dict[str, tup
             opt.zero_grad()
             ref_muon.step()
             ref_adamw.step()
+            if step == 1:  # reinit_: a routed expert gets new weights, 3 rows of a dense matrix keep theirs; both
+                # lose their momentum (torch's: zeroed where the parts meet the checkpoint layout's matrices)
+                expert = next(n for n in params if n.endswith("experts.gate_up_proj"))
+                dense = next(n for n in params if n.endswith("o_proj.weight"))
+                opt.reinit_(expert, 1, 0.02 * torch.randn(params[expert][1].shape))
+                opt.reinit_(dense, slice(2, 5))
+                reset = {n: torch.zeros_like(p) for n, p in params.items()}  # 1 where reset (float: hf_matrices
+                reset[expert][1], reset[dense][2:5] = 1, 1  # swaps it into the parameters)
+                now = hf_matrices(recipe, model, {n: p.detach() for n, p in params.items()})
+                for k, mask in hf_matrices(recipe, model, reset).items():
+                    mask = mask.bool()
+                    ref_muon.state[ref_matrices[k]]["momentum_buffer"][mask] = 0
+                    ref_matrices[k].data[mask] = now[k][mask]
     finally:
         torch_muon._zeropower_via_newtonschulz = original_ns
     now = {n: p.detach() for n, p in params.items()}
