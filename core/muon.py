@@ -71,14 +71,13 @@ class _Piece:
     name: str
     kind: str  # '' for a plain 2-D weight, else e.g. 'gate', 'up', 'down'
     param: torch.nn.Parameter
-    ids: list[int]  # global id of each stacked matrix (routed experts: the expert's id; else [0])
-    expert: bool  # stacked routed experts (checkpoint keys carry the global expert id)
+    ids: list[int] | None  # routed experts: the global id of each stacked matrix (in checkpoint keys); else None
 
     def view(self, split, t: torch.Tensor) -> torch.Tensor:
         return split(self.name, t)[self.kind][0]
 
     def key(self, s: int) -> str:
-        return self.name + (f".{self.kind}" if self.kind else "") + (f".expert{self.ids[s]}" if self.expert else "")
+        return self.name + (f".{self.kind}" if self.kind else "") + (f".expert{self.ids[s]}" if self.ids else "")
 
 
 @dataclass
@@ -110,14 +109,14 @@ class _Bucket:
 
 class MuonAdamW:
     """Muon on the matrices `split` names, ShardedAdamW on the rest; the calls and their order as ShardedAdamW's
-    (reduce_gradients, clip_grad_norm_, step, zero_grad, checkpoint_state, after_load). The learning rate is the
+    (reduce_gradients, clip_grad_norm_, step, zero_grad, checkpoint_state, after_load, reinit_). The learning rate is the
     AdamW groups' (the scheduler drives `self.optimizer`, torch's AdamW)."""
 
     def __init__(self, replica_sets: list[ReplicaSet], split, lr: float, weight_decay: float, betas, eps: float,
                  momentum: float = 0.95, norm_group=None, ns_dtype: torch.dtype | None = None,
                  bucket_bytes: int = 256 << 20):
-        """split(name, t) -> {kind: ([S, A, B] view of t, global ids of the S matrices)}, {} for an AdamW
-        parameter; t is the parameter or a tensor of its shape (its gradient). ns_dtype: Newton-Schulz's dtype,
+        """split(name, t) -> {kind: ([S, A, B] view of t, global expert ids of the S matrices or None)}, {} for an
+        AdamW parameter; t is the parameter or a tensor of its shape (its gradient). ns_dtype: Newton-Schulz's dtype,
         default bf16 on GPU and fp32 on CPU."""
         self.split, self.momentum, self.weight_decay = split, momentum, weight_decay
         adamw_sets, self.buckets, self.pieces = [], [], []
@@ -132,7 +131,7 @@ class MuonAdamW:
         self.owned = [b for bucket in self.buckets for b in bucket.blocks if b.owner == bucket.rank]
         for b in self.owned:
             b.momentum_kAB = torch.zeros(b.shape, dtype=torch.float32, device=b.piece.param.device)
-        device = self.adamw.entries[0].param.device
+        device = next(p for rs in replica_sets for p in rs.params.values()).device
         self.ns_dtype = ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
     def _plan(self, rs: ReplicaSet, matrices: dict, bucket_bytes: int) -> None:
@@ -147,8 +146,7 @@ class MuonAdamW:
             if not buckets or sum(q.numel() * 4 for q in buckets[-1].params) + p.numel() * 4 > bucket_bytes:
                 buckets.append(_Bucket([], [], rs.group, n, rank))
             buckets[-1].params.append(p)
-            buckets[-1].pieces += [_Piece(name, kind, p, list(ids), ".mlp.experts." in name)
-                                   for kind, (_, ids) in self.split(name, p).items()]
+            buckets[-1].pieces += [_Piece(name, kind, p, ids) for kind, (_, ids) in self.split(name, p).items()]
         load = [0] * n
         for bucket in buckets:
             shapes = [tuple(pc.view(self.split, pc.param).shape) for pc in bucket.pieces]
@@ -174,7 +172,7 @@ class MuonAdamW:
         def names(params):
             return sorted({".".join("*" if part.isdigit() else part for part in n.split(".")) for n in params})
         muon = {pc.name for pc in self.pieces}
-        matrices = sum(len(pc.ids) for pc in self.pieces)
+        matrices = sum(pc.view(self.split, pc.param).shape[0] for pc in self.pieces)
         adamw = [e.name for e in self.adamw.entries]
         return (f"muon: {matrices} matrices in {len(muon)} tensors ({', '.join(names(muon))}) | "
                 f"adamw: {len(adamw)} tensors ({', '.join(names(adamw))})")

@@ -89,7 +89,7 @@ def run_against_torch(name: str, workdir: Path, steps: int = 4) -> dict[str, tup
     ref_matrices = {k: v.clone().requires_grad_() for k, v in hf_matrices(recipe, model, start).items()}
     muon_names = {n for n in params if model.muon_matrices(n, params[n])}
     ref_other = {n: start[n].clone().requires_grad_() for n in params if n not in muon_names}
-    assert len(ref_matrices) == sum(len(ids) for n in muon_names for _, ids in model.muon_matrices(n, params[n]).values())
+    assert len(ref_matrices) == sum(v.shape[0] for n in muon_names for v, _ in model.muon_matrices(n, params[n]).values())
     ref_muon = torch.optim.Muon(list(ref_matrices.values()), lr=LR, weight_decay=WD, adjust_lr_fn="match_rms_adamw")
     ref_adamw = torch.optim.AdamW([{"params": [t for t in ref_other.values() if t.ndim >= 2], "weight_decay": WD},
                                    {"params": [t for t in ref_other.values() if t.ndim < 2], "weight_decay": 0.0}],

@@ -473,8 +473,8 @@ class Model(nn.Module):
 
     def muon_matrices(self, name: str, t: torch.Tensor) -> dict[str, tuple[torch.Tensor, list[int]]]:
         """The weight matrices of the transformers checkpoint layout in parameter `name`, which --optimizer muon
-        orthogonalises one by one (core/muon.py): {kind: ([S, A, B] view of t, global id of each of the S
-        matrices)}; t is the parameter or a tensor of its shape (its gradient). Routed experts: one matrix per
+        orthogonalises one by one (core/muon.py): {kind: ([S, A, B] view of t, routed experts: the global id of each
+        of the S matrices, else None)}; t is the parameter or a tensor of its shape (its gradient). Routed experts: one matrix per
         expert, gate and up apart; attention, dense MLP and shared-expert projections: one each. {} for what
         AdamW trains: the embedding, the LM head, norms and the router."""
         if ".mlp.experts." in name:
@@ -484,7 +484,7 @@ class Model(nn.Module):
                 return {"gate": (gate, ids), "up": (up, ids)}
             return {"down": (t, ids)}
         other = name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight"))
-        return {"": (t.unsqueeze(0), [0])} if t.ndim == 2 and not other else {}
+        return {"": (t.unsqueeze(0), None)} if t.ndim == 2 and not other else {}
 
 
 class PipelineStage:
