@@ -207,10 +207,14 @@ def layout_runs(name: str, layouts, tmp_path) -> dict:
     return runs
 
 
-@pytest.mark.parametrize("layouts", [pytest.param(CI_LAYOUTS, id="ci"), pytest.param(
-    [k for k in LAYOUTS if k not in CI_LAYOUTS], id="rest", marks=pytest.mark.slow)])
-def test_layouts_equal_one_process_and_resume(layouts, tmp_path):
-    runs = layout_runs("deepseek_v2_lite", layouts, tmp_path)
+@pytest.mark.parametrize("name,layouts", [
+    pytest.param("deepseek_v2_lite", CI_LAYOUTS, id="ci"),  # MLA, shared experts, a dense layer: every kind of matrix
+    pytest.param("deepseek_v2_lite", [k for k in LAYOUTS if k not in CI_LAYOUTS], id="rest", marks=pytest.mark.slow),
+    *(pytest.param(other, list(LAYOUTS), id=other, marks=pytest.mark.slow) for other in ("qwen3_30b_a3b", "gpt_oss_20b"))])
+def test_layouts_equal_one_process_and_resume(name, layouts, tmp_path):
+    """DeepSeek-V2-Lite in CI (dp2xep2: both owner sets split, dense over 4 ranks and experts over 2; pp2xep2; cp2;
+    dp2; resume bit for bit and resharded), the other layouts and recipes under -m slow."""
+    runs = layout_runs(name, layouts, tmp_path)
     single = runs["single"]
     assert max(single[1]) > 0.05, "clipping should be active so that the global norm is exercised"
     for layout in layouts:
