@@ -158,7 +158,7 @@ def load_checkpoint(path, state: dict, extra: dict, rank: int) -> dict:
         _dcp(dcp.load, state, path, storage_reader=_SafeReader(path), planner=_SafePlanner())
     except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps per-rank errors
         raise ValueError(f"checkpoint {path} could not be loaded into this model/optimizer ({_first_error(e)}); "
-                         f"was it written with the same config, and is it complete?") from e
+                         f"was it written with the same config and --optimizer, and is it complete?") from e
     if has_rng:
         torch.set_rng_state(state[rng_key]["cpu"])
         if "cuda" in state[rng_key] and torch.cuda.is_available():

@@ -58,6 +58,17 @@ def peak_memory_gib(device: torch.device) -> float:
     return kib / 2**20 if sys.platform != "darwin" else kib / 2**30
 
 
+def timed(fn, device: torch.device) -> float:
+    """Seconds that fn() takes, its GPU work included (on CUDA: synchronized before and after)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def reduce_stats(stats: dict[str, tuple[torch.Tensor, str]], group) -> dict[str, torch.Tensor]:
     """{name: (tensor, "sum" | "max")} -> {name: tensor combined over the ranks of `group`} (None: this rank alone).
     Each rank holds other tokens or other layers, so a count adds up and a maximum is the largest; the tensors of
@@ -134,12 +145,13 @@ class MetricsLogger:
         eta = (self.total_steps - step) * sum(recent) / len(recent)
         load = extra.get("expert_load_max_over_mean", [])
         a2a = f" | a2a rows {100 * record['a2a_rows_vs_naive']:.0f}% of naive" if "a2a_rows_vs_naive" in record else ""
+        opt = f" (optimizer {1000 * record['opt_time']:.0f} ms)" if "opt_time" in record else ""
         own = "".join(f" | {name} " + (" ".join(f"{x:.3g}" for x in v) if isinstance(v, list) else f"{v:.4g}")
                       for name, v in extra.items() if name != "expert_load_max_over_mean")
         print(f"step {step:>5}/{self.total_steps} | loss {record['loss']:.4f} | aux {record['aux_loss']:.4f} | "
               f"lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} | load max/mean per layer "
               f"{' '.join(f'{x:.2f}' for x in load) or '-'}{a2a}{own} | {tokens_per_s:,.0f} tok/s | "
-              f"MFU {100 * record['mfu']:.2f}% | {1000 * step_time:.0f} ms | mem {record['peak_mem_gib']:.2f} GiB | "
+              f"MFU {100 * record['mfu']:.2f}% | {1000 * step_time:.0f} ms{opt} | mem {record['peak_mem_gib']:.2f} GiB | "
               f"eta {_fmt_duration(eta)}", flush=True)
         for name, value in record.items():
             if name != "step" and name not in extra:

@@ -121,10 +121,11 @@ class ShardedAdamW:
             for e in bucket:
                 e.param.grad = None
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, extra: list[torch.Tensor] = ()) -> torch.Tensor:
         """Scale the (reduced) gradients so that their global L2 norm is at most max_norm (0: no clipping);
-        returns the norm before clipping. Shards partition every parameter, so each element counts once."""
-        grads = [e.shard.grad for e in self.entries]
+        returns the norm before clipping. Shards partition every parameter, so each element counts once. extra:
+        more reduced gradients this rank alone holds (core/muon.py's owned matrices), counted and clipped too."""
+        grads = [e.shard.grad for e in self.entries] + list(extra)
         # squares summed in fp64: the layouts split this sum differently (per shard, per pipeline rank, then an
         # all-reduce), and in fp32 its last bit then depended on the layout. With clipping on, that bit moved the
         # clip factor, and with it every weight by ~3e-8, which the next step's bf16 weight copies amplified into
@@ -242,21 +243,23 @@ class ShardedAdamW:
         all_gather_flat(full, torch.nn.functional.pad(shard, (0, e.chunk - shard.numel())), group=e.replicas.group)
         return full[: e.param.numel()].view(e.param.shape).cpu()
 
-    def checkpoint_state(self, model: torch.nn.Module) -> dict:
+    def checkpoint_state(self, model: torch.nn.Module, replicas: dict[str, ReplicaSet] | None = None) -> dict:
         """{'model', 'optim'} for torch.distributed.checkpoint. Collective over the replicas of routed experts.
         Dense: sharing storage with the live tensors (a load fills them in place); a parameter of a set with a
         mesh is a DTensor replicated over it, its Adam moments DTensors over the flattened parameter, split over
         the replicas. Routed experts (a set with expert_ids): one entry per global expert
         (expert_checkpoint_entries), the weights as views of the parameter, the moments as rows of the whole
-        moments (all-gathered over the replicas, on the CPU; `after_load` puts this rank's shard back)."""
+        moments (all-gathered over the replicas, on the CPU; `after_load` puts this rank's shard back). replicas:
+        the ReplicaSet of each parameter name, when some are trained by another optimizer (core/muon.py)."""
         self._init_state()
+        replicas = replicas or {e.name: e.replicas for e in self.entries}
         model_sd = {}
         for name, t in model.state_dict().items():
-            e = self.by_name.get(name)
-            if e is not None and e.replicas.expert_ids is not None:
-                model_sd.update(expert_checkpoint_entries(name, t, e.replicas.expert_ids[name]))
+            rs = replicas.get(name)
+            if rs is not None and rs.expert_ids is not None:
+                model_sd.update(expert_checkpoint_entries(name, t, rs.expert_ids[name]))
                 continue
-            mesh = None if e is None else e.replicas.mesh
+            mesh = None if rs is None else rs.mesh
             if mesh is None:
                 model_sd[name] = t
                 continue

@@ -3,6 +3,8 @@
     python -m tools.bench --size tiny --vs-hf                        # CPU: the tiny model, ours vs transformers
     python -m tools.bench --size wide --layers 8 --fp8 --vs-hf       # GPU: real width (2048, 128 experts), 8 layers
     torchrun --nproc-per-node 8 -m tools.bench --size real --ep 8    # a layout: --dp/--ep/--cp go to train.py
+    python -m tools.bench --optimizer-step --rounds 3                 # each recipe's optimizer step, AdamW vs Muon
+    python -m tools.bench --newton-schulz-share                       # Muon's FLOPs vs a training step, released models
 
 Our step is recipes/qwen3_30b_a3b/train.py's own loop: train.main on a synthetic token dataset written to a temp
 folder (data loader, micro-batches, forward + backward, gradient reduction, clipping, AdamW, metrics), so every
@@ -17,6 +19,14 @@ Step times are medians (and minima: "best") over the measured steps, after warm-
 --rounds n the two implementations take turns n times (on a shared machine, load that comes and goes then hits
 both alike). Peak memory is the CUDA allocator's peak, or on CPU the process's resident high-water mark (reset
 before each run through /proc/self/clear_refs).
+
+--optimizer-step times, for every recipe, what the optimizer adds to a training step (gradient reduction, clipping,
+the step with its weight all-gather: train.py's three calls) with ShardedAdamW and with MuonAdamW, on random
+gradients of the recipe's model (--size tiny: its config_tiny.json; wide: its config.json with --layers layers,
+default 2), the two taking turns --rounds times; under torchrun --dp/--ep set the layout. --newton-schulz-share
+counts (no run) the Newton-Schulz FLOPs of one Muon step of each released model (recipes/*/config.json, every matrix
+Model.muon_matrices names) against its training step's at launch.sh's GPU defaults on one 8-GPU node: 64 sequences
+of 4,096 tokens (flops_per_token).
 """
 
 import argparse
@@ -34,7 +44,10 @@ from pathlib import Path
 import torch
 
 from core.data import TokenLoader, write_shards
-from core.metrics import measure_matmul_flops, peak_flops_and_source
+from core.mesh import build_mesh, destroy_mesh
+from core.metrics import measure_matmul_flops, peak_flops_and_source, timed
+from core.muon import MuonAdamW, newton_schulz_flops
+from core.optimizer import ReplicaSet, ShardedAdamW
 from recipes.qwen3_30b_a3b import train
 from recipes.qwen3_30b_a3b.model import ModelConfig, flops_per_token, real_config_path, tiny_config_path
 
@@ -150,6 +163,83 @@ def row(name: str, times: list[float], tokens: int, flops_tok: float, peak: floa
             "best_ms": 1000 * min(times), "peak_mem_gib": mem}
 
 
+RECIPES = ("qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b")
+
+
+def optimizer_step_times(args, layout: list[str]) -> dict:
+    """{recipe: {"adamw_ms", "muon_ms", "ratio"}}: the median over steps and rounds of reduce_gradients +
+    clip_grad_norm_ + step, each optimizer on its own copy of the recipe's model (the same random gradients)."""
+    import importlib
+
+    sub = argparse.ArgumentParser()
+    sub.add_argument("--dp", type=int, default=-1)
+    sub.add_argument("--ep", type=int, default=1)
+    dims = sub.parse_args(layout)
+    mesh = build_mesh(1, dims.dp, 1, dims.ep, args.device)
+    results = {}
+    for name in RECIPES:
+        mod = importlib.import_module(f"recipes.{name}.model")
+        hf = json.loads((mod.tiny_config_path() if args.size == "tiny" else mod.real_config_path()).read_text())
+        if args.size != "tiny" or args.layers:
+            hf["num_hidden_layers"] = args.layers or (None if args.size == "real" else 2) or hf["num_hidden_layers"]
+        with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
+            (Path(tmp) / "config.json").write_text(json.dumps(hf))
+            cfg = mod.ModelConfig.from_hf(Path(tmp) / "config.json")
+        times = {"adamw": [], "muon": []}
+        for kind in [k for _ in range(args.rounds) for k in times]:
+            torch.manual_seed(0)
+            with torch.device(mesh.device):
+                model = mod.Model(cfg, ep_group=mesh.group("ep"))
+            experts = {n: p for n, p in model.named_parameters() if ".mlp.experts." in n}
+            sets = [ReplicaSet({n: p for n, p in model.named_parameters() if n not in experts},
+                               mesh.group("dp", "cp", "ep"), None), ReplicaSet(experts, mesh.group("dp", "cp"), None)]
+            adamw = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
+                         norm_group=torch.distributed.group.WORLD if mesh.world > 1 else None)
+            opt = MuonAdamW(sets, model.muon_matrices, **adamw) if kind == "muon" else ShardedAdamW(sets, **adamw)
+
+            def optimizer_calls(opt=opt):
+                opt.reduce_gradients()
+                opt.clip_grad_norm_(1.0)
+                opt.step()
+            for step in range(args.warmup + args.steps):
+                for p in model.parameters():
+                    p.grad = torch.randn_like(p)
+                seconds = timed(optimizer_calls, mesh.device)
+                opt.zero_grad()
+                if step >= args.warmup:
+                    times[kind].append(seconds)
+            del model, opt
+        adamw_ms, muon_ms = (1000 * statistics.median(times[k]) for k in ("adamw", "muon"))
+        results[name] = {"adamw_ms": adamw_ms, "muon_ms": muon_ms, "ratio": muon_ms / adamw_ms}
+    if mesh.is_main:
+        print(f"optimizer step (reduce + clip + step), {args.size} configs, {mesh.device.type} x{mesh.world} "
+              f"(dp={mesh.dp} ep={mesh.ep}), median of {args.steps} steps x {args.rounds} rounds after {args.warmup} "
+              f"warm-up; Newton-Schulz in {'bf16' if mesh.device.type == 'cuda' else 'fp32'}")
+        print(f"{'recipe':<18} {'AdamW ms':>10} {'Muon ms':>10} {'Muon / AdamW':>13}")
+        for name, r in results.items():
+            print(f"{name:<18} {r['adamw_ms']:>10.2f} {r['muon_ms']:>10.2f} {r['ratio']:>12.2f}x")
+    destroy_mesh()
+    return results
+
+
+def newton_schulz_share(seq_len: int = 4096, sequences: int = 64) -> dict:
+    """{recipe: (Newton-Schulz FLOPs per step, training FLOPs per step)} of the released configs (meta tensors)."""
+    import importlib
+
+    results = {}
+    for name in RECIPES:
+        mod = importlib.import_module(f"recipes.{name}.model")
+        cfg = mod.ModelConfig.from_hf(mod.real_config_path())
+        with torch.device("meta"):
+            model = mod.Model(cfg)
+        ns = sum(newton_schulz_flops(*view_SAB.shape[1:]) * view_SAB.shape[0] for n, p in model.named_parameters()
+                 for view_SAB, _ in model.muon_matrices(n, p).values())
+        results[name] = (ns, mod.flops_per_token(cfg, seq_len) * seq_len * sequences)
+        print(f"{name:<18} Newton-Schulz {ns / 1e12:8.1f} TFLOP per step, training step {results[name][1] / 1e15:8.1f} "
+              f"PFLOP ({sequences} x {seq_len} tokens): {100 * ns / results[name][1]:.2f}%")
+    return results
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=list(SIZES), default="tiny",
@@ -167,7 +257,13 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=1, help="with --vs-hf: take turns this many times")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", default="", help="append the result as one JSON line to this file")
+    p.add_argument("--optimizer-step", action="store_true", help="time each recipe's optimizer step, AdamW vs Muon")
+    p.add_argument("--newton-schulz-share", action="store_true", help="Muon's FLOPs per step vs a training step's")
     args, layout = p.parse_known_args(argv)  # the rest (--dp, --ep, --cp, ...) goes to train.py
+    if args.newton_schulz_share:
+        return newton_schulz_share()
+    if args.optimizer_step:
+        return optimizer_step_times(args, layout)
     cuda = torch.cuda.is_available() and args.device != "cpu"
     args.seq_len = args.seq_len or (4096 if cuda else 256)
     args.batch = args.batch or (8 if cuda else 16)

@@ -34,8 +34,9 @@ from core.context import cp_positions, split_for_cp
 from core.data import TokenLoader, load_tokenizer
 from core.memory import check_train_args
 from core.mesh import build_mesh, destroy_mesh, resolve_layout
-from core.metrics import MetricsLogger, peak_flops, peak_memory_gib, reduce_stats
+from core.metrics import MetricsLogger, peak_flops, peak_memory_gib, reduce_stats, timed
 from core.moe import traffic
+from core.muon import MuonAdamW
 from core.optimizer import ReplicaSet, ShardedAdamW
 from core.pipeline import DualPipeV, split_layers
 from core.placement import Placement
@@ -91,6 +92,7 @@ class Args:
     seq_len: int = 256
     global_batch: int = 16  # sequences per optimizer step, all ranks together
     micro_batch: int = 4  # sequences per forward/backward on one rank
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon for the weight matrices, AdamW for the rest (core/muon.py)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -185,14 +187,17 @@ def main(argv=None):
     aux_coef = cfg.router_aux_loss_coef if args.aux_loss_coef < 0 else args.aux_loss_coef
     n_params = sum(p.numel() for p in model.parameters())
 
-    # ---- optimizer (ZeRO-1: Adam state sharded over each parameter's replicas) and lr schedule
+    # ---- optimizer (ZeRO-1: Adam state sharded over each parameter's replicas; Muon: each matrix on one replica)
+    # and lr schedule
     experts = {n: p for n, p in model.named_parameters() if ".mlp.experts." in n}
     dense = {n: p for n, p in model.named_parameters() if n not in experts}
     expert_ids = {n: model.get_submodule(n.rsplit(".", 1)[0]).expert_ids for n in experts}  # checkpoints per expert
-    optimizer = ShardedAdamW([ReplicaSet(dense, mesh.group("dp", "cp", "ep"), mesh.replica_mesh()),
-                              ReplicaSet(experts, mesh.group("dp", "cp"), None, expert_ids)],
-                             args.lr, args.weight_decay, (args.beta1, args.beta2), args.adam_eps,
-                             norm_group=dist.group.WORLD if mesh.world > 1 else None)
+    replica_sets = [ReplicaSet(dense, mesh.group("dp", "cp", "ep"), mesh.replica_mesh()),
+                    ReplicaSet(experts, mesh.group("dp", "cp"), None, expert_ids)]
+    adamw = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2), eps=args.adam_eps,
+                 norm_group=dist.group.WORLD if mesh.world > 1 else None)
+    optimizer = MuonAdamW(replica_sets, model.muon_matrices, **adamw) if args.optimizer == "muon" else \
+        ShardedAdamW(replica_sets, **adamw)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda s: lr_factor(s, **schedule))
 
     # ---- resume
@@ -220,10 +225,12 @@ def main(argv=None):
                 print(f"warning: {e}; trying the previous checkpoint", flush=True)
     state_held, state_full = optimizer.state_bytes()
     if mesh.is_main:
-        print(f"model {n_params / 1e6:.1f}M params on rank 0 | Adam state {state_held / 2**20:.1f} MiB "
+        print(f"model {n_params / 1e6:.1f}M params on rank 0 | optimizer state {state_held / 2**20:.1f} MiB "
               f"({100 * state_held / state_full:.0f}% of unsharded) | mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} on "
               f"{device.type} | {n_micro} micro-batches of {args.micro_batch} x {args.seq_len} per rank | "
               + (f"resumed from {resume_from} at step {start_step}" if resume_from else "fresh start"), flush=True)
+        if args.optimizer == "muon":
+            print(f"rank 0's parameters: {optimizer.describe()}", flush=True)
 
     # ---- training loop
     logger = MetricsLogger(Path(args.out) / "tensorboard", mesh.is_main, args.steps,
@@ -290,8 +297,9 @@ def main(argv=None):
         stats, bad_ranks, bad_names = step_is_finite(stats, finite_P, grad_names, grad_norm, mesh.rank, mesh.world)
         lr = scheduler.get_last_lr()[0]
         watchdog.set_phase("optimizer step")
-        if not bad_ranks:
-            optimizer.step()  # AdamW on this rank's shard, then all-gather the weights
+        opt_time = 0.0
+        if not bad_ranks:  # AdamW on this rank's shard (Muon: its matrices), then all-gather the weights
+            opt_time = timed(optimizer.step, device)
             fp8.CACHE.invalidate()  # new weights: the next step's first micro-batch re-quantises / re-casts them
             scheduler.step()
         bad_in_a_row, skipped = (bad_in_a_row + 1, skipped + 1) if bad_ranks else (0, skipped)
@@ -311,7 +319,7 @@ def main(argv=None):
         load_per_layer = (load_LE.max(-1).values / load_LE.mean(-1)).tolist() if load_LE.numel() else []
         scalars = {"loss": (stats[0] / num_labels).item(), "aux_loss": (stats[1] / (n_micro * mesh.data_world)).item(),
                    "lr": lr, "grad_norm": grad_norm.item(), "peak_mem_gib": peak_memory_gib(device),
-                   "skipped_steps": skipped}
+                   "skipped_steps": skipped, "opt_time": opt_time}
         if a2a_rows[1] > 0:  # rows sent to other ranks, deduplicated vs one per (token, expert)
             scalars["a2a_rows_vs_naive"] = (a2a_rows[0] / a2a_rows[1]).item()
         history.append(logger.log(step, time.perf_counter() - start, args.global_batch * args.seq_len, scalars,

@@ -505,6 +505,20 @@ class Model(nn.Module):
                 load_LE[int(i)], layer.mlp.load_E = layer.mlp.load_E, None
         return load_LE
 
+    def muon_matrices(self, name: str, t: torch.Tensor) -> dict[str, tuple[torch.Tensor, list[int]]]:
+        """The weight matrices of the transformers checkpoint layout in parameter `name`, which --optimizer muon
+        orthogonalises one by one (core/muon.py): {kind: ([S, A, B] view of t, routed experts: the global id of each
+        of the S matrices, else None)}; t is the parameter or a tensor of its shape (its gradient). Routed experts: one matrix per
+        expert, gate and up apart; attention, dense MLP and shared-expert projections: one each. {} for what
+        AdamW trains: the embedding, the LM head, norms, biases, sinks and the router."""
+        if ".mlp.experts." in name:
+            ids = self.get_submodule(name.rsplit(".", 1)[0]).expert_ids
+            if name.endswith("gate_up_proj"):  # [E, H, J], gate and up interleaved (core/kernels/swiglu.py)
+                return {"gate": (t[..., 0::2], ids), "up": (t[..., 1::2], ids)}
+            return {"down": (t, ids)} if name.endswith("down_proj") else {}  # (biases: AdamW)
+        other = name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.router.weight"))
+        return {"": (t.unsqueeze(0), None)} if t.ndim == 2 and not other else {}
+
 
 class PipelineStage:
     """One pipeline stage over this rank's Model, as core/pipeline.py drives it: the embedding on the first

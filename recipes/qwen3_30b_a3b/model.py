@@ -475,6 +475,21 @@ class Model(nn.Module):
                 load_LE[row], mlp.load_E = mlp.load_E, None
         return load_LE
 
+    def muon_matrices(self, name: str, t: torch.Tensor) -> dict[str, tuple[torch.Tensor, list[int]]]:
+        """The weight matrices of the transformers checkpoint layout in parameter `name`, which --optimizer muon
+        orthogonalises one by one (core/muon.py): {kind: ([S, A, B] view of t, routed experts: the global id of each
+        of the S matrices, else None)}; t is the parameter or a tensor of its shape (its gradient). Routed experts: one matrix per
+        expert, gate and up apart; attention, dense MLP and shared-expert projections: one each. {} for what
+        AdamW trains: the embedding, the LM head, norms and the router."""
+        if ".mlp.experts." in name:
+            ids = self.get_submodule(name.rsplit(".", 1)[0]).expert_ids
+            if name.endswith("gate_up_proj"):  # [E, H, J]: gate = [..., :I], up = [..., I:] (core/kernels/swiglu.py)
+                gate, up = t.chunk(2, dim=-1)
+                return {"gate": (gate, ids), "up": (up, ids)}
+            return {"down": (t, ids)}
+        other = name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight"))
+        return {"": (t.unsqueeze(0), None)} if t.ndim == 2 and not other else {}
+
 
 class PipelineStage:
     """One pipeline stage over this rank's Model, as core/pipeline.py drives it: the embedding on the first

@@ -16,7 +16,7 @@ from pathlib import Path
 
 # (table title, record key, format); expert load expands to one table per layer
 METRICS = [("loss", "loss", "{:.4f}"), ("grad norm", "grad_norm", "{:.4f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
-           ("MFU %", "mfu", "{:.3%}"), ("val loss", "val_loss", "{:.4f}")]
+           ("MFU %", "mfu", "{:.3%}"), ("optimizer step s", "opt_time", "{:.3f}"), ("val loss", "val_loss", "{:.4f}")]
 LOAD = "expert_load_max_over_mean"
 
 
@@ -42,7 +42,7 @@ def series(runs: list[dict[int, dict]]) -> list[tuple[str, str, str, callable]]:
     """(title, format, key for the curve) with a getter per table; expert load: one per layer."""
     out = [(title, fmt, key, lambda rec, key=key: rec.get(key)) for title, key, fmt in METRICS]
     layers = max((len(rec.get(LOAD) or []) for recs in runs for rec in recs.values()), default=0)
-    out[4:4] = [(f"expert load max/mean, MoE layer {i}", "{:.3f}", f"{LOAD}[{i}]",
+    out[5:5] = [(f"expert load max/mean, MoE layer {i}", "{:.3f}", f"{LOAD}[{i}]",
                  lambda rec, i=i: (rec.get(LOAD) or [None] * (i + 1))[i] if len(rec.get(LOAD) or []) > i else None)
                 for i in range(layers)]
     return out

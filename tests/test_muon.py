@@ -1,0 +1,236 @@
+"""--optimizer muon (core/muon.py): one process equals torch.optim.Muon + torch.optim.AdamW fed the same gradients, on
+the matrices of the transformers checkpoint layout; every parallel layout equals one process; resume is exact and a
+checkpoint written at one (dp, ep) loads at another."""
+
+import inspect
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.optim._muon as torch_muon
+
+from core.muon import MuonAdamW, newton_schulz
+from core.optimizer import ReplicaSet
+from tests.multiproc import run_ranks
+from tests.recipe_checks import check_args, layout_errors, layouts_worker, load_recipe, write_config
+from tests.test_train import LAYOUT_TOLERANCE, bitwise_error, rel_err, run_train, worst_error
+
+LR, WD, BETAS, EPS, CLIP = 2e-2, 0.1, (0.9, 0.95), 1e-8, 0.5
+
+
+def torch_newton_schulz_in(dtype: torch.dtype):
+    """torch.optim.Muon's own Newton-Schulz (its source, unchanged but for the dtype it casts to: bf16 there)."""
+    source = inspect.getsource(torch_muon._zeropower_via_newtonschulz)
+    assert "ortho_grad = grad.bfloat16()" in source, "torch.optim.Muon changed: revisit this reference"
+    scope = dict(vars(torch_muon))
+    exec(source.replace("grad.bfloat16()", f"grad.to({dtype})"), scope)
+    return scope["_zeropower_via_newtonschulz"]
+
+
+def is_muon_matrix(hf_name: str, t: torch.Tensor) -> bool:
+    """Moonlight's split, by transformers checkpoint name: weight matrices of attention, dense MLPs and experts go to
+    Muon; embeddings, the LM head, norms, biases, routers and sinks to AdamW."""
+    if t.ndim < 2 or "embed_tokens" in hf_name or "lm_head" in hf_name or hf_name.endswith("bias"):
+        return False
+    return not hf_name.endswith(("mlp.gate.weight", "mlp.router.weight"))
+
+
+def hf_matrices(recipe, model, tensors: dict) -> dict[str, torch.Tensor]:
+    """The Muon matrices of transformers' checkpoint layout, as views of `tensors` (one per parameter of model, e.g.
+    the gradients), through the recipe's export (hf_state_dict, checked against transformers by the parity tests).
+    GPT-OSS keeps each layer's experts as one [E, H, 2I] tensor with gate and up interleaved (transformers'
+    GptOssExperts: gate = [..., ::2], up = [..., 1::2]): one matrix per expert and half."""
+    params = dict(model.named_parameters())
+    saved = {n: p.data for n, p in params.items()}
+    try:
+        for n, p in params.items():
+            p.data = tensors[n]
+        hf = {k: v.detach() for k, v in recipe.model.hf_state_dict(model).items()}
+    finally:
+        for n, p in params.items():
+            p.data = saved[n]
+    out = {}
+    for name, t in hf.items():
+        if not is_muon_matrix(name, t):
+            continue
+        if t.ndim == 2:
+            out[name] = t
+        elif name.endswith("gate_up_proj"):
+            for e in range(t.shape[0]):
+                out[f"{name}.{e}.gate"], out[f"{name}.{e}.up"] = t[e][:, 0::2], t[e][:, 1::2]
+        else:
+            for e in range(t.shape[0]):
+                out[f"{name}.{e}"] = t[e]
+    return out
+
+
+def momentum_like_params(opt: MuonAdamW, model) -> dict[str, torch.Tensor]:
+    """The optimizer's momentum laid out like the parameters (zeros where AdamW trains)."""
+    out = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for b in opt.owned:
+        b.piece.view(opt.split, out[b.piece.name]).index_copy_(0, b.index_k, b.momentum_kAB)
+    return out
+
+
+def run_against_torch(name: str, workdir: Path, steps: int = 4) -> dict[str, tuple[float, str]]:
+    """`steps` steps of MuonAdamW (one process) and of torch.optim.Muon(adjust_lr_fn="match_rms_adamw", Newton-Schulz
+    in fp32) + torch.optim.AdamW on copies, both fed the gradients of MuonAdamW's model at each step, clipped by
+    torch.nn.utils.clip_grad_norm_ on the reference side, with a changing learning rate. Returns the worst relative
+    errors of the weight changes, the momentum and the grad norm."""
+    recipe = load_recipe(name)
+    torch.manual_seed(0)
+    model = recipe.model.Model(recipe.model.ModelConfig.from_hf(write_config(workdir / "config.json", recipe.config)))
+    params = dict(model.named_parameters())
+    experts = {n: p for n, p in params.items() if ".mlp.experts." in n}
+    opt = MuonAdamW([ReplicaSet({n: p for n, p in params.items() if n not in experts}, None, None),
+                     ReplicaSet(experts, None, None)], model.muon_matrices, LR, WD, BETAS, EPS)
+    start = {n: p.detach().clone() for n, p in params.items()}
+    ref_matrices = {k: v.clone().requires_grad_() for k, v in hf_matrices(recipe, model, start).items()}
+    muon_names = {n for n in params if model.muon_matrices(n, params[n])}
+    ref_other = {n: start[n].clone().requires_grad_() for n in params if n not in muon_names}
+    assert len(ref_matrices) == sum(v.shape[0] for n in muon_names for v, _ in model.muon_matrices(n, params[n]).values())
+    ref_muon = torch.optim.Muon(list(ref_matrices.values()), lr=LR, weight_decay=WD, adjust_lr_fn="match_rms_adamw")
+    ref_adamw = torch.optim.AdamW([{"params": [t for t in ref_other.values() if t.ndim >= 2], "weight_decay": WD},
+                                   {"params": [t for t in ref_other.values() if t.ndim < 2], "weight_decay": 0.0}],
+                                  lr=LR, betas=BETAS, eps=EPS, foreach=True)
+    norm_errors = []
+    original_ns = torch_muon._zeropower_via_newtonschulz
+    torch_muon._zeropower_via_newtonschulz = torch_newton_schulz_in(torch.float32)
+    try:
+        for step in range(steps):
+            lr = LR * (step + 1) / steps
+            for g in ref_muon.param_groups + ref_adamw.param_groups + opt.param_groups:
+                g["lr"] = lr
+            ids = torch.randint(0, recipe.config["vocab_size"], (2, recipe.seq_len))
+            out = model.forward_train(ids, torch.roll(ids, -1, 1))
+            (out.loss_sum / ids.numel() + 0.01 * out.aux_loss).backward()
+            grads = {n: p.grad.clone() for n, p in params.items()}
+            for k, g in hf_matrices(recipe, model, grads).items():
+                ref_matrices[k].grad = g.clone()
+            for n, t in ref_other.items():
+                t.grad = grads[n].clone()
+            ref_norm = torch.nn.utils.clip_grad_norm_([*ref_matrices.values(), *ref_other.values()], CLIP)
+            opt.reduce_gradients()
+            norm = opt.clip_grad_norm_(CLIP)
+            norm_errors.append(abs(norm.item() - ref_norm.item()) / ref_norm.item())
+            assert ref_norm > CLIP, "clipping should be active"
+            opt.step()
+            opt.zero_grad()
+            ref_muon.step()
+            ref_adamw.step()
+            if step == 1:  # reinit_: a routed expert gets new weights, 3 rows of a dense matrix keep theirs; both
+                # lose their momentum (torch's: zeroed where the parts meet the checkpoint layout's matrices)
+                expert = next(n for n in params if n.endswith("experts.gate_up_proj"))
+                dense = next(n for n in params if n.endswith("o_proj.weight"))
+                opt.reinit_(expert, 1, 0.02 * torch.randn(params[expert][1].shape))
+                opt.reinit_(dense, slice(2, 5))
+                reset = {n: torch.zeros_like(p) for n, p in params.items()}  # 1 where reset (float: hf_matrices
+                reset[expert][1], reset[dense][2:5] = 1, 1  # swaps it into the parameters)
+                now = hf_matrices(recipe, model, {n: p.detach() for n, p in params.items()})
+                for k, mask in hf_matrices(recipe, model, reset).items():
+                    mask = mask.bool()
+                    ref_muon.state[ref_matrices[k]]["momentum_buffer"][mask] = 0
+                    ref_matrices[k].data[mask] = now[k][mask]
+    finally:
+        torch_muon._zeropower_via_newtonschulz = original_ns
+    now = {n: p.detach() for n, p in params.items()}
+    mine = hf_matrices(recipe, model, {n: now[n] - start[n] for n in params})
+    ref_start = hf_matrices(recipe, model, start)
+    errors = {"muon weight change": worst_error((rel_err(mine[k], t.detach() - ref_start[k]), k)
+                                                for k, t in ref_matrices.items()),
+              "adamw weight change": worst_error((rel_err(now[n] - start[n], t.detach() - start[n]), n)
+                                                 for n, t in ref_other.items()),
+              "grad norm": (max(norm_errors), "")}
+    momentum = hf_matrices(recipe, model, momentum_like_params(opt, model))
+    errors["momentum"] = worst_error((rel_err(momentum[k], ref_muon.state[t]["momentum_buffer"]), k)
+                                     for k, t in ref_matrices.items())
+    return errors
+
+
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b"])
+def test_one_process_equals_torch_muon_and_adamw(name, tmp_path):
+    """Bounds. Momentum and grad norm 1e-6: the same gradients, clipped by a norm summed in another order (~1e-7).
+    AdamW 1e-5: tests/test_train.py:LAYOUT_TOLERANCE's reason (Adam's division turns the clip factor's ~1e-7 into
+    ~1e-6 where a gradient is ~eps). Muon 3e-5: batched and per-matrix GEMMs round differently (~6e-8 per op), and
+    Newton-Schulz grows a perturbation of the small singular values by up to a = 3.4445 per step, 3.4445^5 ~ 485 over
+    5 steps: 485 x 6e-8 ~ 3e-5 (measured 1e-6 to 4e-6). The planted bugs (no RMS scaling, gate and up orthogonalised
+    together) moved the weights by O(1)."""
+    errors = run_against_torch(name, tmp_path)
+    bounds = {"momentum": 1e-6, "grad norm": 1e-6, "adamw weight change": 1e-5, "muon weight change": 3e-5}
+    failed = {what: errors[what] for what, bound in bounds.items() if not errors[what][0] <= bound}
+    assert not failed, f"differ from torch.optim.Muon + AdamW (error, where): {failed}"
+
+
+def test_bf16_newton_schulz_equals_torch_muons():
+    """On GPU Newton-Schulz runs in bf16: the batched stack equals torch.optim.Muon's own per-matrix bf16 iteration.
+    Bound 1e-3: the same bf16 operations in the same order (bitwise equal on the CPUs tried, AVX2 and
+    ATEN_CPU_CAPABILITY=default), with room for a GEMM kernel that splits its fp32 sums differently and flips a few
+    last bf16 bits; fp32 instead of bf16 differs by ~1.5e-2, a wrong iteration by O(1)."""
+    torch.manual_seed(0)
+    for shape in [(8, 64, 32), (4, 32, 64), (2, 96, 96)]:
+        g = torch.randn(shape)
+        ref = torch.stack([torch_muon._zeropower_via_newtonschulz(m, (3.4445, -4.7750, 2.0315), 5, 1e-7) for m in g])
+        got = newton_schulz(g, torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and rel_err(got, ref) <= 1e-3, shape
+
+
+LAYOUTS = {"ep2": {"ep": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2}, "dp2": {"dp": 2}, "pp2xep2": {"pp": 2, "ep": 2},
+           "cp2xep2": {"cp": 2, "ep": 2}, "dp2xep2": {"dp": 2, "ep": 2}}
+CI_LAYOUTS = ("dp2xep2", "pp2xep2", "cp2", "dp2")  # both owner sets split (dense over 4, experts over 2), pp, cp
+
+
+def layout_runs(name: str, layouts, tmp_path) -> dict:
+    """4 steps of --optimizer muon in one process and in each layout (every rank's losses, grad norms, weights), all
+    of a world size in one spawned process group; with dp2xep2 among them, it saves at step 2 and three runs resume
+    from there: at dp2xep2 again, at dp2 (ep 1) and in one process."""
+    from tests.recipe_checks import data_vocab, write_counting_data
+
+    data = write_counting_data(tmp_path / "data")
+    recipe = load_recipe(name, data_vocab(data))
+    config = write_config(tmp_path / "config.json", recipe.config)
+    args = lambda out, **extra: check_args(recipe, config, data, tmp_path / out, optimizer="muon", steps=4, **extra)
+    saved = tmp_path / "dp2xep2/checkpoints/step_00000002"
+    runs = {"single": run_train(args("single"), recipe.train.main)}
+    jobs = {4: {}, 2: {}}
+    for layout in layouts:
+        extra = {"ckpt_every": 2} if layout == "dp2xep2" else {}
+        jobs[math.prod(LAYOUTS[layout].values())][layout] = ("train", args(layout, **LAYOUTS[layout], **extra))
+    if "dp2xep2" in layouts:
+        jobs[4]["dp2xep2 resumed"] = ("train", args("resumed", dp=2, ep=2, resume=saved))
+        jobs[2]["dp2 from dp2xep2"] = ("train", args("dp2_from", dp=2, resume=saved))
+    for world in (4, 2):  # the dp2xep2 checkpoint first
+        per_rank = run_ranks(world, layouts_worker, name, jobs[world])
+        runs.update({job: [rank[job] for rank in per_rank] for job in jobs[world]})
+    if "dp2xep2" in layouts:
+        runs["1 process from dp2xep2"] = [run_train(args("single_from", resume=saved), recipe.train.main)]
+    return runs
+
+
+@pytest.mark.parametrize("name,layouts", [
+    pytest.param("deepseek_v2_lite", CI_LAYOUTS, id="ci"),  # MLA, shared experts, a dense layer: every kind of matrix
+    pytest.param("deepseek_v2_lite", [k for k in LAYOUTS if k not in CI_LAYOUTS], id="rest", marks=pytest.mark.slow),
+    *(pytest.param(other, list(LAYOUTS), id=other, marks=pytest.mark.slow) for other in ("qwen3_30b_a3b", "gpt_oss_20b"))])
+def test_layouts_equal_one_process_and_resume(name, layouts, tmp_path):
+    """DeepSeek-V2-Lite in CI (dp2xep2: both owner sets split, dense over 4 ranks and experts over 2; pp2xep2; cp2;
+    dp2; resume bit for bit and resharded), the other layouts and recipes under -m slow."""
+    runs = layout_runs(name, layouts, tmp_path)
+    single = runs["single"]
+    assert max(single[1]) > 0.05, "clipping should be active so that the global norm is exercised"
+    for layout in layouts:
+        errors = layout_errors(single, runs[layout], ep=LAYOUTS[layout].get("ep", 1))
+        print(layout, errors)
+        bounds = {"losses": LAYOUT_TOLERANCE, "grad norms": LAYOUT_TOLERANCE, "weights": LAYOUT_TOLERANCE,
+                  "expert bias": 0}  # as in the shared checks: the biases follow the global load, bit for bit
+        assert all(errors[what][0] <= bound for what, bound in bounds.items()), (layout, errors)
+    if "dp2xep2" in layouts:  # resharded (ep 2 -> 1, dp 2 -> 2 and 1): another layout, so LAYOUT_TOLERANCE
+        tail = (single[0][2:], single[1][2:], single[2])
+        for job in ("dp2 from dp2xep2", "1 process from dp2xep2"):
+            errors = layout_errors(tail, runs[job])
+            print(job, errors)
+            assert all(e <= LAYOUT_TOLERANCE for what, (e, _) in errors.items() if what != "expert bias"), (job, errors)
+        # the same layout: bit for bit
+        full = [(losses[2:], norms[2:], weights) for losses, norms, weights in runs["dp2xep2"]]
+        for reference, resumed in zip(full, runs["dp2xep2 resumed"]):
+            errors = layout_errors(reference, [resumed], error=bitwise_error)
+            assert all(e == 0 for e, _ in errors.values()), errors
