@@ -68,7 +68,7 @@ def test_launch_sh_and_a_copied_recipe(tmp_path):
     # a bad flag: launch.sh checks the flags once (train.py --dry-run) before torchrun starts a rank: one line
     start = time.time()
     out = launch(ROOT / "recipes/qwen3_30b_a3b/launch.sh", {"DATA": str(data), "OUT": str(tmp_path / "bad"),
-                 "NPROC": "2", "EP": "2"}, "--expert-placement", "0,1", returncode=2)
+                 "NPROC": "2", "PP": "1", "EP": "2"}, "--expert-placement", "0,1", returncode=2)
     assert out.strip() == ("error: expert placement lists 2 experts but the model has 8 routed experts; give one ep "
                            "rank per expert"), out
     assert time.time() - start < 15
