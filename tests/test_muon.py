@@ -13,7 +13,7 @@ import torch.optim._muon as torch_muon
 from core.muon import MuonAdamW, newton_schulz
 from core.optimizer import ReplicaSet
 from tests.multiproc import run_ranks
-from tests.recipe_checks import check_args, layout_errors, layouts_worker, load_recipe, write_config
+from tests.recipe_checks import PLACED, check_args, layout_errors, layouts_worker, load_recipe, write_config
 from tests.test_train import LAYOUT_TOLERANCE, bitwise_error, rel_err, run_train, worst_error
 
 LR, WD, BETAS, EPS, CLIP = 2e-2, 0.1, (0.9, 0.95), 1e-8, 0.5
@@ -176,8 +176,10 @@ def test_bf16_newton_schulz_equals_torch_muons():
 
 
 LAYOUTS = {"ep2": {"ep": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2}, "dp2": {"dp": 2}, "pp2xep2": {"pp": 2, "ep": 2},
-           "cp2xep2": {"cp": 2, "ep": 2}, "dp2xep2": {"dp": 2, "ep": 2}}
-CI_LAYOUTS = ("dp2xep2", "pp2xep2", "cp2", "dp2")  # both owner sets split (dense over 4, experts over 2), pp, cp
+           "cp2xep2": {"cp": 2, "ep": 2}, "dp2xep2": {"dp": 2, "ep": 2}, "dp2xep2 placed": {"dp": 2, "ep": 2}}
+# both owner sets split (dense over 4, experts over 2), pp, cp, and experts placed unevenly (one on ep rank 0, the
+# rest on ep rank 1: owners of different expert counts, momentum keyed by global id)
+CI_LAYOUTS = ("dp2xep2", "pp2xep2", "cp2", "dp2", "dp2xep2 placed")
 
 
 def layout_runs(name: str, layouts, tmp_path) -> dict:
@@ -191,10 +193,14 @@ def layout_runs(name: str, layouts, tmp_path) -> dict:
     config = write_config(tmp_path / "config.json", recipe.config)
     args = lambda out, **extra: check_args(recipe, config, data, tmp_path / out, optimizer="muon", steps=4, **extra)
     saved = tmp_path / "dp2xep2/checkpoints/step_00000002"
-    runs = {"single": run_train(args("single"), recipe.train.main)}
+    # the shared checks' uneven ep2 placement for this recipe's expert count
+    runs = {"placement": PLACED["ep2 placed"](recipe.model.ModelConfig.from_hf(config).num_experts),
+            "single": run_train(args("single"), recipe.train.main)}
     jobs = {4: {}, 2: {}}
     for layout in layouts:
         extra = {"ckpt_every": 2} if layout == "dp2xep2" else {}
+        if layout.endswith(" placed"):
+            extra["expert_placement"] = ",".join(map(str, runs["placement"]))
         jobs[math.prod(LAYOUTS[layout].values())][layout] = ("train", args(layout, **LAYOUTS[layout], **extra))
     if "dp2xep2" in layouts:
         jobs[4]["dp2xep2 resumed"] = ("train", args("resumed", dp=2, ep=2, resume=saved))
@@ -218,7 +224,8 @@ def test_layouts_equal_one_process_and_resume(name, layouts, tmp_path):
     single = runs["single"]
     assert max(single[1]) > 0.05, "clipping should be active so that the global norm is exercised"
     for layout in layouts:
-        errors = layout_errors(single, runs[layout], ep=LAYOUTS[layout].get("ep", 1))
+        placed = runs["placement"] if layout.endswith(" placed") else None
+        errors = layout_errors(single, runs[layout], ep=LAYOUTS[layout].get("ep", 1), placement=placed)
         print(layout, errors)
         bounds = {"losses": LAYOUT_TOLERANCE, "grad norms": LAYOUT_TOLERANCE, "weights": LAYOUT_TOLERANCE,
                   "expert bias": 0}  # as in the shared checks: the biases follow the global load, bit for bit
