@@ -121,7 +121,7 @@ def test_pipeline_bubble_matches_the_dualpipe_formula():
         assert span - sum(busy) / pp == pytest.approx(formula_bubble(pp, t_f, d["B"], t_w, d["F&B"]), rel=1e-9)
 
 
-def test_plan_layouts_pass_train_checks_and_memory():
+def test_plan_layouts_pass_train_checks_and_memory(tmp_path):
     """Every layout the planner lists passes the recipe's train.py checks (--dry-run at that world size) and the
     ones it calls fitting pass core/memory.py's refusal on a GPU of that size, the others are refused."""
     rows = plan.plan("deepseek_v2_lite", 4, 8, "h200", 4096, 16, micro_batches=(1,))
@@ -139,7 +139,7 @@ def test_plan_layouts_pass_train_checks_and_memory():
         assert min(by_class.values()) >= 0
     best = rows[0]["layout"]
     train = importlib.import_module("recipes.deepseek_v2_lite.train")
-    args = train.Args(config=str(mod.real_config_path()), data="", out=str(ROOT / "runs"), pp=best.pp, dp=best.dp,
+    args = train.Args(config=str(mod.real_config_path()), data="", out=str(tmp_path), pp=best.pp, dp=best.dp,
                       cp=best.cp, ep=best.ep, device="cpu", seq_len=4096, global_batch=16,
                       micro_batch=best.micro_batch, recompute=best.recompute, eval_every=0)
     train.check_run(args, 4)
@@ -168,7 +168,7 @@ def test_rank_order_on_two_ranks_matches_measured_runs(tmp_path):
 
     if not (ROOT / "data/stdlib/meta.json").exists():
         subprocess.run([sys.executable, "-m", "tools.prepare_data", "--default"], cwd=ROOT, check=True)
-    cal = calibrate_cpu(worlds=(2,), repeats=5)
+    cal = calibrate_cpu(worlds=(2,), min_seconds=0.2)
     mod = importlib.import_module("recipes.qwen3_30b_a3b.model")
     cfg_path = str(mod.tiny_config_path())
     cfg = mod.ModelConfig.from_hf(cfg_path)
@@ -194,3 +194,23 @@ def _measure_flags(flags, tmp_path) -> float:
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     times = [json.loads(line)["step_time"] for line in (out / "metrics.jsonl").read_text().splitlines()][2:]
     return sorted(times)[len(times) // 2]
+
+
+def test_gpu_calibration_file_feeds_the_planner():
+    """What tools/gpu_check writes (tools/calibrate.py:compute_rates, here run small on this CPU and labelled as an
+    H200) is what machine_for reads: each measured rate becomes a fraction of the H200 datasheet and scales the
+    H100's peak, so a calibrated H100 plan gets exactly rate x 989/989 for bf16 GEMMs and the H100's HBM."""
+    from tools.calibrate import compute_rates
+
+    entry = compute_rates(torch.device("cpu"), big=False, min_seconds=0.01)
+    entry["gemm"]["rate"] = 0.5 * plan.GPUS["h200"].bf16_flops  # a measured half of the H200's peak
+    cal = {"kind": "gpu", "device": "NVIDIA H200", "ranks": {"1": entry}}
+    h100 = plan.machine_for("h100", cal, 16)
+    assert h100.rates["gemm"]["rate"] == pytest.approx(0.5 * plan.GPUS["h100"].bf16_flops, rel=1e-12)
+    assert h100.rates["memory"]["rate"] == pytest.approx(entry["memory"]["rate"] / plan.GPUS["h200"].hbm_bw *
+                                                         plan.GPUS["h100"].hbm_bw, rel=1e-12)
+    assert h100.hbm_gib == 80 and h100.op_latency == entry["op_latency"]
+    assert plan.machine_for("h100", None, 16).rates["gemm"]["rate"] == \
+        pytest.approx(plan.GPU_EFFICIENCY["gemm"] * 989e12, rel=1e-12)
+    with pytest.raises(ValueError, match="CPU calibration"):
+        plan.machine_for("cpu", cal, 2)

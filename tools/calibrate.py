@@ -40,25 +40,28 @@ class OpCounter(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.count, self.batched_matmuls = 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
+        self.batched_matmuls += func.overloadpacket in (torch.ops.aten.bmm, torch.ops.aten.baddbmm)
         return func(*args, **(kwargs or {}))
 
 
-def _timed(fn, device, repeats: int) -> float:
-    """Median seconds of fn() over `repeats` calls after one warm-up call."""
+def _timed(fn, device, min_seconds: float, calls: int = 0) -> float:
+    """Mean seconds of fn() over as many calls as fill `min_seconds` (after one warm-up call), or over exactly
+    `calls` calls (collectives: every rank must make the same number). A mean over a long window, not a median of
+    short calls: on a CPU shared with other processes a training step, which lasts many scheduler time slices,
+    gets the average share of the cores, and so does this window."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
+    sync()
+    done, start = 0, time.perf_counter()
+    while done < calls if calls else (done == 0 or time.perf_counter() - start < min_seconds):
         fn()
         sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        done += 1
+    return (time.perf_counter() - start) / done
 
 
 def fit_line(points: list[tuple[float, float]]) -> dict:
@@ -80,7 +83,7 @@ def aggregate(points: list[tuple[float, float]]) -> dict:
     return {"rate": sum(w for w, _ in points) / sum(t for _, t in points), "t0": 0.0, "points": points}
 
 
-def compute_rates(device: torch.device, big: bool, repeats: int) -> dict:
+def compute_rates(device: torch.device, big: bool, min_seconds: float) -> dict:
     """GEMM, grouped GEMM, attention, op latency and memory bandwidth of one rank (see the module doc)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(0)
@@ -91,7 +94,7 @@ def compute_rates(device: torch.device, big: bool, repeats: int) -> dict:
     points = []
     for m, k, n in sizes:
         a, b = rand(m, k), rand(k, n)
-        points.append((2 * m * k * n, _timed(lambda a=a, b=b: a @ b, device, repeats)))
+        points.append((2 * m * k * n, _timed(lambda a=a, b=b: a @ b, device, min_seconds)))
     out["gemm"] = aggregate(points)
     if device.type == "cuda" and hasattr(torch, "float8_e4m3fn") and hasattr(torch, "_scaled_mm"):
         try:
@@ -101,7 +104,7 @@ def compute_rates(device: torch.device, big: bool, repeats: int) -> dict:
                 b = rand(n, k).to(torch.float8_e4m3fn).t()
                 one = torch.ones((), device=device)
                 points.append((2 * m * k * n, _timed(lambda a=a, b=b, one=one: torch._scaled_mm(a, b, one, one, out_dtype=dtype),
-                                                     device, repeats)))
+                                                     device, min_seconds)))
             out["gemm_fp8"] = aggregate(points)
         except (RuntimeError, TypeError):  # FP8 GEMMs need Hopper or newer
             pass
@@ -111,7 +114,7 @@ def compute_rates(device: torch.device, big: bool, repeats: int) -> dict:
                        [(128, 64, 128), (512, 128, 128), (1024, 128, 256)]):
         x, w = rand(rows, k), rand(experts, k, n)
         counts = torch.full((experts,), rows // experts, device=device, dtype=torch.int32)
-        points.append((2 * rows * k * n, _timed(lambda x=x, w=w, c=counts: grouped_mm(x, w, c), device, repeats)))
+        points.append((2 * rows * k * n, _timed(lambda x=x, w=w, c=counts: grouped_mm(x, w, c), device, min_seconds)))
     out["grouped_gemm"] = aggregate(points)
     points = []
     for batch, heads, seq, dim in ([(1, 32, 4096, 128), (2, 32, 4096, 128), (1, 32, 8192, 128)] if big else
@@ -123,7 +126,7 @@ def compute_rates(device: torch.device, big: bool, repeats: int) -> dict:
             o.sum().backward()
 
         useful = 3 * 4 * batch * heads * dim * seq * (seq + 1) / 2  # QK^T and AV, causal half, forward + backward
-        points.append((useful, _timed(step, device, repeats)))
+        points.append((useful, _timed(step, device, min_seconds)))
     out["attention"] = aggregate(points)
     x = rand(256, 64).requires_grad_()
 
@@ -136,13 +139,13 @@ def compute_rates(device: torch.device, big: bool, repeats: int) -> dict:
     counter = OpCounter()
     with counter:
         chain()
-    out["op_latency"] = _timed(chain, device, repeats) / counter.count
+    out["op_latency"] = _timed(chain, device, min_seconds) / counter.count
     big_x = rand(64 << 20 if big else 4 << 20, dt=torch.float32)
-    out["memory"] = {"rate": 8 * big_x.numel() / _timed(lambda: big_x.mul_(1.0), device, repeats)}
+    out["memory"] = {"rate": 8 * big_x.numel() / _timed(lambda: big_x.mul_(1.0), device, min_seconds)}
     return out
 
 
-def comm_rates(device: torch.device, repeats: int) -> dict:
+def comm_rates(device: torch.device, min_seconds: float) -> dict:
     """Collectives over the whole world: time = t0 + bytes each rank sends / rate (see the module doc)."""
     import torch.distributed as dist
 
@@ -173,12 +176,12 @@ def comm_rates(device: torch.device, repeats: int) -> dict:
                             work.wait()
             dist.barrier()
             sent = numel * 4 * ((world - 1) / world if name != "p2p" else 1.0)
-            points.append((sent, _timed(fn, device, repeats)))
+            points.append((sent, _timed(fn, device, min_seconds, calls=10)))
         out[name] = fit_line(points)
     return out
 
 
-def _rank_worker(repeats: int) -> dict:
+def _rank_worker(min_seconds: float) -> dict:
     """One gloo rank: compute rates while every rank computes, then the collectives."""
     import torch.distributed as dist
 
@@ -188,9 +191,9 @@ def _rank_worker(repeats: int) -> dict:
     mesh = build_mesh(device="cpu")
     if mesh.world > 1:
         dist.barrier()
-    result = compute_rates(mesh.device, big=False, repeats=repeats)
+    result = compute_rates(mesh.device, big=False, min_seconds=min_seconds)
     if mesh.world > 1:
-        result.update(comm_rates(mesh.device, repeats))
+        result.update(comm_rates(mesh.device, min_seconds))
     destroy_mesh()
     return {"json": torch.tensor(list(json.dumps(result).encode()), dtype=torch.uint8)}
 
@@ -206,35 +209,35 @@ def _median_entry(entries: list[dict]) -> dict:
     return out
 
 
-def calibrate_cpu(worlds=(1, 2, 4), repeats: int = 7) -> dict:
+def calibrate_cpu(worlds=(1, 2, 4), min_seconds: float = 0.3) -> dict:
     """The CPU calibration: every world size's ranks run the benchmarks together (spawned gloo processes)."""
     from tests.multiproc import run_ranks
 
     by_world = {}
     for world in worlds:
-        results = run_ranks(world, _rank_worker, repeats)
+        results = run_ranks(world, _rank_worker, min_seconds)
         by_world[str(world)] = _median_entry([json.loads(bytes(r["json"].tolist()).decode()) for r in results])
     return {"kind": "cpu", "device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
             "cores": os.cpu_count(), "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "ranks": by_world}
 
 
-def calibrate_gpu(repeats: int = 10) -> dict:
+def calibrate_gpu(min_seconds: float = 0.3) -> dict:
     """One GPU's compute rates (collectives: the planner uses the datasheet's link bandwidths)."""
     device = torch.device("cuda", 0)
     return {"kind": "gpu", "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "ranks": {"1": compute_rates(device, big=True, repeats=repeats)}}
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "ranks": {"1": compute_rates(device, big=True, min_seconds=min_seconds)}}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--out", default="", help="JSON file to write (default runs/calibration_<device>.json)")
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--min-seconds", type=float, default=0.3, help="time spent on each benchmark size")
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no GPU is visible; calibrate this CPU with --device cpu")
-    result = calibrate_gpu(a.repeats) if a.device == "cuda" else calibrate_cpu(repeats=a.repeats)
+    result = calibrate_gpu(a.min_seconds) if a.device == "cuda" else calibrate_cpu(min_seconds=a.min_seconds)
     out = a.out or f"runs/calibration_{'gpu' if a.device == 'cuda' else 'cpu'}.json"
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:

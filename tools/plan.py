@@ -194,7 +194,8 @@ def collective_s(machine: Machine, kind: str, sent_bytes: float, n: int, span: i
 def op_counts(mod_name: str, recompute: str) -> dict:
     """ATen ops per token-independent unit, counted on the recipe's tiny config (batch 1 x 32 tokens) by a
     TorchDispatchMode: forward and forward+backward of one decoder layer (the model minus a model without
-    layers, per layer) and of the embedding + head + loss."""
+    layers, per layer) and of the embedding + head + loss; and whether its attention runs as batched matmuls
+    (the explicit form) rather than a fused kernel."""
     mod = importlib.import_module(mod_name)
     tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
     counts = {}
@@ -206,12 +207,13 @@ def op_counts(mod_name: str, recompute: str) -> dict:
             fwd = OpCounter()
             with fwd:
                 loss = model.forward_train(ids, ids).loss_sum
+            counts["explicit_attention"] = counts.get("explicit_attention", False) or fwd.batched_matmuls > 0
             both = OpCounter()
             with both:
                 loss.backward()
             counts[name] = (fwd.count, fwd.count + both.count)
     L = tiny.num_hidden_layers
-    return {"layer_fwd": (counts["all"][0] - counts["head"][0]) / L,
+    return {"explicit_attention": counts["explicit_attention"], "layer_fwd": (counts["all"][0] - counts["head"][0]) / L,
             "layer_train": (counts["all"][1] - counts["head"][1]) / L,
             "head_fwd": counts["head"][0], "head_train": counts["head"][1]}
 
@@ -265,12 +267,15 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
     weight-gradient GEMMs that DualPipeV delays; B includes them) and 'a2a_F' / 'a2a_B' (the all-to-all part of
     F and B, which an overlapped pair can hide)."""
     S, T = layout.seq_len, layout.micro_batch * layout.seq_len // layout.cp
-    fpt = mod.flops_by_layer(cfg, S)
+    fpt = mod.flops_by_layer(cfg, S, layout.cp)
     r = machine.rates
     fp8 = "_fp8" if layout.fp8 else ""
     act_bytes = 2 if layout.bf16 else 4
     ops = op_counts(mod.__name__, layout.recompute)
-    _, saved_per_token_layer, _ = activation_calibration(mod, layout.recompute)
+    # a CPU computes masked attention (cp's CPMask, DeepSeek's mask, GPT-OSS's sinks) by the explicit form:
+    # batched matmuls over all pairs (core/context.py:attend); a GPU runs flash / flex kernels
+    explicit_attention = not machine.async_launch and (layout.cp > 1 or ops["explicit_attention"])
+    _, saved_per_token_layer, saved_per_token_vocab = activation_calibration(mod, layout.recompute)
     tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
     saved = saved_per_token_layer * cfg.hidden_size / tiny.hidden_size * (0.5 if layout.bf16 else 1.0)
     out = {key: _zero() for key in ("F", "B", "W")}
@@ -282,7 +287,10 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
         f = fpt[i]
         rc_attn = 4 / 3 if layout.recompute in ("attention", "layer") else 1.0  # the forward (1/3) again
         rc_rest = 4 / 3 if layout.recompute == "layer" else 1.0
-        t_attn = T * f["attention"] / r["attention"]["rate"] * rc_attn
+        if explicit_attention:  # every (query, key) pair at GEMM speed: twice the causal pairs counted
+            t_attn = 2 * T * f["attention"] / r["gemm"]["rate"] * rc_attn
+        else:
+            t_attn = T * f["attention"] / r["attention"]["rate"] * rc_attn
         t_dense = T * f["dense"] / r["gemm" + fp8]["rate"] * rc_rest
         t_exp = 0.0
         if f["experts"]:
@@ -320,6 +328,8 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
         n_ops = ops["head_train"] * (0.5 if not (embed and head) else 1.0)
         t_head = T * mod.flops_by_layer(cfg, S)[-1]["head"] / r["gemm"]["rate"] if head else 0.0
         t_other = 0.0 if machine.async_launch else n_ops * machine.op_latency
+        if head:  # the logits' bytes saved for backward (core/memory.py), written in forward and read in backward
+            t_other += 2 * T * saved_per_token_vocab * cfg.vocab_size * (0.5 if layout.bf16 else 1.0) / r["memory"]["rate"]
         out["F"]["dense GEMMs"] += t_head / 3
         out["B"]["dense GEMMs"] += 2 * t_head / 3
         out["F"]["other compute"] += t_other / 3

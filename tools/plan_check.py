@@ -6,9 +6,11 @@ table: predicted, measured, error, and the rank order of the layouts by both.
     python -m tools.plan_check --recipes qwen3_30b_a3b --rounds 1 --steps 8
 
 The setup is launch.sh's CPU one (tiny config, fp32, sequences of 256, global batch 8, micro-batch 1, expert bias
-on, OMP_NUM_THREADS=1: one core per rank). Every run is preceded by a calibration at its world size, so that the
-two see the same load on a shared machine, and is predicted from that calibration; a run's time is the median of
-its steps after --warmup steps; the table gives the median over rounds of predictions and of measurements.
+on, OMP_NUM_THREADS=1: one core per rank). Every run is preceded by a calibration at its world size, so that
+calibrations sample the same load as the runs; the prediction uses the median of all calibrations at the run's
+world size (--paired: the one just before the run; on a machine whose load swings within a minute, a single
+calibration is noisier than the run it precedes); a run's time is the median of its steps after --warmup
+steps; the table gives the median over rounds of predictions and of measurements.
 For pp layouts it also prints the bubble fraction of the last step's recorded timeline (train.py writes
 pipeline_timeline.json) beside the planner's.
 """
@@ -66,6 +68,14 @@ def measure(recipe: str, world: int, flags, steps: int, warmup: int, data: str) 
         return result
 
 
+def median_calibration(cals: list[dict], world: int) -> dict:
+    """One calibration whose every field at `world` ranks is the median over `cals`."""
+    entries = [c["ranks"][str(world)] for c in cals]
+    entry = {key: {f: statistics.median(e[key][f] for e in entries) for f in value if f != "points"}
+             if isinstance(value, dict) else statistics.median(e[key] for e in entries) for key, value in entries[0].items()}
+    return {**cals[0], "ranks": {str(world): entry}}
+
+
 def pipeline_bubble(pred: dict) -> float:
     """The planner's bubble share of the pipeline part (span) of the step, comparable to timeline_stats."""
     b = pred["by_class"]
@@ -80,7 +90,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of each run's median")
-    p.add_argument("--repeats", type=int, default=5, help="timings per calibration benchmark (their median)")
+    p.add_argument("--min-seconds", type=float, default=0.3, help="time per calibration benchmark size")
+    p.add_argument("--paired", action="store_true", help="predict each run from the calibration just before it "
+                   "(default: from the median of all calibrations at its world size)")
     p.add_argument("--data", default="data/stdlib", help="tokens from python -m tools.prepare_data --default")
     p.add_argument("--json", default="", help="also write the measurements (calibrations, runs) and the table here")
     p.add_argument("--replay", default="", help="predict again from the measurements a --json file holds (no runs)")
@@ -97,7 +109,7 @@ def main(argv=None):
         for round_ in range(a.rounds):
             jobs = [(r, w, f) for r in recipes for w, f in LAYOUTS]
             for recipe, world, flags in jobs if round_ % 2 == 0 else reversed(jobs):  # alternate the order per round
-                calibration = calibrate_cpu(worlds=(world,), repeats=a.repeats)  # right before the run: same load
+                calibration = calibrate_cpu(worlds=(world,), min_seconds=a.min_seconds)  # right before the run: same load
                 res = measure(recipe, world, flags, a.steps, a.warmup, a.data)
                 runs.append({"recipe": recipe, "world": world, "flags": list(flags), "round": round_,
                              "calibration": calibration, **res})
@@ -109,6 +121,8 @@ def main(argv=None):
     for run in runs:
         measured.setdefault((run["recipe"], run["world"], tuple(run["flags"])), []).append(run)
     cal = runs[0]["calibration"]
+    pooled = {w: median_calibration([r["calibration"] for r in runs if r["world"] == w], w)
+              for w in {r["world"] for r in runs}}
     rows = []
     for recipe in recipes:
         mod, _ = recipe_modules(recipe)
@@ -116,9 +130,15 @@ def main(argv=None):
         cfg = mod.ModelConfig.from_hf(cfg_path)
         for world, flags in LAYOUTS:
             layout = layout_of(world, flags)
+            if (recipe, world, flags) not in measured:  # a replay of a check stopped early
+                continue
             runs = measured[(recipe, world, flags)]
-            preds = [predict(mod, cfg, cfg_path, layout, SETUP["global_batch"], machine_for("cpu", r["calibration"], world),
-                             world) for r in runs]  # each run with the calibration measured just before it
+            if a.paired:  # each run with the calibration measured just before it
+                cals = [r["calibration"] for r in runs]
+            else:  # the median of every calibration at this world size
+                cals = [pooled[world]]
+            preds = [predict(mod, cfg, cfg_path, layout, SETUP["global_batch"], machine_for("cpu", c, world), world)
+                     for c in cals]
             row = {"recipe": recipe, "layout": name_of(layout), "ranks": world,
                    "predicted_s": statistics.median(p["step_s"] for p in preds),
                    "measured_s": statistics.median(r["step_s"] for r in runs),

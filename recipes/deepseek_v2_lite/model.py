@@ -609,16 +609,18 @@ class PipelineStage:
         return [self.loss_fn(ce, aux)]
 
 
-def flops_by_layer(cfg: ModelConfig, seq_len: int) -> list[dict[str, float]]:
+def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str, float]]:
     """Training FLOPs per token (forward + backward = 3x forward) by operation class: one dict per decoder layer,
     {attention: causal QK^T over D = P + R dims and AV over U, 3 * S * N * (D + U) (2 * S/2 * N * dims each, x3);
     dense: the MLA projections (q or q_a/q_b, kv_a, kv_b, o), router, shared experts and dense MLP, 6 x their
     parameters; experts: the k routed experts, 6 x k x 3HI}, then {head: 6 x V x H} (embedding lookup excluded).
-    tools/plan.py times each class; flops_per_token is their sum."""
+    tools/plan.py times each class; flops_per_token is their sum. cp > 1: every cp rank expands the gathered
+    latent of the whole sequence (kv_b_proj on cp x its own tokens, Attention.forward), so that projection counts
+    cp times per local token."""
     H, N, C, P, R, U = (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
                         cfg.qk_rope_head_dim, cfg.v_head_dim)
     Q, I = cfg.q_lora_rank, cfg.moe_intermediate_size
-    attn = (H * N * (P + R) if Q is None else H * Q + Q * N * (P + R)) + H * (C + R) + C * N * (P + U) + N * U * H
+    attn = (H * N * (P + R) if Q is None else H * Q + Q * N * (P + R)) + H * (C + R) + cp * C * N * (P + U) + N * U * H
     out = []
     for i in range(cfg.num_hidden_layers):
         moe = cfg.is_moe_layer(i)

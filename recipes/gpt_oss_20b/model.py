@@ -537,13 +537,13 @@ class PipelineStage:
         return [self.loss_fn(ce, aux)]
 
 
-def flops_by_layer(cfg: ModelConfig, seq_len: int) -> list[dict[str, float]]:
+def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str, float]]:
     """Training FLOPs per token (forward + backward = 3x forward) by operation class: one dict per decoder layer,
     {attention: scores and values, 12 * N * D per visible key (QK^T and AV, 2 flops each, x3) with the mean number
     of keys a query sees, (S + 1) / 2 on full layers, w - w(w - 1) / 2S on sliding ones (window w < S; the sink is
     one logit per head, not counted); dense: q/k/v/o projections and router, 6 x their weights; experts: the k
     routed experts, 6 x k x 3HI}, then {head: 6 x V x H} (embedding lookup and biases excluded). tools/plan.py
-    times each class; flops_per_token is their sum."""
+    times each class; flops_per_token is their sum. cp: no part of a layer repeats under context parallelism."""
     H, N, G, D, S = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, seq_len
     out = []
     for i in range(cfg.num_hidden_layers):

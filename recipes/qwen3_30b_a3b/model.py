@@ -506,11 +506,11 @@ class PipelineStage:
         return [self.loss_fn(ce, aux)]
 
 
-def flops_by_layer(cfg: ModelConfig, seq_len: int) -> list[dict[str, float]]:
+def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str, float]]:
     """Training FLOPs per token (forward + backward = 3x forward) by operation class: one dict per decoder layer,
     {attention: QK^T and AV, 6 * S * N * D (2 * S/2 * N * D each on average, x3); dense: the q/k/v/o projections,
     router and dense MLP, 6 x their parameters; experts: the k routed experts, 6 x k x 3HI}, then {head: 6 x V x H}
-    (embedding lookup excluded). tools/plan.py times each class; flops_per_token is their sum."""
+    (embedding lookup excluded). tools/plan.py times each class; flops_per_token is their sum. cp: no part of a layer repeats under context parallelism."""
     H, N, G, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     attn = H * (N + 2 * G) * D + N * D * H
     out = []
