@@ -15,7 +15,9 @@ Step time (per rank, one optimizer step), a roofline per operation class with me
              (calibration: GEMM, grouped GEMM, attention; FP8 GEMMs for dense and expert weights with --fp8);
              expert GEMMs also no faster than reading the local experts' weights (bytes / HBM bandwidth). With
              --recompute attention (layer), the attention (whole layer) forward runs twice. Routed expert time is
-             multiplied by the expert-load imbalance (max/mean, 1 for uniform routing, or --expert-load).
+             multiplied by the expert-load imbalance (max/mean, 1 for uniform routing, or --expert-load). On a
+             CPU, masked attention (cp, DeepSeek's mask, GPT-OSS's sinks) runs in the explicit form: every
+             (query, key) pair at the GEMM rate.
   other      per ATen op a fixed cost (counted once per recipe on its tiny config by a TorchDispatchMode, forward
              and backward) plus the activation bytes (core/memory.py's saved bytes per token and layer, written
              in forward and read in backward) / memory bandwidth; on a GPU kernels launch asynchronously, so a
