@@ -129,18 +129,22 @@ def param_bytes(model, layout: Layout) -> dict:
     return dict(weights=weights, gradients=weights, optimizer=adam, weight_cache=cache)
 
 
-_PARAMS = {}
+_MODELS, _PARAMS = {}, {}
 
 
 def rank_param_bytes(mod, cfg, layout: Layout, pp_rank: int) -> tuple[dict, list[int], bool]:
-    """(param_bytes, layer ids, holds the head) of one pp rank, from the model built on meta (cached per layout)."""
+    """(param_bytes, layer ids, holds the head) of one pp rank, from the model built on meta (the model cached per
+    (pp, ep, placement, pp rank), the bytes per layout)."""
     key = (mod.__name__, id(cfg), layout.pp, layout.dp, layout.cp, layout.ep, layout.expert_placement, layout.bf16,
            layout.fp8, pp_rank)
     if key not in _PARAMS:
-        parts = rank_parts(cfg, layout, pp_rank)
-        model = meta_model(mod, cfg, **parts)
-        _PARAMS[key] = (param_bytes(model, layout), [int(i) for i in model.layers], parts["head"], cfg)
-    return _PARAMS[key][:3]
+        model_key = (mod.__name__, id(cfg), layout.pp, layout.ep, layout.expert_placement, pp_rank)
+        if model_key not in _MODELS:
+            parts = rank_parts(cfg, layout, pp_rank)
+            _MODELS[model_key] = (meta_model(mod, cfg, **parts), parts["head"], cfg)
+        model, head, _ = _MODELS[model_key]
+        _PARAMS[key] = (param_bytes(model, layout), [int(i) for i in model.layers], head)
+    return _PARAMS[key]
 
 
 def estimate(mod, cfg, layout: Layout) -> dict:

@@ -4,6 +4,7 @@ checkpoint written at one (dp, ep) loads at another."""
 
 import inspect
 import math
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -20,12 +21,16 @@ LR, WD, BETAS, EPS, CLIP = 2e-2, 0.1, (0.9, 0.95), 1e-8, 0.5
 
 
 def torch_newton_schulz_in(dtype: torch.dtype):
-    """torch.optim.Muon's own Newton-Schulz (its source, unchanged but for the dtype it casts to: bf16 there)."""
+    """torch.optim.Muon's own Newton-Schulz, unchanged but for the dtype it casts to (bf16 there): its one
+    `grad.bfloat16()` call is redirected to `dtype` while it runs."""
     source = inspect.getsource(torch_muon._zeropower_via_newtonschulz)
-    assert "ortho_grad = grad.bfloat16()" in source, "torch.optim.Muon changed: revisit this reference"
-    scope = dict(vars(torch_muon))
-    exec(source.replace("grad.bfloat16()", f"grad.to({dtype})"), scope)
-    return scope["_zeropower_via_newtonschulz"]
+    assert source.count(".bfloat16()") == 1, "torch.optim.Muon changed: revisit this reference"
+    original = torch_muon._zeropower_via_newtonschulz
+
+    def newton_schulz_in_dtype(*args, **kwargs):
+        with mock.patch.object(torch.Tensor, "bfloat16", lambda t, *a, **k: t.to(dtype)):
+            return original(*args, **kwargs)
+    return newton_schulz_in_dtype
 
 
 def is_muon_matrix(hf_name: str, t: torch.Tensor) -> bool:

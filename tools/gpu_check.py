@@ -1,6 +1,8 @@
 """One command for the GPU machine: the GPU-only tests, the kernel micro-benchmarks, the Qwen3-30B-A3B benchmarks
-(full width, as many layers as fit, bf16 and FP8, next to transformers), a per-step profile of the bf16 run, and
-with two or more GPUs the multi-process layouts (pp=2, ep=2, cp=2 on NCCL against one GPU), with one summary table.
+(full width, as many layers as fit, bf16 and FP8, next to transformers), a per-step profile of the bf16 run, the
+layout planner's calibration (tools/calibrate.py: measured GEMM, FP8 GEMM, grouped GEMM, attention, launch and
+memory rates -> runs/calibration_gpu.json, read by `python -m tools.plan ... --calibration`), and with two or more
+GPUs the multi-process layouts (pp=2, ep=2, cp=2 on NCCL against one GPU), with one summary table.
 
     python -m tools.gpu_check              # GPU machine; without CUDA: the reduced CPU form (layouts on gloo, the
                                            # CPU profile; the GPU parts are listed as skipped)
@@ -71,7 +73,9 @@ def plan(layers: int, steps: int, gpus: int = 1) -> list[tuple[str, list[str], f
                  (f"bench wide x{layers} bf16 + compile vs transformers", [*bench, "--vs-hf"], 0.26),
                  (f"bench wide x{layers} fp8 + compile", [*bench, "--fp8"], 0.16),
                  (f"profile: bf16 step, wide x{layers}, eager",
-                  [*profile, "--config-size", "wide", "--layers", str(layers), "--no-compile"], 0.08)]
+                  [*profile, "--config-size", "wide", "--layers", str(layers), "--no-compile"], 0.08),
+                 ("planner calibration -> runs/calibration_gpu.json",
+                  [py, "-m", "tools.calibrate", "--device", "cuda", "--out", "runs/calibration_gpu.json"], 0.04)]
     parts = [*layouts, ("profile: bf16 step, tiny", profile, 0.18)] if not gpus else \
         gpu_parts + (layouts if gpus >= 2 else [])
     total = sum(share for _, _, share in parts)

@@ -250,11 +250,13 @@ def formula_bubble(pp: int, t_f: float, t_b: float, t_w: float, t_fb: float | No
     return (pp - 1) * (t_fb + t_b - 3 * t_w)
 
 
-def simulate(orders: list[list[str]], durations: dict | list[dict]) -> list[list[tuple[str, float, float]]]:
-    """Replay per-rank action orders with fixed durations (keys F, B, I, W, F&B; one dict, or one per rank) and
-    free, instant transfers: an action starts when its rank is free and its inputs exist (forward of stage s-1,
-    backward of stage s+1, same micro-batch). Returns per-rank timelines with engine op names. With I = F,
-    B = I + W and F&B = F + B its bubble is exactly the formula's (tests/test_pipeline_timeline.py)."""
+def simulate(orders: list[list[str]], durations: dict | list, transfer: float = 0.0) -> list[list[tuple[str, float, float]]]:
+    """Replay per-rank action orders with fixed durations (keys F, B, I, W, F&B; one dict, or one per rank; or per
+    rank a function action -> seconds, e.g. 'F0.3&B1.0') and transfers of `transfer` seconds between ranks (the
+    stage pp-1 -> pp hand-off stays on one rank): an action starts when its rank is free and its inputs exist
+    (forward of stage s-1, backward of stage s+1, same micro-batch). Returns per-rank timelines with engine op
+    names. With free transfers, I = F, B = I + W and F&B = F + B its bubble is exactly the formula's
+    (tests/test_pipeline_timeline.py)."""
     pp = len(orders)
     durations = durations if isinstance(durations, list) else [durations] * pp
     done, timelines, pos, free = {}, [[] for _ in range(pp)], [0] * pp, [0.0] * pp
@@ -268,8 +270,10 @@ def simulate(orders: list[list[str]], durations: dict | list[dict]) -> list[list
                 needs += [("B", s + 1, m) for k, s, m in parts if k in "BI" and s < 2 * pp - 1]
                 if any(n not in done for n in needs):
                     break
-                start = max([free[r]] + [done[n] for n in needs])
-                free[r] = start + durations[r]["F&B" if len(parts) > 1 else parts[0][0]]
+                owner = lambda s: s if s < pp else 2 * pp - 1 - s  # the pp rank holding stage s
+                start = max([free[r]] + [done[n] + (transfer if owner(n[1]) != r else 0.0) for n in needs])
+                d = durations[r]
+                free[r] = start + (d(action) if callable(d) else d["F&B" if len(parts) > 1 else parts[0][0]])
                 for k, s, m in parts:
                     done[("B" if k == "I" else k, s, m)] = free[r]
                 timelines[r].append((engine_name(action), start, free[r]))

@@ -629,21 +629,38 @@ class PipelineStage:
         return [self.loss_fn(ce, aux)]
 
 
+def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str, float]]:
+    """Training FLOPs per token (forward + backward = 3x forward) by operation class: one dict per decoder layer,
+    {attention: causal QK^T over D = P + R dims and AV over U, 3 * S * N * (D + U) (2 * S/2 * N * dims each, x3);
+    dense: the MLA projections (q or q_a/q_b, kv_a, kv_b, o), router, shared experts and dense MLP, 6 x their
+    parameters; experts: the k routed experts, 6 x k x 3HI}, then {head: 6 x V x H} (embedding lookup excluded).
+    tools/plan.py times each class; flops_per_token is their sum. cp > 1: every cp rank expands the gathered
+    latent of the whole sequence (kv_b_proj on cp x its own tokens, Attention.forward), so that projection counts
+    cp times per local token."""
+    H, N, C, P, R, U = (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+                        cfg.qk_rope_head_dim, cfg.v_head_dim)
+    Q, I = cfg.q_lora_rank, cfg.moe_intermediate_size
+    attn = (H * N * (P + R) if Q is None else H * Q + Q * N * (P + R)) + H * (C + R) + cp * C * N * (P + U) + N * U * H
+    out = []
+    for i in range(cfg.num_hidden_layers):
+        moe = cfg.is_moe_layer(i)
+        mlp = cfg.n_shared_experts * 3 * H * I + H * cfg.num_experts if moe else 3 * H * cfg.intermediate_size
+        out.append({"attention": 3 * seq_len * N * (P + R + U), "dense": 6 * (attn + mlp),
+                    "experts": 6 * cfg.num_experts_per_tok * 3 * H * I if moe else 0})
+    return out + [{"head": 6 * cfg.vocab_size * H}]
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward): 6 x active matmul parameters (the k routed
     experts and the shared ones, not all E; LM head included, embedding lookup excluded), plus causal
     attention, 3 * S * N * (D + U) per layer (QK^T over D dims and AV over U, 2 * S/2 * N * dims each, x3)."""
-    H, N, C, P, R, U = (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
-                        cfg.qk_rope_head_dim, cfg.v_head_dim)
-    Q = cfg.q_lora_rank
-    attn = (H * N * (P + R) if Q is None else H * Q + Q * N * (P + R)) + H * (C + R) + C * N * (P + U) + N * U * H
-    params = cfg.vocab_size * H
-    for i in range(cfg.num_hidden_layers):
-        I = cfg.moe_intermediate_size
-        ffn = (cfg.num_experts_per_tok + cfg.n_shared_experts) * 3 * H * I + H * cfg.num_experts \
-            if cfg.is_moe_layer(i) else 3 * H * cfg.intermediate_size
-        params += attn + ffn
-    return 6 * params + 3 * cfg.num_hidden_layers * seq_len * N * (P + R + U)
+    return sum(sum(part.values()) for part in flops_by_layer(cfg, seq_len))
+
+
+def cp_gather_width(cfg: ModelConfig) -> int:
+    """Numbers per token and layer that attention all-gathers over cp (Attention.forward): the MLA latent and
+    the shared rope key, C + R. tools/plan.py times the gather from it."""
+    return cfg.kv_lora_rank + cfg.qk_rope_head_dim
 
 
 # ------------------------------------------------------------------ speed switches (train.py --compile, --fp8)

@@ -555,18 +555,34 @@ class PipelineStage:
         return [self.loss_fn(ce, aux)]
 
 
+def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str, float]]:
+    """Training FLOPs per token (forward + backward = 3x forward) by operation class: one dict per decoder layer,
+    {attention: scores and values, 12 * N * D per visible key (QK^T and AV, 2 flops each, x3) with the mean number
+    of keys a query sees, (S + 1) / 2 on full layers, w - w(w - 1) / 2S on sliding ones (window w < S; the sink is
+    one logit per head, not counted); dense: q/k/v/o projections and router, 6 x their weights; experts: the k
+    routed experts, 6 x k x 3HI}, then {head: 6 x V x H} (embedding lookup and biases excluded). tools/plan.py
+    times each class; flops_per_token is their sum. cp: no part of a layer repeats under context parallelism."""
+    H, N, G, D, S = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, seq_len
+    out = []
+    for i in range(cfg.num_hidden_layers):
+        w = cfg.window(i)
+        keys = (S + 1) / 2 if w is None or w >= S else w - w * (w - 1) / (2 * S)
+        out.append({"attention": 12 * N * D * keys, "dense": 6 * (H * (N + 2 * G) * D + N * D * H + H * cfg.num_experts),
+                    "experts": 6 * cfg.num_experts_per_tok * 3 * H * cfg.intermediate_size})
+    return out + [{"head": 6 * cfg.vocab_size * H}]
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward): 6 x active matmul parameters (the k routed
     experts, not all E; router and LM head included, embedding lookup and biases excluded), plus attention
-    scores and values, 12 * N * D per visible key (QK^T and AV, 2 flops each, x3) with the mean number of keys a
-    query sees: (S + 1) / 2 on full layers, w - w(w - 1) / 2S on sliding ones (window w < S)."""
-    H, N, G, D, S = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, seq_len
-    layer = H * (N + 2 * G) * D + N * D * H + cfg.num_experts_per_tok * 3 * H * cfg.intermediate_size + H * cfg.num_experts
-    keys = 0.0
-    for i in range(cfg.num_hidden_layers):
-        w = cfg.window(i)
-        keys += (S + 1) / 2 if w is None or w >= S else w - w * (w - 1) / (2 * S)
-    return 6 * (cfg.vocab_size * H + cfg.num_hidden_layers * layer) + 12 * N * D * keys
+    scores and values (flops_by_layer: the mean number of keys a query sees on full and sliding layers)."""
+    return sum(sum(part.values()) for part in flops_by_layer(cfg, seq_len))
+
+
+def cp_gather_width(cfg: ModelConfig) -> int:
+    """Numbers per token and layer that attention all-gathers over cp (core.context.cp_attention): K and V of
+    the G key-value heads. tools/plan.py times the gather from it."""
+    return 2 * cfg.num_key_value_heads * cfg.head_dim
 
 
 # ------------------------------------------------------------------ speed switches (train.py --compile, --fp8)

@@ -526,17 +526,33 @@ class PipelineStage:
         return [self.loss_fn(ce, aux)]
 
 
+def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str, float]]:
+    """Training FLOPs per token (forward + backward = 3x forward) by operation class: one dict per decoder layer,
+    {attention: QK^T and AV, 6 * S * N * D (2 * S/2 * N * D each on average, x3); dense: the q/k/v/o projections,
+    router and dense MLP, 6 x their parameters; experts: the k routed experts, 6 x k x 3HI}, then {head: 6 x V x H}
+    (embedding lookup excluded). tools/plan.py times each class; flops_per_token is their sum. cp: no part of a layer repeats under context parallelism."""
+    H, N, G, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    attn = H * (N + 2 * G) * D + N * D * H
+    out = []
+    for i in range(cfg.num_hidden_layers):
+        moe = cfg.is_moe_layer(i)
+        out.append({"attention": 6 * seq_len * N * D,
+                    "dense": 6 * (attn + (H * cfg.num_experts if moe else 3 * H * cfg.intermediate_size)),
+                    "experts": 6 * cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size if moe else 0})
+    return out + [{"head": 6 * cfg.vocab_size * H}]
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward): 6 x active matmul parameters (the k routed
     experts, not all E; LM head included, embedding lookup excluded), plus causal attention scores and
     values, 6 * S * N * D per layer (QK^T and AV, 2 * S/2 * N * D each on average, x3)."""
-    H, N, G, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    attn = H * (N + 2 * G) * D + N * D * H
-    params = cfg.vocab_size * H
-    for i in range(cfg.num_hidden_layers):
-        ffn = cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size + H * cfg.num_experts if cfg.is_moe_layer(i) else 3 * H * cfg.intermediate_size
-        params += attn + ffn
-    return 6 * params + 6 * cfg.num_hidden_layers * seq_len * N * D
+    return sum(sum(part.values()) for part in flops_by_layer(cfg, seq_len))
+
+
+def cp_gather_width(cfg: ModelConfig) -> int:
+    """Numbers per token and layer that attention all-gathers over cp (core.context.cp_attention): K and V of
+    the G key-value heads. tools/plan.py times the gather from it."""
+    return 2 * cfg.num_key_value_heads * cfg.head_dim
 
 
 # ------------------------------------------------------------------ speed switches (train.py --compile, --fp8)

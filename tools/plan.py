@@ -1,0 +1,521 @@
+"""Plan a run before renting the GPUs: every valid layout of a recipe on N GPUs, its predicted step time, memory
+and bottleneck, best first.
+
+    python -m tools.plan qwen3_30b_a3b --gpus 16 --gpus-per-node 8 --gpu h100 --seq-len 4096 --global-batch 512 --fp8
+    python -m tools.plan qwen3_30b_a3b --gpus 4 --gpu cpu --calibration runs/calibration_cpu.json \\
+        --config recipes/qwen3_30b_a3b/config_tiny.json --seq-len 256 --global-batch 8 --micro-batches 1 --fp32
+
+Layouts: every (pp, dp, cp, ep) with pp*dp*cp*ep = --gpus, micro-batch and recompute choice that the recipe's
+own train.py accepts (its `check_run`: ep divides the experts, 2*pp stages get layers, >= 2*pp micro-batches,
+the sequence divides by 2*cp, the batch splits) and whose core/memory.py estimate fits the GPU.
+
+Step time (per rank, one optimizer step), a roofline per operation class with measured rates:
+  compute    FLOPs per token by class from the recipe's model.py `flops_by_layer` (attention, dense GEMMs, routed
+             expert GEMMs, head) x tokens of a micro-batch (micro_batch * seq_len / cp), each class at its own rate
+             (calibration: GEMM, grouped GEMM, attention; FP8 GEMMs for dense and expert weights with --fp8);
+             expert GEMMs also no faster than reading the local experts' weights (bytes / HBM bandwidth). With
+             --recompute attention (layer), the attention (whole layer) forward runs twice. Routed expert time is
+             multiplied by the expert-load imbalance (max/mean, 1 for uniform routing, or --expert-load). On a
+             CPU, masked attention (cp, DeepSeek's mask, GPT-OSS's sinks) runs in the explicit form: every
+             (query, key) pair at the GEMM rate.
+  other      per ATen op a fixed cost (counted once per recipe on its tiny config by a TorchDispatchMode, forward
+             and backward) plus the activation bytes (core/memory.py's saved bytes per token and layer, written
+             in forward and read in backward) / memory bandwidth; on a GPU kernels launch asynchronously, so a
+             layer takes the larger of the launch time and the kernel time.
+  all-to-all dispatch and combine of each MoE layer, forward and backward, deduplicated (core/moe.py): a token
+             goes to each ep rank holding one of its k experts once: expected rows sent to other ranks per token
+             (ep - 1) * (1 - C(E - L, k) / C(E, k)), L = E / ep experts per rank (uniform routing), rows of H + k
+             numbers out and H back; plus the two small blocking exchanges of DispatchPlan. Without pp they are
+             exposed; under DualPipeV an overlapped F&B hides each chunk's all-to-alls behind the other's compute.
+  cp gather  all-gather of `cp_gather_width` numbers per token per layer (K/V, or the MLA latent) forward, a
+             reduce-scatter of the same size backward; blocking inside attention.
+  pipeline   the action order of core/pipeline.py's DualPipeV (tools/pipeline_timeline.py:schedule_order, a dry
+             run of the engine itself) replayed with these durations per stage and a p2p hand-off time between
+             ranks (tools/pipeline_timeline.py:simulate); the bubble is span - busy of the rank reported.
+  ZeRO       reduce-scatter of the fp32 gradients and all-gather of the fp32 weights over each parameter's replicas
+             (dense: dp*cp*ep, routed experts: dp*cp; core/optimizer.py), plus the AdamW step on the shard.
+Collective time = t0 + bytes * (n-1)/n / bandwidth, with the bandwidth of where the group lands: ranks are
+row-major over (pp, dp, cp, ep), so a group stays inside a node while its span of ranks <= GPUs per node (NVLink),
+else it crosses the network (per-GPU NIC).
+"""
+
+import argparse
+import functools
+import importlib
+import itertools
+import json
+import math
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.memory import GIB, Layout, activation_calibration, estimate, meta_model
+from tools.calibrate import OpCounter
+from tools.pipeline_timeline import schedule_order, simulate
+
+RECIPES = ("qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b")
+
+
+@dataclass(frozen=True)
+class GPU:
+    """Datasheet figures of one GPU (dense, no sparsity). bw in bytes/s per direction."""
+
+    name: str
+    bf16_flops: float
+    fp8_flops: float
+    hbm_gib: float
+    hbm_bw: float
+    nvlink_bw: float  # per GPU, one direction (the datasheets give both directions added)
+    network_bw: float  # per GPU: one 400 Gb/s NIC per GPU in the DGX/HGX systems
+
+
+GPUS = {
+    # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM): BF16 1,979 / FP8 3,958 TFLOPS with sparsity (half dense),
+    # 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s; NVIDIA DGX H100 datasheet: 8x ConnectX-7 400 Gb/s (one per GPU).
+    # https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet
+    "h100": GPU("H100 SXM", 989e12, 1979e12, 80, 3.35e12, 450e9, 50e9),
+    # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): same tensor cores as H100 SXM, 141 GB HBM3e at 4.8 TB/s,
+    # NVLink 900 GB/s. https://www.nvidia.com/en-us/data-center/h200/
+    "h200": GPU("H200 SXM", 989e12, 1979e12, 141, 4.8e12, 450e9, 50e9),
+    # NVIDIA HGX B200 / DGX B200 datasheet, per GPU (the 8-GPU totals / 8): FP8 72 PFLOPS and BF16 36 PFLOPS with
+    # sparsity (4.5 / 2.25 PFLOPS dense), 1,440 GB HBM3e at 64 TB/s (180 GB, 8 TB/s), NVLink 5 1.8 TB/s,
+    # 8x ConnectX-7 400 Gb/s. https://www.nvidia.com/en-us/data-center/dgx-b200/
+    "b200": GPU("B200 SXM", 2.25e15, 4.5e15, 180, 8e12, 900e9, 50e9),
+}
+# Fractions of the datasheet that a GPU reaches, used until tools/gpu_check.py (tools/calibrate.py --device cuda)
+# has measured them on that GPU type: not yet measured on a GPU, so these are assumptions (the best bf16 matmul
+# measured on one H200 reached ~790 of 989 TFLOP/s: core/metrics.py).
+GPU_EFFICIENCY = {"gemm": 0.75, "gemm_fp8": 0.6, "grouped_gemm": 0.6, "grouped_gemm_fp8": 0.5, "attention": 0.45,
+                  "memory": 0.8, "nvlink": 0.6, "network": 0.8}
+GPU_OP_LATENCY = 6e-6  # seconds per kernel launch (host side, overlapped with the kernels)
+GPU_COLLECTIVE_T0 = 20e-6  # fixed cost of one NCCL collective
+
+
+@dataclass
+class Machine:
+    """Rates one rank gets (FLOP/s, bytes/s, seconds), from a calibration file and / or a datasheet."""
+
+    name: str
+    peak_flops: float  # MFU denominator: the datasheet's dense bf16 (a CPU: its measured fp32 GEMM rate)
+    hbm_gib: float
+    rates: dict  # class -> {"rate", "t0"}: gemm, gemm_fp8, grouped_gemm, grouped_gemm_fp8, attention, memory
+    op_latency: float
+    async_launch: bool  # GPU: the host launches ahead of the kernels
+    comm_in_node: dict  # collective -> {"rate", "t0"}: all_to_all, all_gather, reduce_scatter, p2p
+    comm_network: dict
+
+
+def load_calibration(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no calibration file {path}; write one with python -m tools.calibrate "
+                                f"(this CPU) or python -m tools.gpu_check (a GPU)") from None
+
+
+def machine_for(gpu: str, calibration: dict | None, world: int) -> Machine:
+    """The rates of one rank of a `world`-rank run on `gpu` (h100, h200, b200 or cpu)."""
+    if gpu == "cpu":
+        if calibration is None or calibration.get("kind") != "cpu":
+            raise ValueError("--gpu cpu needs a CPU calibration file: python -m tools.calibrate, then --calibration FILE")
+        worlds = sorted(int(w) for w in calibration["ranks"])
+        entry = calibration["ranks"][str(min((w for w in worlds if w >= world), default=worlds[-1]))]
+        rates = {k: entry[k] for k in ("gemm", "grouped_gemm", "attention", "memory")}
+        rates["gemm_fp8"], rates["grouped_gemm_fp8"] = rates["gemm"], rates["grouped_gemm"]  # emulated on CPU
+        comm = {k: entry[k] for k in ("all_to_all", "all_gather", "reduce_scatter", "p2p") if k in entry}
+        return Machine(f"CPU ({calibration['device']})", entry["gemm"]["rate"], 1e9, rates, entry["op_latency"],
+                       False, comm, comm)
+    if gpu not in GPUS:
+        raise ValueError(f"--gpu {gpu}: unknown; choose one of {', '.join(GPUS)} or cpu")
+    spec = GPUS[gpu]
+    eff = dict(GPU_EFFICIENCY)
+    op_latency = GPU_OP_LATENCY
+    if calibration is not None and calibration.get("kind") == "gpu":
+        # measured rates as fractions of the calibrated GPU's own datasheet, applied to this one
+        measured = next((g for g in GPUS.values() if g.name.split()[0] in calibration["device"]), spec)
+        entry = calibration["ranks"]["1"]
+        for k in ("gemm", "grouped_gemm", "attention"):
+            eff[k] = entry[k]["rate"] / measured.bf16_flops
+        if "gemm_fp8" in entry:
+            eff["gemm_fp8"] = entry["gemm_fp8"]["rate"] / measured.fp8_flops
+            eff["grouped_gemm_fp8"] = eff["grouped_gemm"] * eff["gemm_fp8"] / eff["gemm"]
+        eff["memory"] = entry["memory"]["rate"] / measured.hbm_bw
+        op_latency = entry["op_latency"]
+    rates = {k: {"rate": eff[k] * (spec.fp8_flops if k.endswith("fp8") else spec.bf16_flops), "t0": 0.0}
+             for k in ("gemm", "gemm_fp8", "grouped_gemm", "grouped_gemm_fp8", "attention")}
+    rates["memory"] = {"rate": eff["memory"] * spec.hbm_bw}
+    link = lambda bw: {k: {"rate": bw, "t0": GPU_COLLECTIVE_T0} for k in ("all_to_all", "all_gather", "reduce_scatter", "p2p")}
+    return Machine(spec.name, spec.bf16_flops, spec.hbm_gib, rates, op_latency, True,
+                   link(eff["nvlink"] * spec.nvlink_bw), link(eff["network"] * spec.network_bw))
+
+
+# ------------------------------------------------------------------------------------------ model pieces
+
+
+def expected_ranks_hit(num_experts: int, k: int, ep: int) -> float:
+    """Expected number of distinct ep ranks a token's k experts (k distinct of E, uniform) live on: ep times the
+    chance that a given rank's L = E/ep experts hold at least one of them, 1 - C(E-L, k) / C(E, k)."""
+    L = num_experts // ep
+    return ep * (1 - math.comb(num_experts - L, k) / math.comb(num_experts, k))
+
+
+def expert_imbalance(path: str) -> float:
+    """Max/mean expert load from a run's metrics.jsonl (train.py logs `expert_load_max_over_mean` per MoE layer
+    each step): the mean over layers of the last record, the factor by which the busiest ep rank's expert rows
+    exceed the average (1 = uniform)."""
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if "expert_load_max_over_mean" in line]
+    if not records or not records[-1]["expert_load_max_over_mean"]:
+        raise ValueError(f"{path} has no expert_load_max_over_mean record; pass a train.py run's metrics.jsonl")
+    loads = records[-1]["expert_load_max_over_mean"]
+    return sum(loads) / len(loads)
+
+
+def group_span(layout: Layout, dims: tuple[str, ...]) -> int:
+    """Last minus first global rank + 1 of one group over `dims` (ranks row-major over (pp, dp, cp, ep)): the group
+    stays inside a node of G ranks when this is <= G (nodes hold G consecutive ranks; G a multiple of the span's
+    block, as with power-of-two sizes)."""
+    sizes = {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "ep": layout.ep}
+    order = ("pp", "dp", "cp", "ep")
+    stride = lambda d: math.prod(sizes[o] for o in order[order.index(d) + 1:])
+    return 1 + sum(stride(d) * (sizes[d] - 1) for d in dims)
+
+
+def collective_s(machine: Machine, kind: str, sent_bytes: float, n: int, span: int, gpus_per_node: int) -> float:
+    """Seconds of one collective where each of n ranks sends `sent_bytes` in all ((n-1)/n of them leave it)."""
+    if n <= 1:
+        return 0.0
+    c = (machine.comm_in_node if span <= gpus_per_node else machine.comm_network)[kind]
+    return c["t0"] + sent_bytes * ((n - 1) / n if kind != "p2p" else 1.0) / c["rate"]
+
+
+@functools.cache
+def op_counts(mod_name: str, recompute: str) -> dict:
+    """ATen ops per token-independent unit, counted on the recipe's tiny config (batch 1 x 32 tokens) by a
+    TorchDispatchMode: forward and forward+backward of one decoder layer (the model minus a model without
+    layers, per layer) and of the embedding + head + loss; and whether its attention runs as batched matmuls
+    (the explicit form) rather than a fused kernel."""
+    mod = importlib.import_module(mod_name)
+    tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
+    counts = {}
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        ids = torch.randint(0, tiny.vocab_size, (1, 32))
+        for name, layers in (("all", None), ("head", [])):
+            model = mod.Model(tiny, layers=layers, recompute=recompute)
+            fwd = OpCounter()
+            with fwd:
+                loss = model.forward_train(ids, ids).loss_sum
+            counts["explicit_attention"] = counts.get("explicit_attention", False) or fwd.batched_matmuls > 0
+            both = OpCounter()
+            with both:
+                loss.backward()
+            counts[name] = (fwd.count, fwd.count + both.count)
+    L = tiny.num_hidden_layers
+    return {"explicit_attention": counts["explicit_attention"], "layer_fwd": (counts["all"][0] - counts["head"][0]) / L,
+            "layer_train": (counts["all"][1] - counts["head"][1]) / L,
+            "head_fwd": counts["head"][0], "head_train": counts["head"][1]}
+
+
+@functools.cache
+def layer_params(mod_name: str, cfg_path: str) -> tuple[list[int], list[int], int]:
+    """(dense parameters per decoder layer, routed-expert parameters per layer, parameters outside the layers:
+    embedding, final norm, head), counted on the whole model built once on meta."""
+    mod = importlib.import_module(mod_name)
+    cfg = mod.ModelConfig.from_hf(cfg_path)
+    dense, expert, outside = [0] * cfg.num_hidden_layers, [0] * cfg.num_hidden_layers, 0
+    for name, p in meta_model(mod, cfg).named_parameters():
+        if not name.startswith("layers."):
+            outside += p.numel()
+        elif ".mlp.experts." in name:
+            expert[int(name.split(".")[1])] += p.numel()
+        else:
+            dense[int(name.split(".")[1])] += p.numel()
+    return dense, expert, outside
+
+
+def rank_params(mod, cfg_path: str, layout: Layout, pp_rank: int) -> tuple[int, int]:
+    """(dense, routed expert) parameters held by one pp rank (as core/memory.py:rank_parts builds it)."""
+    dense, expert, outside = layer_params(mod.__name__, cfg_path)
+    ids = range(len(dense))
+    if layout.pp > 1:
+        from core.pipeline import split_layers
+
+        stages = split_layers(len(dense), layout.pp)
+        ids = stages[pp_rank] + stages[2 * layout.pp - 1 - pp_rank]
+    return sum(dense[i] for i in ids) + (outside if pp_rank == 0 else 0), sum(expert[i] for i in ids) // layout.ep
+
+
+# ------------------------------------------------------------------------------------------- the step
+
+CLASSES = ("attention", "expert GEMMs", "dense GEMMs", "other compute", "exposed all-to-all", "pipeline hand-offs",
+           "bubble", "ZeRO reduce-scatter/all-gather", "CP gather")
+
+
+def _zero():
+    return dict.fromkeys(CLASSES, 0.0)
+
+
+def _add(a: dict, b: dict, scale: float = 1.0) -> dict:
+    return {k: a[k] + scale * b[k] for k in a}
+
+
+def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], embed: bool, head: bool,
+                machine: Machine, gpus_per_node: int, imbalance: float) -> dict:
+    """Seconds of one micro-batch on one stage, by class: {'F': ..., 'B': ..., 'W': ...} (W: the expert
+    weight-gradient GEMMs that DualPipeV delays; B includes them) and 'a2a_F' / 'a2a_B' (the all-to-all part of
+    F and B, which an overlapped pair can hide)."""
+    S, T = layout.seq_len, layout.micro_batch * layout.seq_len // layout.cp
+    fpt = mod.flops_by_layer(cfg, S, layout.cp)
+    r = machine.rates
+    fp8 = "_fp8" if layout.fp8 else ""
+    act_bytes = 2 if layout.bf16 else 4
+    ops = op_counts(mod.__name__, layout.recompute)
+    # a CPU computes masked attention (cp's CPMask, DeepSeek's mask, GPT-OSS's sinks) by the explicit form:
+    # batched matmuls over all pairs (core/context.py:attend); a GPU runs flash / flex kernels
+    explicit_attention = not machine.async_launch and (layout.cp > 1 or ops["explicit_attention"])
+    _, saved_per_token_layer, saved_per_token_vocab = activation_calibration(mod, layout.recompute)
+    tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
+    saved = saved_per_token_layer * cfg.hidden_size / tiny.hidden_size * (0.5 if layout.bf16 else 1.0)
+    out = {key: _zero() for key in ("F", "B", "W")}
+    a2a = {"F": 0.0, "B": 0.0}
+    E, k, H = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
+    rows = T * expected_ranks_hit(E, k, layout.ep)  # rows each rank sends, its own share included
+    ep_span, cp_span = group_span(layout, ("ep",)), group_span(layout, ("cp",))
+    for i in layer_ids:
+        f = fpt[i]
+        rc_attn = 4 / 3 if layout.recompute in ("attention", "layer") else 1.0  # the forward (1/3) again
+        rc_rest = 4 / 3 if layout.recompute == "layer" else 1.0
+        if explicit_attention:  # every (query, key) pair at GEMM speed: twice the causal pairs counted
+            t_attn = 2 * T * f["attention"] / r["gemm"]["rate"] * rc_attn
+        else:
+            t_attn = T * f["attention"] / r["attention"]["rate"] * rc_attn
+        t_dense = T * f["dense"] / r["gemm" + fp8]["rate"] * rc_rest
+        t_exp = 0.0
+        if f["experts"]:
+            weight_bytes = f["experts"] / (6 * k) * E / layout.ep * act_bytes  # the local experts, read per pass
+            t_exp = max(T * f["experts"] * imbalance / r["grouped_gemm" + fp8]["rate"],
+                        3 * weight_bytes / r["memory"]["rate"]) * rc_rest
+        n_ops = ops["layer_train"] + (ops["layer_fwd"] if layout.recompute == "layer" else 0)
+        t_ops = n_ops * machine.op_latency
+        t_bytes = 2 * T * saved / r["memory"]["rate"]  # written in forward, read in backward
+        t_other = t_bytes + (0.0 if machine.async_launch else t_ops)
+        t_kernels = t_attn + t_dense + t_exp + t_other
+        if machine.async_launch and t_ops > t_kernels:  # launch-bound: the host is the bottleneck
+            t_other += t_ops - t_kernels
+        for key, share in (("F", 1 / 3), ("B", 2 / 3)):
+            part = out[key]
+            part["attention"] += t_attn * share
+            part["dense GEMMs"] += t_dense * share
+            part["expert GEMMs"] += t_exp * share
+            part["other compute"] += t_other * share
+        out["W"]["expert GEMMs"] += t_exp / 3
+        if f["experts"] and layout.ep > 1:  # dispatch (H + k numbers) and combine (H), each way once per pass
+            for key in ("F", "B"):
+                t = sum(collective_s(machine, "all_to_all", rows * imbalance * width * act_bytes, layout.ep, ep_span,
+                                     gpus_per_node)
+                        for width in (H + k, H))
+                if key == "F":  # DispatchPlan's two small blocking exchanges (row counts, local expert ids)
+                    t += 2 * collective_s(machine, "all_to_all", 64, layout.ep, ep_span, gpus_per_node)
+                a2a[key] += t
+                out[key]["exposed all-to-all"] += t
+        if layout.cp > 1:
+            gathered = T * mod.cp_gather_width(cfg) * act_bytes * layout.cp  # the whole sequence's K/V (or latent)
+            out["F"]["CP gather"] += collective_s(machine, "all_gather", gathered, layout.cp, cp_span, gpus_per_node)
+            out["B"]["CP gather"] += collective_s(machine, "reduce_scatter", gathered, layout.cp, cp_span, gpus_per_node)
+    if embed or head:
+        n_ops = ops["head_train"] * (0.5 if not (embed and head) else 1.0)
+        t_head = T * mod.flops_by_layer(cfg, S)[-1]["head"] / r["gemm"]["rate"] if head else 0.0
+        t_other = 0.0 if machine.async_launch else n_ops * machine.op_latency
+        if head:  # the logits' bytes saved for backward (core/memory.py), written in forward and read in backward
+            t_other += 2 * T * saved_per_token_vocab * cfg.vocab_size * (0.5 if layout.bf16 else 1.0) / r["memory"]["rate"]
+        out["F"]["dense GEMMs"] += t_head / 3
+        out["B"]["dense GEMMs"] += 2 * t_head / 3
+        out["F"]["other compute"] += t_other / 3
+        out["B"]["other compute"] += 2 * t_other / 3
+    out["a2a_F"], out["a2a_B"] = a2a["F"], a2a["B"]
+    return out
+
+
+def predict(mod, cfg, cfg_path: str, layout: Layout, global_batch: int, machine: Machine, gpus_per_node: int,
+            imbalance: float = 1.0, overlap: bool = True, delay_wgrad: bool = True) -> dict:
+    """Predicted step of one layout: {'step_s', 'by_class' (seconds, adding up to step_s), 'tokens_per_s_gpu',
+    'mfu', 'bottleneck'}."""
+    world = layout.pp * layout.dp * layout.cp * layout.ep
+    n_micro = global_batch // (layout.dp * layout.ep) // layout.micro_batch
+    total = lambda part: sum(part.values())
+    if layout.pp == 1:
+        st = stage_costs(mod, cfg, cfg_path, layout, list(range(cfg.num_hidden_layers)), True, True, machine,
+                         gpus_per_node, imbalance)
+        by_class = _add(_zero(), _add(st["F"], st["B"]), n_micro)
+    else:
+        from core.pipeline import split_layers
+
+        stage_layers = split_layers(cfg.num_hidden_layers, layout.pp)
+        stages = [stage_costs(mod, cfg, cfg_path, layout, ids, s == 0, s == 2 * layout.pp - 1, machine,
+                              gpus_per_node, imbalance) for s, ids in enumerate(stage_layers)]
+        orders = schedule_order(layout.pp, n_micro, overlap, delay_wgrad)
+
+        def parts(r: int, action: str) -> dict:
+            """Classes of one action of pp rank r, e.g. 'F0.3&B1.0' (phase 0: stage r, phase 1: 2pp-1-r)."""
+            stage = lambda p: stages[r if p == "0" else 2 * layout.pp - 1 - r]
+            acts = [(a[0], stage(a[1]) if len(a) > 1 and a[1] in "01" else None) for a in action.split("&")]
+            out = _zero()
+            for kind, st in acts:
+                if st is None:  # an empty W slot
+                    continue
+                if kind == "F":
+                    out = _add(out, st["F"])
+                elif kind == "B":
+                    out = _add(out, st["B"])
+                elif kind == "I":
+                    out = _add(out, _add(st["B"], st["W"], -1.0))
+                else:
+                    out = _add(out, st["W"])
+            if len(acts) == 2:  # overlapped pair: each chunk's all-to-alls run behind the other's compute
+                (_, sf), (_, sb) = acts
+                compute_f = total(sf["F"]) - sf["a2a_F"]
+                compute_b = total(sb["B"]) - sb["a2a_B"]
+                out["exposed all-to-all"] = max(0.0, sf["a2a_F"] - compute_b) + max(0.0, sb["a2a_B"] - compute_f)
+            return out
+
+        memo = {}
+
+        def cost(r: int, action: str) -> dict:  # a cost depends on the kinds and phases, not the micro-batch
+            key = (r, re.sub(r"\.\d+", "", action))
+            if key not in memo:
+                memo[key] = parts(r, action)
+            return memo[key]
+
+        durations = [lambda a, r=r: total(cost(r, a)) for r in range(layout.pp)]
+        hand_off_bytes = layout.micro_batch * layout.seq_len // layout.cp * cfg.hidden_size * (2 if layout.bf16 else 4)
+        p2p = collective_s(machine, "p2p", hand_off_bytes, 2, group_span(layout, ("pp",)), gpus_per_node)
+        span = lambda tl: max(e for t in tl for _, _, e in t) - min(s for t in tl for _, s, _ in t)
+        with_p2p = span(simulate(orders, durations, transfer=p2p))
+        free = span(simulate(orders, durations))
+        busy = [_zero() for _ in range(layout.pp)]
+        for r in range(layout.pp):
+            for action in orders[r]:
+                busy[r] = _add(busy[r], cost(r, action))
+        by_class = max(busy, key=total)
+        by_class["pipeline hand-offs"] = with_p2p - free
+        by_class["bubble"] = free - total(by_class)
+    # ZeRO-1 (core/optimizer.py): fp32 gradients reduce-scattered, fp32 weights all-gathered, over each
+    # parameter's replicas; the AdamW step reads and writes 7 fp32 numbers per shard element
+    dense, expert = max((rank_params(mod, cfg_path, layout, r) for r in range(layout.pp)), key=sum)
+    n_dense, n_expert = layout.dp * layout.cp * layout.ep, layout.dp * layout.cp
+    span_dense, span_expert = group_span(layout, ("dp", "cp", "ep")), group_span(layout, ("dp", "cp"))
+    for kind in ("reduce_scatter", "all_gather"):
+        by_class["ZeRO reduce-scatter/all-gather"] += \
+            collective_s(machine, kind, 4 * dense, n_dense, span_dense, gpus_per_node) + \
+            collective_s(machine, kind, 4 * expert, n_expert, span_expert, gpus_per_node)
+    shard = dense / n_dense + expert / n_expert
+    by_class["other compute"] += 7 * 4 * shard / machine.rates["memory"]["rate"]
+    step = sum(by_class.values())
+    tokens_per_s_gpu = global_batch * layout.seq_len / step / world
+    return {"step_s": step, "by_class": by_class, "tokens_per_s_gpu": tokens_per_s_gpu,
+            "mfu": mod.flops_per_token(cfg, layout.seq_len) * tokens_per_s_gpu / machine.peak_flops,
+            "bottleneck": max(by_class, key=by_class.get)}
+
+
+# ------------------------------------------------------------------------------------------- the search
+
+
+def recipe_modules(recipe: str):
+    """(recipes/<recipe>/model.py, recipes/<recipe>/train.py)."""
+    try:
+        return (importlib.import_module(f"recipes.{recipe}.model"), importlib.import_module(f"recipes.{recipe}.train"))
+    except ModuleNotFoundError:
+        raise ValueError(f"no recipe folder recipes/{recipe}; use a folder name such as {', '.join(RECIPES)}") from None
+
+
+def valid_layouts(train, cfg_path: str, gpus: int, seq_len: int, global_batch: int, fp8: bool, bf16: bool,
+                  micro_batches=(1, 2, 4, 8), recomputes=("none", "attention", "layer")) -> list[Layout]:
+    """Every layout that the recipe's train.py `check_run` accepts on `gpus` ranks (flags, config, layout, batch
+    split; no data, no memory check: the planner checks memory against the target GPU itself)."""
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    found = []
+    with tempfile.TemporaryDirectory() as out:
+        for pp, cp, ep, mb, rc in itertools.product(divisors, divisors, divisors, micro_batches, recomputes):
+            if gpus % (pp * cp * ep):
+                continue
+            args = train.Args(config=cfg_path, data="", out=out, pp=pp, dp=-1, cp=cp, ep=ep, device="cpu",
+                              seq_len=seq_len, global_batch=global_batch, micro_batch=mb, recompute=rc, fp8=fp8,
+                              eval_every=0, ckpt_every=0)
+            try:
+                train.check_run(args, gpus)
+            except ValueError:
+                continue
+            found.append(Layout(pp, gpus // (pp * cp * ep), cp, ep, mb, seq_len, bf16, fp8, rc))
+    return found
+
+
+def plan(recipe: str, gpus: int, gpus_per_node: int, gpu: str, seq_len: int, global_batch: int, fp8: bool = False,
+         config: str = "", calibration: str = "", expert_load: str = "", bf16: bool = True, reserve_gib: float = 4.0,
+         micro_batches=(1, 2, 4, 8)) -> list[dict]:
+    """Every valid layout with its prediction and memory, fitting ones first, fastest first."""
+    mod, train = recipe_modules(recipe)
+    cfg_path = str(config or mod.real_config_path())
+    cfg = mod.ModelConfig.from_hf(cfg_path)
+    machine = machine_for(gpu, load_calibration(calibration) if calibration else None, gpus)
+    imbalance = expert_imbalance(expert_load) if expert_load else 1.0
+    rows = []
+    for layout in valid_layouts(train, cfg_path, gpus, seq_len, global_batch, fp8, bf16, micro_batches):
+        mem = estimate(mod, cfg, layout)["total"]
+        pred = predict(mod, cfg, cfg_path, layout, global_batch, machine, gpus_per_node, imbalance)
+        rows.append({"layout": layout, "memory_gib": mem / GIB, "fits": mem <= (machine.hbm_gib - reserve_gib) * GIB,
+                     **pred})
+    rows.sort(key=lambda row: (not row["fits"], -row["tokens_per_s_gpu"]))
+    return rows
+
+
+def print_plan(rows: list[dict], machine_name: str, top: int) -> None:
+    fitting = [row for row in rows if row["fits"]]
+    print(f"{len(rows)} valid layouts, {len(fitting)} fit in memory on {machine_name}; best {min(top, len(fitting))}:")
+    print(f"{'layout':<72} {'tok/s/GPU':>10} {'MFU':>6} {'step s':>8} {'GiB':>6}  bottleneck")
+    for row in fitting[:top]:
+        print(f"{str(row['layout']):<72} {row['tokens_per_s_gpu']:>10,.0f} {100 * row['mfu']:>5.1f}% "
+              f"{row['step_s']:>8.3f} {row['memory_gib']:>6.1f}  {row['bottleneck']}")
+    if not fitting:
+        print("no layout fits: use more GPUs, a bigger GPU, a shorter --seq-len or --fp8")
+        return
+    best = fitting[0]
+    print(f"breakdown of the best ({best['layout']}), ms per step:")
+    for name, seconds in best["by_class"].items():
+        print(f"  {name:<32} {seconds * 1e3:>10.1f}  {100 * seconds / best['step_s']:5.1f}%")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help=f"recipe folder name: {', '.join(RECIPES)} or a copy")
+    p.add_argument("--gpus", type=int, required=True, help="ranks in all")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", default="h100", help=f"{', '.join(GPUS)} or cpu (needs --calibration)")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--fp8", action="store_true")
+    p.add_argument("--fp32", action="store_true", help="fp32 compute (train.py's CPU default) instead of bf16")
+    p.add_argument("--config", default="", help="HF config.json (default: the recipe's released config.json)")
+    p.add_argument("--calibration", default="", help="JSON from tools/calibrate.py or tools/gpu_check.py")
+    p.add_argument("--expert-load", default="", help="a run's metrics.jsonl: its measured expert-load imbalance")
+    p.add_argument("--micro-batches", default="1,2,4,8", help="micro-batch sizes to try, comma-separated")
+    p.add_argument("--top", type=int, default=8)
+    a = p.parse_args(argv)
+    if a.gpus < 1 or a.gpus_per_node < 1:
+        raise ValueError(f"--gpus {a.gpus} and --gpus-per-node {a.gpus_per_node} must be >= 1")
+    micro = tuple(int(x) for x in a.micro_batches.split(","))
+    rows = plan(a.recipe, a.gpus, a.gpus_per_node, a.gpu, a.seq_len, a.global_batch, a.fp8, a.config,
+                a.calibration, a.expert_load, bf16=not a.fp32, micro_batches=micro)
+    machine = machine_for(a.gpu, load_calibration(a.calibration) if a.calibration else None, a.gpus)
+    print(f"{a.recipe} on {a.gpus} x {machine.name} ({a.gpus_per_node} per node), {a.global_batch} x {a.seq_len} "
+          f"tokens per step{', FP8' if a.fp8 else ''}; MFU vs {machine.peak_flops / 1e12:,.0f} TFLOP/s")
+    print_plan(rows, machine.name, a.top)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
