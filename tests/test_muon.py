@@ -4,8 +4,8 @@ checkpoint written at one (dp, ep) loads at another."""
 
 import inspect
 import math
-from unittest import mock
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
