@@ -152,8 +152,9 @@ def test_plan_cli_prints_the_breakdown(capsys):
     for name in plan.CLASSES:
         assert name in out
     assert "tok/s/GPU" in out and "bottleneck" in out
-    with pytest.raises(ValueError, match="unknown"):
+    with pytest.raises(ValueError, match="not one of"):
         plan.main(["deepseek_v2_lite", "--gpus", "8", "--gpu", "a999", "--global-batch", "64"])
+    assert plan.gpu_key("NVIDIA H200") == "h200" and plan.gpu_key("NVIDIA H100 80GB HBM3") == "h100"
 
 
 @pytest.mark.slow
@@ -217,3 +218,61 @@ def test_gpu_calibration_file_feeds_the_planner():
         pytest.approx(plan.GPU_EFFICIENCY["gemm"] * 989e12, rel=1e-12)
     with pytest.raises(ValueError, match="CPU calibration"):
         plan.machine_for("cpu", cal, 2)
+
+
+H100_NODE = "NVIDIA H100 80GB HBM3"
+
+
+def test_launch_layout_is_the_plans_fastest_that_fits(tmp_path):
+    """launch.sh on GPUs given no layout: the flags are those of the first fitting row of plan() for the run its
+    train.py flags describe (the released config, 8 x 4096 tokens per GPU), train.py's checks accept them at that
+    world size, a --micro-batch the user gave is kept, and flags that already choose a layout are refused."""
+    from core.training import parse_args
+
+    mod = importlib.import_module("recipes.deepseek_v2_lite.model")
+    train = importlib.import_module("recipes.deepseek_v2_lite.train")
+    run = ["--config", str(mod.real_config_path()), "--seq-len", "4096", "--global-batch", "64"]
+    flags, why = plan.launch_layout("deepseek_v2_lite", 8, 8, H100_NODE, run)
+    rows = plan.plan("deepseek_v2_lite", 8, 8, "h100", 4096, 64, config=str(mod.real_config_path()))
+    best = next(r for r in rows if r["fits"])["layout"]
+    assert flags == ["--pp", str(best.pp), "--cp", str(best.cp), "--ep", str(best.ep),
+                     "--micro-batch", str(best.micro_batch), "--recompute", best.recompute]
+    assert f"pp{best.pp} dp{best.dp} cp{best.cp} ep{best.ep}" in why.splitlines()[1] and "bottleneck" in why
+    args = parse_args(train.Args, [*run, *flags, "--data", "", "--out", str(tmp_path), "--device", "cpu",
+                                   "--eval-every", "0"])
+    train.check_run(args, 8)
+    kept, _ = plan.launch_layout("deepseek_v2_lite", 8, 8, H100_NODE, [*run, "--micro-batch", "2"])
+    assert kept[kept.index("--micro-batch") + 1] == "2"
+    with pytest.raises(ValueError, match="already choose a layout"):
+        plan.launch_layout("deepseek_v2_lite", 8, 8, H100_NODE, [*run, "--ep", "4"])
+
+
+def test_launch_sh_on_a_gpu_node_without_a_layout_runs_the_plan(tmp_path):
+    """launch.sh on a node whose nvidia-smi lists 8 H100s (a stand-in script; torchrun replaced by one that
+    prints its arguments): with no PP or EP it passes the planner's flags to train.py's dry run and to torchrun
+    and prints why; with EP given it keeps the fixed defaults (pp 1, micro-batch 1) and plans nothing."""
+    if not (ROOT / "data/stdlib/meta.json").exists():
+        subprocess.run([sys.executable, "-m", "tools.prepare_data", "--default"], cwd=ROOT, check=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(
+        '#!/bin/sh\nif [ "$1" = "-L" ]; then for i in 0 1 2 3 4 5 6 7; do echo "GPU $i: %s (UUID: GPU-$i)"; done\n'
+        'else echo "%s"; fi\n' % (H100_NODE, H100_NODE))
+    (bin_dir / "torchrun").write_text('#!/bin/sh\necho "torchrun: $*"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "",
+           "DATA": str(ROOT / "data/stdlib"), "OUT": str(tmp_path / "run")}
+    launch = lambda extra: subprocess.run(["bash", str(ROOT / "recipes/deepseek_v2_lite/launch.sh"), "--steps", "1"],
+                                          env={**env, **extra}, capture_output=True, text=True, timeout=600)
+    planned = launch({})
+    assert planned.returncode == 0, planned.stdout[-3000:] + planned.stderr[-3000:]
+    mod = importlib.import_module("recipes.deepseek_v2_lite.model")
+    flags, _ = plan.launch_layout("deepseek_v2_lite", 8, 8, H100_NODE, ["--config", str(mod.real_config_path()),
+                                                                        "--seq-len", "4096", "--global-batch", "64"])
+    torchrun = next(line for line in planned.stdout.splitlines() if line.startswith("torchrun: "))
+    assert " ".join(flags) in torchrun and "--nproc-per-node 8" in torchrun, torchrun
+    assert "layout chosen by tools/plan.py" in planned.stderr and "bottleneck" in planned.stderr
+    fixed = launch({"EP": "8"})
+    assert fixed.returncode == 0, fixed.stdout[-3000:] + fixed.stderr[-3000:]
+    assert "--pp 1 --ep 8 --micro-batch 1" in fixed.stdout and "layout chosen" not in fixed.stderr

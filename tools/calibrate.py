@@ -7,11 +7,19 @@ operations a training step is made of, written to a JSON file that `tools/plan.p
 What is measured, each at several sizes: compute classes as a rate (total work / total time), collectives as a
 straight-line fit time = t0 + bytes / rate (least squares: the slope's inverse is the bandwidth, the intercept
 the latency); the raw (work, seconds) points are kept in the file:
-  gemm          x @ w (bf16 on a GPU, fp32 on a CPU), and the same in FP8 (torch._scaled_mm) on a GPU that has it
-  grouped_gemm  core.moe.grouped_mm over 8 experts with equal rows (the routed-expert GEMM)
+  gemm          a linear layer's forward, input-gradient and weight-gradient GEMMs (bf16 on a GPU, fp32 on a
+                CPU; on a CPU each call on other operands, from a pool larger than the last-level cache, as in a
+                step), and the forward in FP8 (torch._scaled_mm) on a GPU that has it
+  grouped_gemm  the same three of core.moe.grouped_mm over 8 experts with equal rows (the routed-expert GEMMs)
   attention     causal scaled_dot_product_attention forward + backward, counted as its useful (causal) FLOPs
+  attention_masked, attention_explicit   (CPU) core.context.attend forward + backward of a cp=2 rank's queries
+                over the gathered keys under a boolean mask, without and with sinks: the forms a CPU runs where a
+                GPU runs flash / flex kernels, counted over every (query, key) pair: they compute masked ones too
+  cross_entropy (CPU) the loss over the vocab (F.cross_entropy forward + backward), in logits per second
   op_latency    seconds per ATen op of a chain of small autograd ops (forward + backward), counted by a
-                TorchDispatchMode: the cost of an op whose work is negligible (Python, dispatcher, kernel launch)
+                TorchDispatchMode: the cost of an op whose work is negligible (Python, dispatcher, kernel launch);
+                on a CPU the intercept of `elementwise`: that chain at three tensor sizes, seconds per op = t0 +
+                bytes / rate (bytes: two tensors read, one written)
   memory        bytes/s of a large elementwise op (read + write)
   all_to_all, all_gather, reduce_scatter, p2p   (more than one rank) bytes each rank sends -> seconds, over
                 the whole world (p2p: batch_isend_irecv between rank pairs)
@@ -31,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from core.moe import grouped_mm
+from core.context import attend
+from core.moe import grouped_mm, grouped_weight_grad
 from core.optimizer import all_gather_flat, reduce_scatter_flat
 
 
@@ -93,8 +102,18 @@ def compute_rates(device: torch.device, big: bool, min_seconds: float) -> dict:
         [(256, 64, 128), (256, 128, 384), (512, 128, 256), (1024, 128, 512), (1024, 256, 1024)]
     points = []
     for m, k, n in sizes:
-        a, b = rand(m, k), rand(k, n)
-        points.append((2 * m * k * n, _timed(lambda a=a, b=b: a @ b, device, min_seconds)))
+        # the three GEMMs of a linear layer in training: y = x w, dx = dy w^T, dw = x^T dy; each call on other
+        # operands, from a pool larger than a CPU's last-level cache, as in a step where no GEMM finds its
+        # operands cached (big GPU sizes exceed any cache by themselves)
+        pool = 1 if big else max(1, (48 << 20) // (4 * (m * k + k * n + m * n)))
+        xs, ws, dys = ([rand(*shape) for _ in range(pool)] for shape in ((m, k), (k, n), (m, n)))
+        turn = iter(range(1 << 62))
+
+        def linear_gemms(xs=xs, ws=ws, dys=dys):
+            i = next(turn) % pool
+            xs[i] @ ws[i], dys[i] @ ws[i].T, xs[i].T @ dys[i]
+
+        points.append((3 * 2 * m * k * n, _timed(linear_gemms, device, min_seconds)))
     out["gemm"] = aggregate(points)
     if device.type == "cuda" and hasattr(torch, "float8_e4m3fn") and hasattr(torch, "_scaled_mm"):
         try:
@@ -112,9 +131,19 @@ def compute_rates(device: torch.device, big: bool, min_seconds: float) -> dict:
     points = []
     for rows, k, n in ([(8192, 2048, 768), (32768, 2048, 768), (65536, 2048, 1536)] if big else
                        [(128, 64, 128), (512, 128, 128), (1024, 128, 256)]):
-        x, w = rand(rows, k), rand(experts, k, n)
+        # forward, input gradient and weight gradient (the transposed-A form) of the routed experts, on pooled
+        # operands as above
+        pool = 1 if big else max(1, (48 << 20) // (4 * (rows * k + experts * k * n + rows * n)))
+        xs, ws, dys = ([rand(*shape) for _ in range(pool)] for shape in ((rows, k), (experts, k, n), (rows, n)))
         counts = torch.full((experts,), rows // experts, device=device, dtype=torch.int32)
-        points.append((2 * rows * k * n, _timed(lambda x=x, w=w, c=counts: grouped_mm(x, w, c), device, min_seconds)))
+        turn = iter(range(1 << 62))
+
+        def expert_gemms(xs=xs, ws=ws, dys=dys, c=counts):
+            i = next(turn) % pool
+            grouped_mm(xs[i], ws[i], c), grouped_mm(dys[i], ws[i].transpose(1, 2), c)
+            grouped_weight_grad(xs[i], dys[i], c)
+
+        points.append((3 * 2 * rows * k * n, _timed(expert_gemms, device, min_seconds)))
     out["grouped_gemm"] = aggregate(points)
     points = []
     for batch, heads, seq, dim in ([(1, 32, 4096, 128), (2, 32, 4096, 128), (1, 32, 8192, 128)] if big else
@@ -128,9 +157,30 @@ def compute_rates(device: torch.device, big: bool, min_seconds: float) -> dict:
         useful = 3 * 4 * batch * heads * dim * seq * (seq + 1) / 2  # QK^T and AV, causal half, forward + backward
         points.append((useful, _timed(step, device, min_seconds)))
     out["attention"] = aggregate(points)
-    x = rand(256, 64).requires_grad_()
+    if not big:  # the forms a CPU runs where a GPU runs flash / flex kernels (core/context.py:attend)
+        for name, sinks in (("attention_masked", None), ("attention_explicit", torch.zeros(4, device=device))):
+            points = []
+            for batch, heads, seq, dim in [(1, 4, 128, 32), (1, 4, 256, 32), (2, 4, 256, 32)]:
+                # a cp=2 rank's queries (the second half of the sequence) over the gathered keys, causal mask
+                q = rand(batch, heads, seq // 2, dim).requires_grad_()
+                k_, v = (rand(batch, heads, seq, dim).requires_grad_() for _ in range(2))
+                mask = (torch.arange(seq // 2, seq)[:, None] >= torch.arange(seq)[None, :])[None].to(device)
 
-    def chain():
+                def masked_step(q=q, k_=k_, v=v, mask=mask, sinks=sinks):
+                    attend(q, k_, v, mask.expand(batch, -1, -1), sinks_N=sinks).sum().backward()
+
+                pairs = 3 * 4 * batch * heads * dim * (seq // 2) * seq  # every pair, forward + backward
+                points.append((pairs, _timed(masked_step, device, min_seconds)))
+            out[name] = aggregate(points)
+        points = []
+        for tokens, vocab in ((256, 1024), (256, 4096), (512, 4096)):  # the loss over the vocab, forward + backward
+            logits = rand(tokens, vocab).requires_grad_()
+            labels = torch.randint(0, vocab, (tokens,), device=device, generator=g)
+            step = lambda x=logits, y=labels: F.cross_entropy(x, y, reduction="sum").backward()
+            points.append((tokens * vocab, _timed(step, device, min_seconds)))
+        out["cross_entropy"] = aggregate(points)
+
+    def chain(x):
         y = x
         for _ in range(8):
             y = torch.nn.functional.silu(y) * 1.01 + y
@@ -138,8 +188,16 @@ def compute_rates(device: torch.device, big: bool, min_seconds: float) -> dict:
 
     counter = OpCounter()
     with counter:
-        chain()
-    out["op_latency"] = _timed(chain, device, min_seconds) / counter.count
+        chain(rand(256, 64).requires_grad_())
+    points = []
+    for rows, cols in ((256, 64),) if big else ((256, 64), (256, 128), (512, 128)):
+        x = rand(rows, cols).requires_grad_()
+        points.append((3 * x.numel() * x.element_size(), _timed(lambda x=x: chain(x), device, min_seconds) / counter.count))
+    if big:  # a GPU: the host's cost per op (kernels are small next to it and run asynchronously)
+        out["op_latency"] = points[0][1]
+    else:  # a CPU: per op a fixed cost plus its bytes (two tensors read, one written) at this rate
+        out["elementwise"] = fit_line(points)
+        out["op_latency"] = out["elementwise"]["t0"]
     big_x = rand(64 << 20 if big else 4 << 20, dt=torch.float32)
     out["memory"] = {"rate": 8 * big_x.numel() / _timed(lambda: big_x.mul_(1.0), device, min_seconds)}
     return out

@@ -16,12 +16,15 @@ Step time (per rank, one optimizer step), a roofline per operation class with me
              expert GEMMs also no faster than reading the local experts' weights (bytes / HBM bandwidth). With
              --recompute attention (layer), the attention (whole layer) forward runs twice. Routed expert time is
              multiplied by the expert-load imbalance (max/mean, 1 for uniform routing, or --expert-load). On a
-             CPU, masked attention (cp, DeepSeek's mask, GPT-OSS's sinks) runs in the explicit form: every
-             (query, key) pair at the GEMM rate.
-  other      per ATen op a fixed cost (counted once per recipe on its tiny config by a TorchDispatchMode, forward
-             and backward) plus the activation bytes (core/memory.py's saved bytes per token and layer, written
-             in forward and read in backward) / memory bandwidth; on a GPU kernels launch asynchronously, so a
-             layer takes the larger of the launch time and the kernel time.
+             CPU, masked attention (cp, DeepSeek's value width, GPT-OSS's sinks) computes every (query, key)
+             pair, at the calibrated rate of its form (SDPA with a boolean mask, or the explicit softmax form).
+  other      ATen ops per layer (counted once per recipe on its tiny config by a TorchDispatchMode, forward and
+             backward, at cp = ep = 1). On a GPU each costs its launch, and kernels launch asynchronously: a
+             layer takes the larger of the launch time and the kernel time, whose memory part is the activation
+             bytes (core/memory.py's saved bytes per token and layer, written in forward and read in backward)
+             / HBM bandwidth. On a CPU each op costs a fixed time plus three hidden-state-sized tensors (two
+             read, one written) at the calibrated elementwise rate, and the loss over the vocab its calibrated
+             cross-entropy rate.
   all-to-all dispatch and combine of each MoE layer, forward and backward, deduplicated (core/moe.py): a token
              goes to each ep rank holding one of its k experts once: expected rows sent to other ranks per token
              (ep - 1) * (1 - C(E - L, k) / C(E, k)), L = E / ep experts per rank (uniform routing), rows of H + k
@@ -46,12 +49,14 @@ import itertools
 import json
 import math
 import re
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from core.reliability import run_main
 from core.memory import GIB, Layout, activation_calibration, estimate, meta_model
 from tools.calibrate import OpCounter
 from tools.pipeline_timeline import schedule_order, simulate
@@ -124,7 +129,8 @@ def machine_for(gpu: str, calibration: dict | None, world: int) -> Machine:
             raise ValueError("--gpu cpu needs a CPU calibration file: python -m tools.calibrate, then --calibration FILE")
         worlds = sorted(int(w) for w in calibration["ranks"])
         entry = calibration["ranks"][str(min((w for w in worlds if w >= world), default=worlds[-1]))]
-        rates = {k: entry[k] for k in ("gemm", "grouped_gemm", "attention", "memory")}
+        rates = {k: entry[k] for k in ("gemm", "grouped_gemm", "attention", "memory", "attention_masked",
+                                       "attention_explicit", "elementwise", "cross_entropy") if k in entry}
         rates["gemm_fp8"], rates["grouped_gemm_fp8"] = rates["gemm"], rates["grouped_gemm"]  # emulated on CPU
         comm = {k: entry[k] for k in ("all_to_all", "all_gather", "reduce_scatter", "p2p") if k in entry}
         return Machine(f"CPU ({calibration['device']})", entry["gemm"]["rate"], 1e9, rates, entry["op_latency"],
@@ -274,9 +280,17 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
     fp8 = "_fp8" if layout.fp8 else ""
     act_bytes = 2 if layout.bf16 else 4
     ops = op_counts(mod.__name__, layout.recompute)
-    # a CPU computes masked attention (cp's CPMask, DeepSeek's mask, GPT-OSS's sinks) by the explicit form:
-    # batched matmuls over all pairs (core/context.py:attend); a GPU runs flash / flex kernels
+    # a CPU computes masked attention over every (query, key) pair (core/context.py:attend; a GPU runs flash /
+    # flex kernels): the explicit softmax form where the recipe's attention takes it (GPT-OSS's sinks,
+    # DeepSeek's value width), SDPA with a boolean mask under cp, each at its calibrated rate per pair (an older
+    # calibration without them: the GEMM rate)
     explicit_attention = not machine.async_launch and (layout.cp > 1 or ops["explicit_attention"])
+    pair_rate = r.get("attention_explicit" if ops["explicit_attention"] else "attention_masked", r["gemm"])["rate"]
+    # a CPU op: a fixed cost plus its bytes, two hidden-state-sized tensors read and one written (calibrated);
+    # a GPU op (or an older calibration): the launch cost, its bytes counted with the saved activations below
+    op_s = machine.op_latency
+    if not machine.async_launch and "elementwise" in r:
+        op_s += 3 * T * cfg.hidden_size * act_bytes / r["elementwise"]["rate"]
     _, saved_per_token_layer, saved_per_token_vocab = activation_calibration(mod, layout.recompute)
     tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
     saved = saved_per_token_layer * cfg.hidden_size / tiny.hidden_size * (0.5 if layout.bf16 else 1.0)
@@ -289,8 +303,8 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
         f = fpt[i]
         rc_attn = 4 / 3 if layout.recompute in ("attention", "layer") else 1.0  # the forward (1/3) again
         rc_rest = 4 / 3 if layout.recompute == "layer" else 1.0
-        if explicit_attention:  # every (query, key) pair at GEMM speed: twice the causal pairs counted
-            t_attn = 2 * T * f["attention"] / r["gemm"]["rate"] * rc_attn
+        if explicit_attention:  # every (query, key) pair: twice the causal pairs counted
+            t_attn = 2 * T * f["attention"] / pair_rate * rc_attn
         else:
             t_attn = T * f["attention"] / r["attention"]["rate"] * rc_attn
         t_dense = T * f["dense"] / r["gemm" + fp8]["rate"] * rc_rest
@@ -300,8 +314,10 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
             t_exp = max(T * f["experts"] * imbalance / r["grouped_gemm" + fp8]["rate"],
                         3 * weight_bytes / r["memory"]["rate"]) * rc_rest
         n_ops = ops["layer_train"] + (ops["layer_fwd"] if layout.recompute == "layer" else 0)
-        t_ops = n_ops * machine.op_latency
+        t_ops = n_ops * op_s
         t_bytes = 2 * T * saved / r["memory"]["rate"]  # written in forward, read in backward
+        if not machine.async_launch and "elementwise" in r:
+            t_bytes = 0.0  # in op_s
         t_other = t_bytes + (0.0 if machine.async_launch else t_ops)
         t_kernels = t_attn + t_dense + t_exp + t_other
         if machine.async_launch and t_ops > t_kernels:  # launch-bound: the host is the bottleneck
@@ -330,7 +346,9 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
         n_ops = ops["head_train"] * (0.5 if not (embed and head) else 1.0)
         t_head = T * mod.flops_by_layer(cfg, S)[-1]["head"] / r["gemm"]["rate"] if head else 0.0
         t_other = 0.0 if machine.async_launch else n_ops * machine.op_latency
-        if head:  # the logits' bytes saved for backward (core/memory.py), written in forward and read in backward
+        if head and "cross_entropy" in r:  # a CPU: the loss over the logits at its calibrated rate
+            t_other += T * cfg.vocab_size / r["cross_entropy"]["rate"]
+        elif head:  # the logits' bytes saved for backward (core/memory.py), written in forward and read in backward
             t_other += 2 * T * saved_per_token_vocab * cfg.vocab_size * (0.5 if layout.bf16 else 1.0) / r["memory"]["rate"]
         out["F"]["dense GEMMs"] += t_head / 3
         out["B"]["dense GEMMs"] += 2 * t_head / 3
@@ -488,7 +506,59 @@ def print_plan(rows: list[dict], machine_name: str, top: int) -> None:
         print(f"  {name:<32} {seconds * 1e3:>10.1f}  {100 * seconds / best['step_s']:5.1f}%")
 
 
+def gpu_key(name: str) -> str:
+    """The GPUS key of a device name as nvidia-smi or torch print it ('NVIDIA H100 80GB HBM3' -> 'h100'), or of a
+    key itself; 'cpu' stays."""
+    found = [key for key in (*GPUS, "cpu") if key in name.lower()]
+    if len(found) != 1:
+        raise ValueError(f"--gpu {name!r}: not one of {', '.join(GPUS)} or cpu; name the closest with --gpu")
+    return found[0]
+
+
+LAUNCH_LAYOUT_FLAGS = ("--pp", "--dp", "--cp", "--ep", "--expert-placement")
+
+
+def launch_layout(recipe: str, gpus: int, gpus_per_node: int, gpu: str, train_argv: list[str],
+                  calibration: str = "") -> tuple[list[str], str]:
+    """The layout launch.sh uses when it is given none: the fastest that fits for the run the train.py flags
+    describe (--config / --hf-checkpoint, --seq-len, --global-batch, --fp8, --dtype; a --micro-batch or
+    --recompute among them is kept, else chosen too). Returns (the train.py flags of that layout, why: one line
+    per the best three)."""
+    from core.training import parse_args
+
+    mod, train = recipe_modules(recipe)
+    given = [a for a in train_argv if a.split("=")[0] in LAUNCH_LAYOUT_FLAGS]
+    if given:
+        raise ValueError(f"the train.py flags already choose a layout ({' '.join(given)}); plan only without them")
+    args = parse_args(train.Args, train_argv)
+    has = lambda flag: any(a.split("=")[0] == flag for a in train_argv)
+    config = args.hf_checkpoint or args.config
+    rows = plan(recipe, gpus, gpus_per_node, gpu_key(gpu), args.seq_len, args.global_batch, args.fp8, config,
+                calibration, bf16=args.dtype != "fp32",
+                micro_batches=(args.micro_batch,) if has("--micro-batch") else (1, 2, 4, 8))
+    rows = [r for r in rows if r["fits"] and (not has("--recompute") or r["layout"].recompute == args.recompute)]
+    machine = machine_for(gpu_key(gpu), load_calibration(calibration) if calibration else None, gpus)
+    if not rows:
+        raise ValueError(f"no layout of {recipe} on {gpus} x {machine.name} fits {args.global_batch} x {args.seq_len} "
+                         f"tokens per step; use more GPUs, a shorter --seq-len, --fp8, or set PP and EP yourself")
+    best = rows[0]["layout"]
+    flags = ["--pp", str(best.pp), "--cp", str(best.cp), "--ep", str(best.ep), "--micro-batch", str(best.micro_batch),
+             "--recompute", best.recompute]
+    why = [f"layout chosen by tools/plan.py (no PP or EP given) for {gpus} x {machine.name}, {args.global_batch} x "
+           f"{args.seq_len} tokens per step{' in FP8' if args.fp8 else ''}, rates "
+           f"{'from ' + calibration if calibration else 'datasheet x assumed efficiencies'}; best of {len(rows)} that fit:"]
+    for row in rows[:3]:
+        L = row["layout"]
+        why.append(f"  pp{L.pp} dp{L.dp} cp{L.cp} ep{L.ep} micro-batch {L.micro_batch} recompute {L.recompute}: "
+                   f"{row['tokens_per_s_gpu']:,.0f} tok/s/GPU predicted, MFU {100 * row['mfu']:.0f}%, "
+                   f"{row['memory_gib']:.1f} GiB, bottleneck {row['bottleneck']}")
+    return flags, "\n".join(why)
+
+
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_argv = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help=f"recipe folder name: {', '.join(RECIPES)} or a copy")
@@ -496,7 +566,7 @@ def main(argv=None):
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu", default="h100", help=f"{', '.join(GPUS)} or cpu (needs --calibration)")
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--global-batch", type=int, default=0, help="sequences per optimizer step (required)")
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--fp32", action="store_true", help="fp32 compute (train.py's CPU default) instead of bf16")
     p.add_argument("--config", default="", help="HF config.json (default: the recipe's released config.json)")
@@ -504,13 +574,23 @@ def main(argv=None):
     p.add_argument("--expert-load", default="", help="a run's metrics.jsonl: its measured expert-load imbalance")
     p.add_argument("--micro-batches", default="1,2,4,8", help="micro-batch sizes to try, comma-separated")
     p.add_argument("--top", type=int, default=8)
+    p.add_argument("--launch-flags", action="store_true", help="print only the train.py flags of the best layout "
+                   "for the run that the train.py flags after -- describe (launch.sh on GPUs without PP / EP); the "
+                   "reason goes to stderr")
     a = p.parse_args(argv)
+    if a.launch_flags:
+        flags, why = launch_layout(a.recipe, a.gpus, a.gpus_per_node, a.gpu, train_argv, a.calibration)
+        print(why, file=sys.stderr)
+        print(" ".join(flags))
+        return flags
+    if a.global_batch < 1:
+        raise ValueError("--global-batch (sequences per optimizer step) is required and must be >= 1")
     if a.gpus < 1 or a.gpus_per_node < 1:
         raise ValueError(f"--gpus {a.gpus} and --gpus-per-node {a.gpus_per_node} must be >= 1")
     micro = tuple(int(x) for x in a.micro_batches.split(","))
-    rows = plan(a.recipe, a.gpus, a.gpus_per_node, a.gpu, a.seq_len, a.global_batch, a.fp8, a.config,
+    rows = plan(a.recipe, a.gpus, a.gpus_per_node, gpu_key(a.gpu), a.seq_len, a.global_batch, a.fp8, a.config,
                 a.calibration, a.expert_load, bf16=not a.fp32, micro_batches=micro)
-    machine = machine_for(a.gpu, load_calibration(a.calibration) if a.calibration else None, a.gpus)
+    machine = machine_for(gpu_key(a.gpu), load_calibration(a.calibration) if a.calibration else None, a.gpus)
     print(f"{a.recipe} on {a.gpus} x {machine.name} ({a.gpus_per_node} per node), {a.global_batch} x {a.seq_len} "
           f"tokens per step{', FP8' if a.fp8 else ''}; MFU vs {machine.peak_flops / 1e12:,.0f} TFLOP/s")
     print_plan(rows, machine.name, a.top)
@@ -518,4 +598,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)  # a user error: one `error:` line, exit code 2

@@ -7,8 +7,10 @@
 #               sentencepiece tokenizer trained locally), trains the tiny config on 4 CPU ranks for 300 steps:
 #               DualPipeV over 2 pipeline ranks (pp=2), its 8 experts split over 2 (ep=2); then prints where the
 #               TensorBoard logs and checkpoints are.
-# GPUs (1 node): one process per GPU with the released config.json, experts split over the node's GPUs
-#               (ep = GPUs per node, at most 8; dp over the nodes). Set HF_CHECKPOINT=/path/to/Qwen3-30B-A3B
+# GPUs:         one process per GPU with the released config.json; with no PP or EP (nor --pp/--ep/--cp/--dp)
+#               the layout (pp, cp, ep, micro-batch, recompute) is the fastest that fits by tools/plan.py, and
+#               launch.sh prints why; with PP and/or EP set: pp = PP (1), ep = EP (GPUs per node, at most 8).
+#               Set HF_CHECKPOINT=/path/to/Qwen3-30B-A3B
 #               to start from the released weights (the demo data is then tokenized with its tokenizer), or
 #               DATA=/path/to/shards for data made by `python -m tools.prepare_data`.
 # Multi-node:   run the same command on every node (torchrun c10d rendezvous on node 0):
@@ -24,7 +26,7 @@
 #               A second launch into an OUT that holds checkpoints asks for --resume auto (continue) or a new OUT.
 #
 # Environment: NPROC (processes per node; default: GPUs, or 4 on CPU), EP (expert-parallel ranks; default
-# NPROC up to 8 on GPU, 2 on CPU), PP (pipeline ranks; default 1 on GPU, 2 on CPU), NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, HF_CHECKPOINT, DATA, OUT (default runs/<this folder>), MAX_RESTARTS (default 3).
+# NPROC up to 8 on GPU, 2 on CPU), PP (pipeline ranks; default 1 on GPU, 2 on CPU; on GPU with neither set: planned), NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, HF_CHECKPOINT, DATA, OUT (default runs/<this folder>), MAX_RESTARTS (default 3).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -51,13 +53,26 @@ OUT="${OUT:-runs/$RECIPE}"
 
 if [[ "$GPUS" -gt 0 ]]; then
   NPROC="${NPROC:-$GPUS}"
-  EP="${EP:-$((NPROC < 8 ? NPROC : 8))}"
-  DEFAULTS=(--config "$HERE/config.json" --pp "${PP:-1}" --ep "$EP" --seq-len 4096 --micro-batch 1 --global-batch $((NPROC * NNODES * 8))
+  DEFAULTS=(--config "$HERE/config.json" --seq-len 4096 --global-batch $((NPROC * NNODES * 8))
             --lr 3e-4 --warmup-steps 100 --steps 1000 --ckpt-every 200)
   if [[ -n "${HF_CHECKPOINT:-}" ]]; then
     DEFAULTS+=(--hf-checkpoint "$HF_CHECKPOINT")
     DATA="${DATA:-data/stdlib-$RECIPE}"
     TOKENIZE=(--hf-tokenizer "$HF_CHECKPOINT")
+  fi
+  if [[ -z "${PP:-}${EP:-}" ]] && ! printf '%s\n' "$@" | grep -qE '^--(pp|dp|cp|ep|expert-placement)(=|$)'; then
+    # no layout given: the fastest that fits, by the planner (tools/plan.py, reasons printed); its GPU rates are
+    # measured ones once tools/gpu_check.py has written runs/calibration_gpu.json (one node: other nodes may
+    # not share the file, and every node must pick the same layout)
+    CALIBRATION=()
+    if [[ "$NNODES" == 1 && -f runs/calibration_gpu.json ]]; then CALIBRATION=(--calibration runs/calibration_gpu.json); fi
+    LAYOUT="$(python -m tools.plan "$RECIPE" --gpus $((NPROC * NNODES)) --gpus-per-node "$NPROC" \
+              --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)" ${CALIBRATION[@]+"${CALIBRATION[@]}"} \
+              --launch-flags -- "${DEFAULTS[@]}" "$@")"
+    read -r -a LAYOUT <<< "$LAYOUT"
+    DEFAULTS+=("${LAYOUT[@]}")
+  else
+    DEFAULTS+=(--pp "${PP:-1}" --ep "${EP:-$((NPROC < 8 ? NPROC : 8))}" --micro-batch 1)
   fi
 else
   NPROC="${NPROC:-4}"
