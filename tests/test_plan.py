@@ -256,8 +256,8 @@ def test_launch_sh_on_a_gpu_node_without_a_layout_runs_the_plan(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text(
-        '#!/bin/sh\nif [ "$1" = "-L" ]; then for i in 0 1 2 3 4 5 6 7; do echo "GPU $i: %s (UUID: GPU-$i)"; done\n'
-        'else echo "%s"; fi\n' % (H100_NODE, H100_NODE))
+        f'#!/bin/sh\nif [ "$1" = "-L" ]; then for i in 0 1 2 3 4 5 6 7; do echo "GPU $i: {H100_NODE} (UUID: GPU-$i)"; '
+        f'done\nelse echo "{H100_NODE}"; fi\n')
     (bin_dir / "torchrun").write_text('#!/bin/sh\necho "torchrun: $*"\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
@@ -276,3 +276,35 @@ def test_launch_sh_on_a_gpu_node_without_a_layout_runs_the_plan(tmp_path):
     fixed = launch({"EP": "8"})
     assert fixed.returncode == 0, fixed.stdout[-3000:] + fixed.stderr[-3000:]
     assert "--pp 1 --ep 8 --micro-batch 1" in fixed.stdout and "layout chosen" not in fixed.stderr
+
+
+def test_cpu_calibration_rates_reach_the_classes_they_time():
+    """A CPU calibration (tools/calibrate.py:compute_rates, run small here) has a rate for each form a CPU runs
+    attention in, for its ops and for the loss, and each one sets its class: doubling the masked-SDPA rate halves
+    Qwen3's attention at cp2, doubling the explicit-form rate halves GPT-OSS's (sinks) at dp2, and doubling the
+    cross-entropy rate removes half the loss time from a 1-rank step."""
+    from tools.calibrate import compute_rates
+
+    entry = compute_rates(torch.device("cpu"), big=False, min_seconds=0.01)
+    for key in ("attention_masked", "attention_explicit", "elementwise", "cross_entropy"):
+        assert entry[key]["rate"] > 0, key
+    assert entry["op_latency"] == entry["elementwise"]["t0"]
+    entry.update({k: {"rate": 1e9, "t0": 1e-4} for k in ("all_to_all", "all_gather", "reduce_scatter", "p2p")})
+
+    def predicted(recipe: str, layout: Layout, doubled: str = "") -> dict:
+        mod = importlib.import_module(f"recipes.{recipe}.model")
+        cfg_path = str(mod.tiny_config_path())
+        rates = {**entry, doubled: {**entry[doubled], "rate": 2 * entry[doubled]["rate"]}} if doubled else entry
+        machine = plan.machine_for("cpu", {"kind": "cpu", "device": "test", "ranks": {"2": rates}}, 2)
+        return plan.predict(mod, mod.ModelConfig.from_hf(cfg_path), cfg_path, layout, 8, machine, 2)["by_class"]
+
+    cp2, dp2 = Layout(1, 1, 2, 1, 1, 256, bf16=False), Layout(1, 2, 1, 1, 1, 256, bf16=False)
+    for recipe, layout, key in (("qwen3_30b_a3b", cp2, "attention_masked"), ("gpt_oss_20b", dp2, "attention_explicit")):
+        base = predicted(recipe, layout)["attention"]
+        assert predicted(recipe, layout, key)["attention"] == pytest.approx(base / 2, rel=1e-9), (recipe, key)
+    one = Layout(1, 1, 1, 1, 1, 256, bf16=False)
+    qwen3 = importlib.import_module("recipes.qwen3_30b_a3b.model")
+    vocab = qwen3.ModelConfig.from_hf(qwen3.tiny_config_path()).vocab_size
+    loss_s = 8 * 256 * vocab / entry["cross_entropy"]["rate"]  # 8 micro-batches of 256 tokens
+    saved = predicted("qwen3_30b_a3b", one)["other compute"] - predicted("qwen3_30b_a3b", one, "cross_entropy")["other compute"]
+    assert saved == pytest.approx(loss_s / 2, rel=1e-9)

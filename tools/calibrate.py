@@ -109,7 +109,7 @@ def compute_rates(device: torch.device, big: bool, min_seconds: float) -> dict:
         xs, ws, dys = ([rand(*shape) for _ in range(pool)] for shape in ((m, k), (k, n), (m, n)))
         turn = iter(range(1 << 62))
 
-        def linear_gemms(xs=xs, ws=ws, dys=dys):
+        def linear_gemms(xs=xs, ws=ws, dys=dys, turn=turn, pool=pool):
             i = next(turn) % pool
             xs[i] @ ws[i], dys[i] @ ws[i].T, xs[i].T @ dys[i]
 
@@ -138,7 +138,7 @@ def compute_rates(device: torch.device, big: bool, min_seconds: float) -> dict:
         counts = torch.full((experts,), rows // experts, device=device, dtype=torch.int32)
         turn = iter(range(1 << 62))
 
-        def expert_gemms(xs=xs, ws=ws, dys=dys, c=counts):
+        def expert_gemms(xs=xs, ws=ws, dys=dys, c=counts, turn=turn, pool=pool):
             i = next(turn) % pool
             grouped_mm(xs[i], ws[i], c), grouped_mm(dys[i], ws[i].transpose(1, 2), c)
             grouped_weight_grad(xs[i], dys[i], c)
@@ -164,10 +164,10 @@ def compute_rates(device: torch.device, big: bool, min_seconds: float) -> dict:
                 # a cp=2 rank's queries (the second half of the sequence) over the gathered keys, causal mask
                 q = rand(batch, heads, seq // 2, dim).requires_grad_()
                 k_, v = (rand(batch, heads, seq, dim).requires_grad_() for _ in range(2))
-                mask = (torch.arange(seq // 2, seq)[:, None] >= torch.arange(seq)[None, :])[None].to(device)
+                mask = (torch.arange(seq // 2, seq)[:, None] >= torch.arange(seq)[None, :]).expand(batch, -1, -1).to(device)
 
                 def masked_step(q=q, k_=k_, v=v, mask=mask, sinks=sinks):
-                    attend(q, k_, v, mask.expand(batch, -1, -1), sinks_N=sinks).sum().backward()
+                    attend(q, k_, v, mask, sinks_N=sinks).sum().backward()
 
                 pairs = 3 * 4 * batch * heads * dim * (seq // 2) * seq  # every pair, forward + backward
                 points.append((pairs, _timed(masked_step, device, min_seconds)))

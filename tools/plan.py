@@ -56,8 +56,8 @@ from pathlib import Path
 
 import torch
 
-from core.reliability import run_main
 from core.memory import GIB, Layout, activation_calibration, estimate, meta_model
+from core.reliability import run_main
 from tools.calibrate import OpCounter
 from tools.pipeline_timeline import schedule_order, simulate
 
