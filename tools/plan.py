@@ -44,11 +44,14 @@ else it crosses the network (per-GPU NIC).
 
 import argparse
 import functools
+import hashlib
 import importlib
 import itertools
 import json
 import math
 import re
+import shlex
+import statistics
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -90,13 +93,71 @@ GPUS = {
     # 8x ConnectX-7 400 Gb/s. https://www.nvidia.com/en-us/data-center/dgx-b200/
     "b200": GPU("B200 SXM", 2.25e15, 4.5e15, 180, 8e12, 900e9, 50e9),
 }
-# Fractions of the datasheet that a GPU reaches, used until tools/gpu_check.py (tools/calibrate.py --device cuda)
-# has measured them on that GPU type: not yet measured on a GPU, so these are assumptions (the best bf16 matmul
-# measured on one H200 reached ~790 of 989 TFLOP/s: core/metrics.py).
-GPU_EFFICIENCY = {"gemm": 0.75, "gemm_fp8": 0.6, "grouped_gemm": 0.6, "grouped_gemm_fp8": 0.5, "attention": 0.45,
-                  "memory": 0.8, "nvlink": 0.6, "network": 0.8}
-GPU_OP_LATENCY = 6e-6  # seconds per kernel launch (host side, overlapped with the kernels)
-GPU_COLLECTIVE_T0 = 20e-6  # fixed cost of one NCCL collective
+@dataclass(frozen=True)
+class Efficiency:
+    """A fraction of one datasheet figure (`peak`: a GPU field) that someone else measured on that GPU, with where
+    it comes from and how it was carried to our shapes; `conservative` where no published figure exists."""
+
+    value: float
+    peak: str
+    source: str
+    conservative: bool = False
+
+
+# What a GPU reaches of its datasheet, until tools/gpu_check.py (tools/calibrate.py --device cuda) has measured
+# that GPU type: figures published by others on H100 / H800 (same SM90 tensor cores and clocks as H100 SXM),
+# applied as fractions to every GPU in GPUS. Not yet measured on a GPU by this framework.
+GPU_EFFICIENCY = {
+    "gemm": Efficiency(0.61, "bf16_flops",
+                       "Maximum Achievable Matmul FLOPS table (stas00/ml-engineering, compute/accelerator): H100 SXM "
+                       "bf16 794.5 of 989 TFLOP/s (80.3%) at its best shape 2048x2048x13312; scaled to the attention "
+                       "and head shapes (inner dim 2048-4096) by DeepGEMM's (deepseek-ai/DeepGEMM README, H800) dense "
+                       "M=4096 N=7168 K=2048 over its best K=16384 row, 1025 / 1358 TFLOP/s: 0.803 x 0.755"),
+    "gemm_fp8": Efficiency(0.52, "fp8_flops",
+                           "DeepGEMM README, H800 normal dense FP8 GEMMs: M=4096 N=7168 K=2048 at 1025 of 1979 TFLOP/s"),
+    "grouped_gemm": Efficiency(0.48, "bf16_flops",
+                               "conservative: no published bf16 grouped GEMM at MoE expert shapes (hidden 2048-2880, "
+                               "expert width 512-1536) on H100; the dense bf16 figure above x 0.8, the ratio of "
+                               "DeepGEMM's FP8 grouped (8 groups x 4096, N 7168, K 2048: 1093 TFLOP/s) to its best "
+                               "dense FP8 row (1358)", conservative=True),
+    "grouped_gemm_fp8": Efficiency(0.55, "fp8_flops",
+                                   "DeepGEMM README, H800 grouped GEMMs for MoE (contiguous layout): 8 groups of 4096 "
+                                   "rows, N=7168 K=2048 at 1093 of 1979 TFLOP/s (expert widths below 2048 are slower: "
+                                   "its dense K=512 row reaches 590)"),
+    "attention": Efficiency(0.30, "bf16_flops",
+                            "FlashAttention-3 paper (Shah et al. 2024), H100 SXM5 bf16 forward, FlashAttention-2 (the "
+                            "kernel of torch SDPA's flash backend): 293-368 TFLOP/s at sequence 4k over head dims 64, "
+                            "128, 256; the lowest, 293 (head dim 256)"),
+    "attention_bwd": Efficiency(0.23, "bf16_flops",
+                                "FlashAttention-3 paper, H100 SXM5 bf16 backward, FlashAttention-2: 279 (head dim 64) "
+                                "and 310 (128) TFLOP/s at 4k; 279 counted as 2.5 x forward FLOPs, ours count backward "
+                                "as 2 x forward: 279 x 2 / 2.5 = 223"),
+    "flex_attention": Efficiency(0.90, "attention",
+                                 "PyTorch blog 'FlexAttention: The Flexibility of PyTorch with the Performance of "
+                                 "FlashAttention': 90% of FlashAttention-2 forward; applied where core/context.py "
+                                 "attends through flex (cp masks, GPT-OSS's sinks, DeepSeek's value width)"),
+    "flex_attention_bwd": Efficiency(0.85, "attention_bwd", "the same PyTorch FlexAttention blog: 85% of "
+                                     "FlashAttention-2 backward"),
+    "memory": Efficiency(0.78, "hbm_bw",
+                         "DeepGEMM README, H800 (HBM3 3.35 TB/s as H100 SXM): its memory-bound M=128 dense rows reach "
+                         "up to 2,604 GB/s"),
+    "nvlink": Efficiency(0.50, "nvlink_bw",
+                         "conservative: NCCL all-to-all / all-gather / reduce-scatter inside a node; the best published "
+                         "EP exchange, DeepEP intranode EP8 on H800 (deepseek-ai/DeepEP docs/legacy.md), reaches 153-158 "
+                         "of ~160 GB/s NVLink, DeepEP V2 on B200 726-740 of 900 GB/s (README); NCCL, which this "
+                         "framework calls, is assumed to reach half", conservative=True),
+    "network": Efficiency(0.86, "network_bw",
+                          "DeepEP docs/legacy.md, H800 + CX7 400 Gb/s (~50 GB/s): internode EP16 dispatch and combine "
+                          "43 GB/s (RDMA bottleneck bandwidth)"),
+}
+# seconds per kernel launch (host side, overlapped with the kernels); conservative: PyTorch eager dispatch plus a
+# CUDA launch, no published per-op figure for this framework's ops
+GPU_OP_LATENCY = Efficiency(8e-6, "", "conservative: eager PyTorch op dispatch + cudaLaunchKernel, not measured here",
+                            conservative=True)
+# fixed cost of one NCCL collective; conservative: DeepEP's low-latency EP8 dispatch of 128 tokens takes 77 us on
+# H800 (docs/legacy.md), an NCCL call on small data is taken as a quarter of that
+GPU_COLLECTIVE_T0 = Efficiency(20e-6, "", "conservative: a quarter of DeepEP's 77 us low-latency EP8 dispatch "
+                               "(docs/legacy.md, H800)", conservative=True)
 
 
 @dataclass
@@ -138,23 +199,27 @@ def machine_for(gpu: str, calibration: dict | None, world: int) -> Machine:
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu}: unknown; choose one of {', '.join(GPUS)} or cpu")
     spec = GPUS[gpu]
-    eff = dict(GPU_EFFICIENCY)
-    op_latency = GPU_OP_LATENCY
+    eff = {k: e.value for k, e in GPU_EFFICIENCY.items()}
+    op_latency = GPU_OP_LATENCY.value
     if calibration is not None and calibration.get("kind") == "gpu":
         # measured rates as fractions of the calibrated GPU's own datasheet, applied to this one
         measured = next((g for g in GPUS.values() if g.name.split()[0] in calibration["device"]), spec)
         entry = calibration["ranks"]["1"]
         for k in ("gemm", "grouped_gemm", "attention"):
             eff[k] = entry[k]["rate"] / measured.bf16_flops
+        eff["attention_bwd"] = eff["attention"]  # the calibration times forward + backward together
         if "gemm_fp8" in entry:
             eff["gemm_fp8"] = entry["gemm_fp8"]["rate"] / measured.fp8_flops
             eff["grouped_gemm_fp8"] = eff["grouped_gemm"] * eff["gemm_fp8"] / eff["gemm"]
         eff["memory"] = entry["memory"]["rate"] / measured.hbm_bw
         op_latency = entry["op_latency"]
     rates = {k: {"rate": eff[k] * (spec.fp8_flops if k.endswith("fp8") else spec.bf16_flops), "t0": 0.0}
-             for k in ("gemm", "gemm_fp8", "grouped_gemm", "grouped_gemm_fp8", "attention")}
+             for k in ("gemm", "gemm_fp8", "grouped_gemm", "grouped_gemm_fp8", "attention", "attention_bwd")}
+    for k in ("flex_attention", "flex_attention_bwd"):  # flex kernels: a fraction of the flash rate
+        rates[k] = {"rate": eff[k] * rates[GPU_EFFICIENCY[k].peak]["rate"], "t0": 0.0}
     rates["memory"] = {"rate": eff["memory"] * spec.hbm_bw}
-    link = lambda bw: {k: {"rate": bw, "t0": GPU_COLLECTIVE_T0} for k in ("all_to_all", "all_gather", "reduce_scatter", "p2p")}
+    link = lambda bw: {k: {"rate": bw, "t0": GPU_COLLECTIVE_T0.value}
+                       for k in ("all_to_all", "all_gather", "reduce_scatter", "p2p")}
     return Machine(spec.name, spec.bf16_flops, spec.hbm_gib, rates, op_latency, True,
                    link(eff["nvlink"] * spec.nvlink_bw), link(eff["network"] * spec.network_bw))
 
@@ -277,7 +342,6 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
     S, T = layout.seq_len, layout.micro_batch * layout.seq_len // layout.cp
     fpt = mod.flops_by_layer(cfg, S, layout.cp)
     r = machine.rates
-    fp8 = "_fp8" if layout.fp8 else ""
     act_bytes = 2 if layout.bf16 else 4
     ops = op_counts(mod.__name__, layout.recompute)
     # a CPU computes masked attention over every (query, key) pair (core/context.py:attend; a GPU runs flash /
@@ -297,6 +361,18 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
     out = {key: _zero() for key in ("F", "B", "W")}
     a2a = {"F": 0.0, "B": 0.0}
     E, k, H = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
+    flex = layout.cp > 1 or ops["explicit_attention"]  # on a GPU core/context.py attends through flex
+
+    def gemm_s(flops: float, quantized_elems: float, kind: str) -> float:
+        """Seconds of a class's training GEMMs (forward, input gradient, weight gradient: a third each). In FP8
+        (core/fp8.py) the first two run at the FP8 rate and the weight gradient in bf16, and each FP8 GEMM's
+        activation input is quantised per call: two passes over it (amax, then scale + cast), 2 + 2 bytes
+        read and 1 written per number, `quantized_elems` numbers per token (weights: once per step, cached)."""
+        if not layout.fp8:
+            return flops / r[kind]["rate"]
+        return (2 * flops / 3 / r[kind + "_fp8"]["rate"] + flops / 3 / r[kind]["rate"] +
+                5 * T * quantized_elems / r["memory"]["rate"])
+
     rows = T * expected_ranks_hit(E, k, layout.ep)  # rows each rank sends, its own share included
     ep_span, cp_span = group_span(layout, ("ep",)), group_span(layout, ("cp",))
     for i in layer_ids:
@@ -305,13 +381,20 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
         rc_rest = 4 / 3 if layout.recompute == "layer" else 1.0
         if explicit_attention:  # every (query, key) pair: twice the causal pairs counted
             t_attn = 2 * T * f["attention"] / pair_rate * rc_attn
-        else:
-            t_attn = T * f["attention"] / r["attention"]["rate"] * rc_attn
-        t_dense = T * f["dense"] / r["gemm" + fp8]["rate"] * rc_rest
+        else:  # forward 1/3 of the FLOPs, backward 2/3, each at its own rate (flash, or flex: masks, sinks)
+            fwd, bwd = ("flex_attention", "flex_attention_bwd") if flex and "flex_attention" in r else \
+                ("attention", "attention_bwd")
+            t_attn = T * f["attention"] * (rc_attn - 2 / 3) / r[fwd]["rate"] + \
+                T * f["attention"] * 2 / 3 / r.get(bwd, r["attention"])["rate"]
+        # dense GEMMs quantise about two numbers per weight row of H inputs: 2 x params / H = f / (3H) per token
+        t_dense = gemm_s(T * f["dense"], f["dense"] / (3 * H), "gemm") * rc_rest
         t_exp = 0.0
         if f["experts"]:
             weight_bytes = f["experts"] / (6 * k) * E / layout.ep * act_bytes  # the local experts, read per pass
-            t_exp = max(T * f["experts"] * imbalance / r["grouped_gemm" + fp8]["rate"],
+            # per routed slot the expert GEMMs quantise x (H), the gate/up output's gradient (2I), the SwiGLU
+            # output (I) and the down output's gradient (H): 2H + 3I numbers (f = 18 k H I per token)
+            slot_elems = 2 * H + f["experts"] / (6 * H * k)
+            t_exp = max(gemm_s(T * f["experts"] * imbalance, k * slot_elems * imbalance, "grouped_gemm"),
                         3 * weight_bytes / r["memory"]["rate"]) * rc_rest
         n_ops = ops["layer_train"] + (ops["layer_fwd"] if layout.recompute == "layer" else 0)
         t_ops = n_ops * op_s
@@ -490,6 +573,97 @@ def plan(recipe: str, gpus: int, gpus_per_node: int, gpu: str, seq_len: int, glo
     return rows
 
 
+LAYOUT_FLAGS = {"--pp": "pp", "--dp": "dp", "--cp": "cp", "--ep": "ep", "--micro-batch": "micro_batch",
+                "--recompute": "recompute"}
+
+
+def parse_layout(train, cfg_path: str, gpus: int, flags: str, seq_len: int, global_batch: int, fp8: bool,
+                 bf16: bool) -> Layout:
+    """The Layout that train.py flags such as '--pp 1 --ep 8 --micro-batch 4' name on `gpus` ranks (unset: pp, cp,
+    ep, micro-batch 1, recompute none, dp the rest), checked by the recipe's own train.py check_run."""
+    words = shlex.split(flags)
+    values = {"pp": 1, "dp": -1, "cp": 1, "ep": 1, "micro_batch": 1, "recompute": "none"}
+    if len(words) % 2:
+        raise ValueError(f"--layout {flags!r}: give flag value pairs, e.g. '--pp 1 --ep 8 --micro-batch 4'")
+    for flag, value in zip(words[::2], words[1::2]):
+        if flag not in LAYOUT_FLAGS:
+            raise ValueError(f"--layout: {flag} is not a layout flag; use {', '.join(LAYOUT_FLAGS)}")
+        try:
+            values[LAYOUT_FLAGS[flag]] = value if flag == "--recompute" else int(value)
+        except ValueError:
+            raise ValueError(f"--layout: {flag} {value}: an integer is needed") from None
+    with tempfile.TemporaryDirectory() as out:
+        args = train.Args(config=cfg_path, data="", out=out, device="cpu", seq_len=seq_len, global_batch=global_batch,
+                          fp8=fp8, eval_every=0, ckpt_every=0, **values)
+        train.check_run(args, gpus)  # a ValueError names what is wrong with the layout
+    v = values
+    dp = v["dp"] if v["dp"] > 0 else gpus // (v["pp"] * v["cp"] * v["ep"])
+    return Layout(v["pp"], dp, v["cp"], v["ep"], v["micro_batch"], seq_len, bf16, fp8, v["recompute"])
+
+
+def plan_layout(recipe: str, gpus: int, gpus_per_node: int, gpu: str, flags: str, seq_len: int, global_batch: int,
+                fp8: bool = False, config: str = "", calibration: str = "", bf16: bool = True,
+                reserve_gib: float = 4.0) -> dict:
+    """One named layout's prediction and memory (a plan() row)."""
+    mod, train = recipe_modules(recipe)
+    cfg_path = str(config or mod.real_config_path())
+    cfg = mod.ModelConfig.from_hf(cfg_path)
+    layout = parse_layout(train, cfg_path, gpus, flags, seq_len, global_batch, fp8, bf16)
+    machine = machine_for(gpu, load_calibration(calibration) if calibration else None, gpus)
+    mem = estimate(mod, cfg, layout)["total"]
+    return {"layout": layout, "memory_gib": mem / GIB, "fits": mem <= (machine.hbm_gib - reserve_gib) * GIB,
+            **predict(mod, cfg, cfg_path, layout, global_batch, machine, gpus_per_node)}
+
+
+PUBLISHED_RUNS = Path(__file__).with_name("published_runs.json")
+
+
+def run_config(run: dict) -> str:
+    """The config.json a published run is predicted with: its recipe's released one, with the run's
+    config_overrides (null removes a field), written once to the temp folder under a name of its content."""
+    mod, _ = recipe_modules(run["recipe"])
+    if not run.get("config_overrides"):
+        return str(mod.real_config_path())
+    hf = json.loads(Path(mod.real_config_path()).read_text())
+    for key, value in run["config_overrides"].items():
+        if value is None:
+            hf.pop(key, None)
+        else:
+            hf[key] = value
+    text = json.dumps(hf, sort_keys=True)
+    path = Path(tempfile.gettempdir()) / f"plan_{run['recipe']}_{hashlib.sha1(text.encode()).hexdigest()[:12]}.json"
+    if not path.exists():
+        path.write_text(text)
+    return str(path)
+
+
+def published_table(path: str | Path = PUBLISHED_RUNS) -> list[dict]:
+    """Each published run of the file predicted at its own layout: {'run', 'published', 'predicted', 'ratio'
+    (predicted / published tokens/s per GPU), 'row' (the plan_layout row)}."""
+    out = []
+    for run in json.loads(Path(path).read_text())["runs"]:
+        ours = run["ours"]
+        flags = " ".join(f"{flag} {ours[name]}" for flag, name in LAYOUT_FLAGS.items())
+        row = plan_layout(run["recipe"], run["gpus"], run["gpus_per_node"], run["gpu"], flags, run["seq_len"],
+                          ours["global_batch"], ours["fp8"], run_config(run))
+        published = run["published"]["tokens_per_s_gpu"]
+        out.append({"run": run, "published": published, "predicted": row["tokens_per_s_gpu"],
+                    "ratio": row["tokens_per_s_gpu"] / published, "row": row})
+    return out
+
+
+def print_published(table: list[dict]) -> None:
+    print("| run | GPUs | layout (ours) | published tok/s/GPU | predicted | predicted / published | bottleneck | source |")
+    print("|---|---|---|---|---|---|---|---|")
+    for t in table:
+        run, L = t["run"], t["row"]["layout"]
+        print(f"| {run['id']} | {run['gpus']} x {run['gpu'].upper()} | pp{L.pp} dp{L.dp} cp{L.cp} ep{L.ep} mb{L.micro_batch}"
+              f"{' fp8' if L.fp8 else ''} | {t['published']:,} | {t['predicted']:,.0f} | {t['ratio']:.2f} | "
+              f"{t['row']['bottleneck']} | {run['source']} |")
+    ratios = sorted(max(t["ratio"], 1 / t["ratio"]) for t in table)
+    print(f"median factor {statistics.median(ratios):.2f}, worst {ratios[-1]:.2f} over {len(ratios)} runs")
+
+
 def print_plan(rows: list[dict], machine_name: str, top: int) -> None:
     fitting = [row for row in rows if row["fits"]]
     print(f"{len(rows)} valid layouts, {len(fitting)} fit in memory on {machine_name}; best {min(top, len(fitting))}:")
@@ -574,6 +748,8 @@ def main(argv=None):
     p.add_argument("--expert-load", default="", help="a run's metrics.jsonl: its measured expert-load imbalance")
     p.add_argument("--micro-batches", default="1,2,4,8", help="micro-batch sizes to try, comma-separated")
     p.add_argument("--top", type=int, default=8)
+    p.add_argument("--layout", default="", help="predict only this layout, in train.py's flags (e.g. '--pp 1 --ep 8 "
+                   "--micro-batch 4 --recompute none'; unset flags: 1, dp the rest); refused if train.py would refuse it")
     p.add_argument("--launch-flags", action="store_true", help="print only the train.py flags of the best layout "
                    "for the run that the train.py flags after -- describe (launch.sh on GPUs without PP / EP); the "
                    "reason goes to stderr")
@@ -587,6 +763,17 @@ def main(argv=None):
         raise ValueError("--global-batch (sequences per optimizer step) is required and must be >= 1")
     if a.gpus < 1 or a.gpus_per_node < 1:
         raise ValueError(f"--gpus {a.gpus} and --gpus-per-node {a.gpus_per_node} must be >= 1")
+    if a.layout:
+        row = plan_layout(a.recipe, a.gpus, a.gpus_per_node, gpu_key(a.gpu), a.layout, a.seq_len, a.global_batch,
+                          a.fp8, a.config, a.calibration, bf16=not a.fp32)
+        machine = machine_for(gpu_key(a.gpu), load_calibration(a.calibration) if a.calibration else None, a.gpus)
+        print(f"{a.recipe} on {a.gpus} x {machine.name} ({a.gpus_per_node} per node), {a.global_batch} x {a.seq_len} "
+              f"tokens per step{', FP8' if a.fp8 else ''}, layout {row['layout']}: {row['tokens_per_s_gpu']:,.0f} "
+              f"tok/s/GPU, MFU {100 * row['mfu']:.1f}%, step {row['step_s']:.3f} s, {row['memory_gib']:.1f} GiB"
+              f"{'' if row['fits'] else ' (does not fit)'}, bottleneck {row['bottleneck']}")
+        for name, seconds in row["by_class"].items():
+            print(f"  {name:<32} {seconds * 1e3:>10.1f}  {100 * seconds / row['step_s']:5.1f}%")
+        return row
     micro = tuple(int(x) for x in a.micro_batches.split(","))
     rows = plan(a.recipe, a.gpus, a.gpus_per_node, gpu_key(a.gpu), a.seq_len, a.global_batch, a.fp8, a.config,
                 a.calibration, a.expert_load, bf16=not a.fp32, micro_batches=micro)
