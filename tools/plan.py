@@ -577,28 +577,43 @@ LAYOUT_FLAGS = {"--pp": "pp", "--dp": "dp", "--cp": "cp", "--ep": "ep", "--micro
                 "--recompute": "recompute"}
 
 
+SWITCHES = {"--overlap": ("overlap", True), "--no-overlap": ("overlap", False),
+            "--delay-wgrad": ("delay_wgrad", True), "--no-delay-wgrad": ("delay_wgrad", False)}
+
+
 def parse_layout(train, cfg_path: str, gpus: int, flags: str, seq_len: int, global_batch: int, fp8: bool,
-                 bf16: bool) -> Layout:
+                 bf16: bool) -> tuple[Layout, dict]:
     """The Layout that train.py flags such as '--pp 1 --ep 8 --micro-batch 4' name on `gpus` ranks (unset: pp, cp,
-    ep, micro-batch 1, recompute none, dp the rest), checked by the recipe's own train.py check_run."""
+    ep, micro-batch 1, recompute none, dp the rest), checked by the recipe's own train.py check_run; and the
+    schedule switches among them ({'overlap', 'delay_wgrad'}: train.py's --no-overlap, --no-delay-wgrad)."""
     words = shlex.split(flags)
     values = {"pp": 1, "dp": -1, "cp": 1, "ep": 1, "micro_batch": 1, "recompute": "none"}
-    if len(words) % 2:
-        raise ValueError(f"--layout {flags!r}: give flag value pairs, e.g. '--pp 1 --ep 8 --micro-batch 4'")
-    for flag, value in zip(words[::2], words[1::2]):
+    switches = {"overlap": True, "delay_wgrad": True}
+    i = 0
+    while i < len(words):
+        flag = words[i]
+        if flag in SWITCHES:
+            name, on = SWITCHES[flag]
+            switches[name] = on
+            i += 1
+            continue
         if flag not in LAYOUT_FLAGS:
-            raise ValueError(f"--layout: {flag} is not a layout flag; use {', '.join(LAYOUT_FLAGS)}")
+            raise ValueError(f"--layout: {flag} is not a layout flag; use {', '.join([*LAYOUT_FLAGS, *SWITCHES])}")
+        if i + 1 == len(words):
+            raise ValueError(f"--layout: {flag} needs a value, e.g. '--pp 1 --ep 8 --micro-batch 4'")
+        value = words[i + 1]
         try:
             values[LAYOUT_FLAGS[flag]] = value if flag == "--recompute" else int(value)
         except ValueError:
             raise ValueError(f"--layout: {flag} {value}: an integer is needed") from None
+        i += 2
     with tempfile.TemporaryDirectory() as out:
         args = train.Args(config=cfg_path, data="", out=out, device="cpu", seq_len=seq_len, global_batch=global_batch,
-                          fp8=fp8, eval_every=0, ckpt_every=0, **values)
+                          fp8=fp8, eval_every=0, ckpt_every=0, **values, **switches)
         train.check_run(args, gpus)  # a ValueError names what is wrong with the layout
     v = values
     dp = v["dp"] if v["dp"] > 0 else gpus // (v["pp"] * v["cp"] * v["ep"])
-    return Layout(v["pp"], dp, v["cp"], v["ep"], v["micro_batch"], seq_len, bf16, fp8, v["recompute"])
+    return Layout(v["pp"], dp, v["cp"], v["ep"], v["micro_batch"], seq_len, bf16, fp8, v["recompute"]), switches
 
 
 def plan_layout(recipe: str, gpus: int, gpus_per_node: int, gpu: str, flags: str, seq_len: int, global_batch: int,
@@ -608,11 +623,11 @@ def plan_layout(recipe: str, gpus: int, gpus_per_node: int, gpu: str, flags: str
     mod, train = recipe_modules(recipe)
     cfg_path = str(config or mod.real_config_path())
     cfg = mod.ModelConfig.from_hf(cfg_path)
-    layout = parse_layout(train, cfg_path, gpus, flags, seq_len, global_batch, fp8, bf16)
+    layout, switches = parse_layout(train, cfg_path, gpus, flags, seq_len, global_batch, fp8, bf16)
     machine = machine_for(gpu, load_calibration(calibration) if calibration else None, gpus)
     mem = estimate(mod, cfg, layout)["total"]
     return {"layout": layout, "memory_gib": mem / GIB, "fits": mem <= (machine.hbm_gib - reserve_gib) * GIB,
-            **predict(mod, cfg, cfg_path, layout, global_batch, machine, gpus_per_node)}
+            **predict(mod, cfg, cfg_path, layout, global_batch, machine, gpus_per_node, **switches)}
 
 
 PUBLISHED_RUNS = Path(__file__).with_name("published_runs.json")
@@ -643,7 +658,8 @@ def published_table(path: str | Path = PUBLISHED_RUNS) -> list[dict]:
     out = []
     for run in json.loads(Path(path).read_text())["runs"]:
         ours = run["ours"]
-        flags = " ".join(f"{flag} {ours[name]}" for flag, name in LAYOUT_FLAGS.items())
+        flags = " ".join(f"{flag} {ours[name]}" for flag, name in LAYOUT_FLAGS.items()) + \
+            ("" if ours.get("overlap", True) else " --no-overlap")
         row = plan_layout(run["recipe"], run["gpus"], run["gpus_per_node"], run["gpu"], flags, run["seq_len"],
                           ours["global_batch"], ours["fp8"], run_config(run))
         published = run["published"]["tokens_per_s_gpu"]
@@ -658,7 +674,7 @@ def print_published(table: list[dict]) -> None:
     for t in table:
         run, L = t["run"], t["row"]["layout"]
         print(f"| {run['id']} | {run['gpus']} x {run['gpu'].upper()} | pp{L.pp} dp{L.dp} cp{L.cp} ep{L.ep} mb{L.micro_batch}"
-              f"{' fp8' if L.fp8 else ''} | {t['published']:,} | {t['predicted']:,.0f} | {t['ratio']:.2f} | "
+              f"{' fp8' if L.fp8 else ''}{'' if run['ours'].get('overlap', True) else ' no-overlap'} | {t['published']:,} | {t['predicted']:,.0f} | {t['ratio']:.2f} | "
               f"{t['row']['bottleneck']} | {run['source']} |")
     ratios = sorted(max(t["ratio"], 1 / t["ratio"]) for t in table)
     print(f"median factor {statistics.median(ratios):.2f}, worst {ratios[-1]:.2f} over {len(ratios)} runs")
@@ -733,6 +749,9 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     train_argv = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
+    if "--layout" in argv[:-1]:  # its value starts with '--': hand it over as --layout=VALUE
+        i = argv.index("--layout")
+        argv[i:i + 2] = [f"--layout={argv[i + 1]}"]
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help=f"recipe folder name: {', '.join(RECIPES)} or a copy")

@@ -4,6 +4,7 @@ table: predicted, measured, error, and the rank order of the layouts by both.
 
     python -m tools.plan_check                       # 3 recipes x 8 layouts, 2 rounds (~20 min on 2 cores)
     python -m tools.plan_check --recipes qwen3_30b_a3b --rounds 1 --steps 8
+    python -m tools.plan_check --published           # published GPU runs (tools/published_runs.json) vs predicted
 
 The setup is launch.sh's CPU one (tiny config, fp32, sequences of 256, global batch 8, micro-batch 1, expert bias
 on, OMP_NUM_THREADS=1: one core per rank). Every run is preceded by a calibration at its world size, so that
@@ -27,7 +28,7 @@ from pathlib import Path
 from core.memory import Layout
 from tools.calibrate import calibrate_cpu
 from tools.pipeline_timeline import timeline_stats
-from tools.plan import RECIPES, machine_for, predict, recipe_modules
+from tools.plan import PUBLISHED_RUNS, RECIPES, machine_for, predict, print_published, published_table, recipe_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ((1, ()), (2, ("--ep", "2")), (2, ("--pp", "2")), (2, ("--cp", "2")), (2, ()),
@@ -96,7 +97,14 @@ def main(argv=None):
     p.add_argument("--data", default="data/stdlib", help="tokens from python -m tools.prepare_data --default")
     p.add_argument("--json", default="", help="also write the measurements (calibrations, runs) and the table here")
     p.add_argument("--replay", default="", help="predict again from the measurements a --json file holds (no runs)")
+    p.add_argument("--published", nargs="?", const=str(PUBLISHED_RUNS), default="", metavar="FILE",
+                   help="instead: predict each published GPU run of FILE (default tools/published_runs.json) at its "
+                        "own layout; a markdown table of published, predicted and their ratio")
     a = p.parse_args(argv)
+    if a.published:
+        table = published_table(a.published)
+        print_published(table)
+        return table
     recipes = a.recipes.split(",")
     if a.replay:
         saved = json.loads(Path(a.replay).read_text())
