@@ -16,6 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from core.memory import Layout, check_fits
+from core.placement import Placement
 from tools import plan
 from tools.pipeline_timeline import formula_bubble, schedule_order, simulate
 
@@ -85,13 +86,17 @@ def test_sliding_window_keys_match_a_brute_force_count():
             assert p["attention"] == pytest.approx(12 * N * D * keys, rel=1e-12), (seq, i)
 
 
-@pytest.mark.parametrize("E,k,ep", [(8, 2, 2), (8, 2, 4), (128, 8, 8), (64, 6, 16), (160, 6, 8)])
+@pytest.mark.parametrize("E,k,ep", [(8, 2, 2), (8, 2, 4), (128, 8, 8), (64, 6, 16), (160, 6, 8), (6, 2, 4),
+                                    (32, 4, 64)])
 def test_expected_ranks_hit_matches_monte_carlo(E, k, ep):
     """Distinct destination ranks per token (the deduplicated dispatch's rows per token) vs a simulation: k
-    distinct experts drawn uniformly for 20,000 tokens, ranks = expert // (E / ep)."""
+    distinct experts drawn uniformly for 20,000 tokens, each expert on the rank core/placement.py's even split
+    gives it (E // ep each when it divides; else the first E % ep ranks one more, or one expert on each of the
+    first E ranks when ep > E)."""
     g = torch.Generator().manual_seed(0)
     ids_Tk = torch.rand(20000, E, generator=g).topk(k, dim=1).indices
-    ranks_hit = torch.zeros(20000, ep, dtype=torch.bool).scatter_(1, ids_Tk // (E // ep), True).sum(1).double()
+    rank_E = torch.tensor(Placement.even(E, ep).rank_of)
+    ranks_hit = torch.zeros(20000, ep, dtype=torch.bool).scatter_(1, rank_E[ids_Tk], True).sum(1).double()
     se = ranks_hit.std().item() / math.sqrt(len(ranks_hit))
     # 5 standard errors of the simulated mean: a wrong formula is off by far more (k instead of the dedup count
     # is off by >= 0.2 here); 1e-9 covers the case where every token hits the same number of ranks (se = 0)

@@ -26,9 +26,10 @@ Step time (per rank, one optimizer step), a roofline per operation class with me
              read, one written) at the calibrated elementwise rate, and the loss over the vocab its calibrated
              cross-entropy rate.
   all-to-all dispatch and combine of each MoE layer, forward and backward, deduplicated (core/moe.py): a token
-             goes to each ep rank holding one of its k experts once: expected rows sent to other ranks per token
-             (ep - 1) * (1 - C(E - L, k) / C(E, k)), L = E / ep experts per rank (uniform routing), rows of H + k
-             numbers out and H back; plus the two small blocking exchanges of DispatchPlan. Without pp they are
+             goes to each ep rank holding one of its k experts once: expected rows per token, the sum over ranks
+             of 1 - C(E - L_r, k) / C(E, k), L_r experts on rank r (the run's placement; uniform routing), or
+             what the busiest rank receives if more, rows of H + k numbers out and H back (the busiest rank's
+             expert GEMMs scale with its max L_r * ep / E too); plus the two small blocking exchanges of DispatchPlan. Without pp they are
              exposed; under DualPipeV an overlapped F&B hides each chunk's all-to-alls behind the other's compute.
   cp gather  all-gather of `cp_gather_width` numbers per token per layer (K/V, or the MLA latent) forward, a
              reduce-scatter of the same size backward; blocking inside attention.
@@ -60,6 +61,7 @@ from pathlib import Path
 import torch
 
 from core.memory import GIB, Layout, activation_calibration, estimate, meta_model
+from core.placement import Placement
 from core.reliability import run_main
 from tools.calibrate import OpCounter
 from tools.pipeline_timeline import schedule_order, simulate
@@ -227,11 +229,17 @@ def machine_for(gpu: str, calibration: dict | None, world: int) -> Machine:
 # ------------------------------------------------------------------------------------------ model pieces
 
 
-def expected_ranks_hit(num_experts: int, k: int, ep: int) -> float:
-    """Expected number of distinct ep ranks a token's k experts (k distinct of E, uniform) live on: ep times the
-    chance that a given rank's L = E/ep experts hold at least one of them, 1 - C(E-L, k) / C(E, k)."""
-    L = num_experts // ep
-    return ep * (1 - math.comb(num_experts - L, k) / math.comb(num_experts, k))
+def expected_ranks_hit(num_experts: int, k: int, ep: int, counts: list[int] | None = None) -> float:
+    """Expected number of distinct ep ranks a token's k experts (k distinct of E, uniform) live on: the sum over
+    ranks of the chance that the rank's L_r experts hold at least one of them, 1 - C(E-L_r, k) / C(E, k). counts:
+    L_r per rank (default core/placement.py's even split: the first E % ep ranks hold one more)."""
+    counts = counts or [len(x) for x in Placement.even(num_experts, ep).experts]
+    return sum(rank_hit_chance(num_experts, k, L) for L in counts)
+
+
+def rank_hit_chance(num_experts: int, k: int, local: int) -> float:
+    """The chance that a token's k experts include one of a rank's `local` experts."""
+    return 1 - math.comb(num_experts - local, k) / math.comb(num_experts, k)
 
 
 def expert_imbalance(path: str) -> float:
@@ -373,7 +381,11 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
         return (2 * flops / 3 / r[kind + "_fp8"]["rate"] + flops / 3 / r[kind]["rate"] +
                 5 * T * quantized_elems / r["memory"]["rate"])
 
-    rows = T * expected_ranks_hit(E, k, layout.ep)  # rows each rank sends, its own share included
+    # rows each rank sends (its own share included) and the busiest rank receives, and the busiest rank's
+    # expert rows over the mean, under the run's placement (1 for an even split of E over ep)
+    counts = [len(x) for x in Placement.parse(layout.expert_placement, E, layout.ep).experts]
+    rows = T * max(expected_ranks_hit(E, k, layout.ep, counts), layout.ep * rank_hit_chance(E, k, max(counts)))
+    load = max(counts) * layout.ep / E
     ep_span, cp_span = group_span(layout, ("ep",)), group_span(layout, ("cp",))
     for i in layer_ids:
         f = fpt[i]
@@ -390,11 +402,11 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
         t_dense = gemm_s(T * f["dense"], f["dense"] / (3 * H), "gemm") * rc_rest
         t_exp = 0.0
         if f["experts"]:
-            weight_bytes = f["experts"] / (6 * k) * E / layout.ep * act_bytes  # the local experts, read per pass
+            weight_bytes = f["experts"] / (6 * k) * max(counts) * act_bytes  # the local experts, read per pass
             # per routed slot the expert GEMMs quantise x (H), the gate/up output's gradient (2I), the SwiGLU
             # output (I) and the down output's gradient (H): 2H + 3I numbers (f = 18 k H I per token)
             slot_elems = 2 * H + f["experts"] / (6 * H * k)
-            t_exp = max(gemm_s(T * f["experts"] * imbalance, k * slot_elems * imbalance, "grouped_gemm"),
+            t_exp = max(gemm_s(T * f["experts"] * imbalance * load, k * slot_elems * imbalance * load, "grouped_gemm"),
                         3 * weight_bytes / r["memory"]["rate"]) * rc_rest
         n_ops = ops["layer_train"] + (ops["layer_fwd"] if layout.recompute == "layer" else 0)
         t_ops = n_ops * op_s
