@@ -116,7 +116,8 @@ GPU_EFFICIENCY = {
                        "and head shapes (inner dim 2048-4096) by DeepGEMM's (deepseek-ai/DeepGEMM README, H800) dense "
                        "M=4096 N=7168 K=2048 over its best K=16384 row, 1025 / 1358 TFLOP/s: 0.803 x 0.755"),
     "gemm_fp8": Efficiency(0.52, "fp8_flops",
-                           "DeepGEMM README, H800 normal dense FP8 GEMMs: M=4096 N=7168 K=2048 at 1025 of 1979 TFLOP/s"),
+                           "DeepGEMM README, H800 normal dense FP8 GEMMs: M=4096 N=7168 K=2048 at 1025 of 1979 "
+                           "TFLOP/s"),
     "grouped_gemm": Efficiency(0.48, "bf16_flops",
                                "conservative: no published bf16 grouped GEMM at MoE expert shapes (hidden 2048-2880, "
                                "expert width 512-1536) on H100; the dense bf16 figure above x 0.8, the ratio of "
@@ -144,10 +145,10 @@ GPU_EFFICIENCY = {
                          "DeepGEMM README, H800 (HBM3 3.35 TB/s as H100 SXM): its memory-bound M=128 dense rows reach "
                          "up to 2,604 GB/s"),
     "nvlink": Efficiency(0.50, "nvlink_bw",
-                         "conservative: NCCL all-to-all / all-gather / reduce-scatter inside a node; the best published "
-                         "EP exchange, DeepEP intranode EP8 on H800 (deepseek-ai/DeepEP docs/legacy.md), reaches 153-158 "
-                         "of ~160 GB/s NVLink, DeepEP V2 on B200 726-740 of 900 GB/s (README); NCCL, which this "
-                         "framework calls, is assumed to reach half", conservative=True),
+                         "conservative: NCCL all-to-all / all-gather / reduce-scatter inside a node; the best "
+                         "published EP exchange, DeepEP intranode EP8 on H800 (deepseek-ai/DeepEP docs/legacy.md), "
+                         "reaches 153-158 of ~160 GB/s NVLink, DeepEP V2 on B200 726-740 of 900 GB/s (README); "
+                         "NCCL, which this framework calls, is assumed to reach half", conservative=True),
     "network": Efficiency(0.86, "network_bw",
                           "DeepEP docs/legacy.md, H800 + CX7 400 Gb/s (~50 GB/s): internode EP16 dispatch and combine "
                           "43 GB/s (RDMA bottleneck bandwidth)"),
@@ -681,12 +682,15 @@ def published_table(path: str | Path = PUBLISHED_RUNS) -> list[dict]:
 
 
 def print_published(table: list[dict]) -> None:
-    print("| run | GPUs | layout (ours) | published tok/s/GPU | predicted | predicted / published | bottleneck | source |")
+    print("| run | GPUs | layout (ours) | published tok/s/GPU | predicted | predicted / published | bottleneck | "
+          "source |")
     print("|---|---|---|---|---|---|---|---|")
     for t in table:
         run, L = t["run"], t["row"]["layout"]
-        print(f"| {run['id']} | {run['gpus']} x {run['gpu'].upper()} | pp{L.pp} dp{L.dp} cp{L.cp} ep{L.ep} mb{L.micro_batch}"
-              f"{' fp8' if L.fp8 else ''}{'' if run['ours'].get('overlap', True) else ' no-overlap'} | {t['published']:,} | {t['predicted']:,.0f} | {t['ratio']:.2f} | "
+        ours = f"pp{L.pp} dp{L.dp} cp{L.cp} ep{L.ep} mb{L.micro_batch}" + (" fp8" if L.fp8 else "") + \
+            ("" if run["ours"].get("overlap", True) else " no-overlap")
+        print(f"| {run['id']} | {run['gpus']} x {run['gpu'].upper()} | {ours} | {t['published']:,} | "
+              f"{t['predicted']:,.0f} | {t['ratio']:.2f}{' (outlier)' if run.get('outlier') else ''} | "
               f"{t['row']['bottleneck']} | {run['source']} |")
     ratios = sorted(max(t["ratio"], 1 / t["ratio"]) for t in table)
     print(f"median factor {statistics.median(ratios):.2f}, worst {ratios[-1]:.2f} over {len(ratios)} runs")
@@ -748,7 +752,8 @@ def launch_layout(recipe: str, gpus: int, gpus_per_node: int, gpu: str, train_ar
              "--recompute", best.recompute]
     why = [f"layout chosen by tools/plan.py (no PP or EP given) for {gpus} x {machine.name}, {args.global_batch} x "
            f"{args.seq_len} tokens per step{' in FP8' if args.fp8 else ''}, rates "
-           f"{'from ' + calibration if calibration else 'datasheet x assumed efficiencies'}; best of {len(rows)} that fit:"]
+           f"{'from ' + calibration if calibration else 'datasheet x published efficiencies'}; best of {len(rows)} "
+           f"that fit:"]
     for row in rows[:3]:
         L = row["layout"]
         why.append(f"  pp{L.pp} dp{L.dp} cp{L.cp} ep{L.ep} micro-batch {L.micro_batch} recompute {L.recompute}: "
