@@ -8,11 +8,16 @@ and bottleneck, best first.
 Layouts: every (pp, dp, cp, ep) with pp*dp*cp*ep = --gpus, micro-batch and recompute choice that the recipe's
 own train.py accepts (its `check_run`: ep divides the experts, 2*pp stages get layers, >= 2*pp micro-batches,
 the sequence divides by 2*cp, the batch splits) and whose core/memory.py estimate fits the GPU.
+--layout "--pp 1 --ep 8 --micro-batch 4" predicts only that layout (train.py's flags, checked by its check_run).
+Published runs at their own layouts: tools/published_runs.json, `python -m tools.plan_check --published`.
 
-Step time (per rank, one optimizer step), a roofline per operation class with measured rates:
+Step time (per rank, one optimizer step), a roofline per operation class with measured rates (a calibration, or
+on a GPU without one the datasheet x the published efficiencies of GPU_EFFICIENCY, each cited there):
   compute    FLOPs per token by class from the recipe's model.py `flops_by_layer` (attention, dense GEMMs, routed
              expert GEMMs, head) x tokens of a micro-batch (micro_batch * seq_len / cp), each class at its own rate
-             (calibration: GEMM, grouped GEMM, attention; FP8 GEMMs for dense and expert weights with --fp8);
+             (GEMM, grouped GEMM; attention forward and backward apart, flex kernels where core/context.py uses
+             them). With --fp8, as core/fp8.py runs it: forward and input-gradient GEMMs at the FP8 rate, weight
+             gradients in bf16, plus quantising each FP8 GEMM's activation input per call (5 bytes per number);
              expert GEMMs also no faster than reading the local experts' weights (bytes / HBM bandwidth). With
              --recompute attention (layer), the attention (whole layer) forward runs twice. Routed expert time is
              multiplied by the expert-load imbalance (max/mean, 1 for uniform routing, or --expert-load). On a
@@ -401,14 +406,16 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
                 T * f["attention"] * 2 / 3 / r.get(bwd, r["attention"])["rate"]
         # dense GEMMs quantise about two numbers per weight row of H inputs: 2 x params / H = f / (3H) per token
         t_dense = gemm_s(T * f["dense"], f["dense"] / (3 * H), "gemm") * rc_rest
-        t_exp = 0.0
+        t_exp = w_share = 0.0
         if f["experts"]:
             weight_bytes = f["experts"] / (6 * k) * max(counts) * act_bytes  # the local experts, read per pass
             # per routed slot the expert GEMMs quantise x (H), the gate/up output's gradient (2I), the SwiGLU
             # output (I) and the down output's gradient (H): 2H + 3I numbers (f = 18 k H I per token)
             slot_elems = 2 * H + f["experts"] / (6 * H * k)
-            t_exp = max(gemm_s(T * f["experts"] * imbalance * load, k * slot_elems * imbalance * load, "grouped_gemm"),
-                        3 * weight_bytes / r["memory"]["rate"]) * rc_rest
+            flops_exp = T * f["experts"] * imbalance * load
+            t_gemm = gemm_s(flops_exp, k * slot_elems * imbalance * load, "grouped_gemm")
+            t_exp = max(t_gemm, 3 * weight_bytes / r["memory"]["rate"]) * rc_rest
+            w_share = flops_exp / 3 / r["grouped_gemm"]["rate"] / t_gemm  # the weight gradients' part (bf16)
         n_ops = ops["layer_train"] + (ops["layer_fwd"] if layout.recompute == "layer" else 0)
         t_ops = n_ops * op_s
         t_bytes = 2 * T * saved / r["memory"]["rate"]  # written in forward, read in backward
@@ -424,7 +431,7 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
             part["dense GEMMs"] += t_dense * share
             part["expert GEMMs"] += t_exp * share
             part["other compute"] += t_other * share
-        out["W"]["expert GEMMs"] += t_exp / 3
+        out["W"]["expert GEMMs"] += t_exp * w_share
         if f["experts"] and layout.ep > 1:  # dispatch (H + k numbers) and combine (H), each way once per pass
             for key in ("F", "B"):
                 t = sum(collective_s(machine, "all_to_all", rows * imbalance * width * act_bytes, layout.ep, ep_span,
