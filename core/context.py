@@ -23,6 +23,13 @@ training, tests): the explicit reference over a dense boolean [B, S, K]. flex_at
 reference. Per-chunk SDPA calls merged by log-sum-exp were not used: public SDPA returns no log-sum-exp to merge
 with, and window or document blocks would need a mask, which sends SDPA back to the math kernel.
 
+A CPMask may also be per head: a block selection (block-sparse attention: for each batch, head and block of
+queries, the key blocks it attends, in global key positions) or a per-head mask (blocks of 1). On CUDA the
+BlockMask then has a head dimension, and a tile no head-block selects is never loaded; on CPU the reference.
+
+Every recipe calls one function, `attention` (end of the file): it gathers K and V over cp when they are this
+rank's part, and its docstring's table says which kernel runs for each device, mask, sinks and selection.
+
 Legend: B batch, S local sequence (this rank's queries, = K / cp), K whole sequence (gathered keys), N query
 heads, G key/value heads, n = N / G query heads per kv head, D head dim of q and k, E head dim of v,
 C numbers per token of an MLA latent.
@@ -102,6 +109,15 @@ def gather_sequence(x: torch.Tensor, cp_group=None, dim: int = 1) -> torch.Tenso
     """The whole sequence, in global order, of a per-token tensor split with split_for_cp (any dtype; grads flow
     back to the owners). cp_group None (cp = 1): x itself."""
     return x if cp_group is None else _GatherSequence.apply(x, cp_group, dim)
+
+
+def gather_kv(k_BGSD, v_BGSE, cp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K [B, G, K, D] and V [B, G, K, E] of the whole sequence from this rank's parts: one all-gather, K and V
+    side by side. `attention` calls it when given this rank's part; a variant that needs the whole sequence's
+    keys before attending (e.g. to score key blocks) calls it itself and passes the result."""
+    D = k_BGSD.shape[-1]
+    kv_BGKX = gather_sequence(torch.cat([k_BGSD, v_BGSE], -1), cp_group, dim=2)
+    return kv_BGKX[..., :D], kv_BGKX[..., D:]
 
 
 # ------------------------------------------------------------------------------------------------ masks
@@ -366,29 +382,30 @@ def attention(q_BNSD, k_BGSD, v_BGSE, mask=None, cp_group=None, scale=None, sink
     """Every recipe's attention: this rank's queries over the keys of the whole sequence. Returns [B, N, S, E].
 
     q [B, N, S, D]; k [B, G, S or K, D] and v [B, G, S or K, E] (G divides N: GQA, query head h reads kv head
-    h // (N / G)); mask: None (plain causal, queries and keys at the same positions), a CPMask
-    (cp_attention_mask: positions under cp, window, documents) or a boolean [B or 1, S, K]; cp_group: the group K
-    and V are gathered over when they hold fewer positions than the mask's K (this rank's split_for_cp part: one
-    all-gather, K and V side by side; keys already whole, e.g. an MLA latent gathered by the caller, are used
-    as given); scale: None = D**-0.5; sinks_N: one logit per head in the softmax denominator (GPT-OSS);
-    select_BNQJ: per-head block selection, bool [B or 1, N or 1, ceil(S/select_block), ceil(K/select_block)]
-    (CPMask.with_selection; index form: select_from_indices), ANDed with the mask's rule; select_block 1 makes
+    h // (N / G)). mask: None (plain causal, queries and keys at the same positions), a CPMask
+    (cp_attention_mask: global positions under cp, window, documents) or a boolean [B or 1, S, K]. cp_group: the
+    group K and V are gathered over (gather_kv) when they hold fewer positions than the mask's K, i.e. this rank's
+    split_for_cp part; keys of the whole sequence (e.g. expanded from an MLA latent the caller gathered) are used
+    as given. scale: None = D**-0.5. sinks_N: one logit per head in the softmax denominator (GPT-OSS).
+    select_BNQJ: a per-head block selection, bool [B or 1, N or 1, ceil(S/select_block), ceil(K/select_block)]
+    (index form: select_from_indices), ANDed with the mask's rule (CPMask.with_selection); select_block 1 makes
     it a per-head mask [B, N, S, K]. A query that sees no key outputs 0.
 
     Which kernel runs (the one place that decides):
 
-    | device | mask                               | sinks | select | kernel                                       |
-    |--------|------------------------------------|-------|--------|----------------------------------------------|
-    | any    | None                               | no    | no     | SDPA is_causal (flash / efficient on CUDA)   |
-    | CUDA   | None, CPMask                       | any   | any    | flex_attention, compiled: BlockMask [B, N]   |
-    |        |                                    |       |        | of 128-blocks (built once per CPMask)        |
-    | CPU    | CPMask                             | no    | no     | SDPA with the dense boolean mask             |
-    | CPU    | None, CPMask                       | yes   | any    | attention_reference (explicit, fp32 softmax) |
-    | CPU    | None, CPMask                       | any   | yes    | attention_reference                          |
-    | any    | boolean tensor                     | no/yes| no     | SDPA / attention_reference                   |
+    | device | mask                                   | sinks | select | kernel                                   |
+    |--------|----------------------------------------|-------|--------|------------------------------------------|
+    | any    | None                                   | no    | no     | SDPA is_causal (flash on CUDA)           |
+    | CUDA   | CPMask; None with sinks or a selection | any   | any    | flex_attention compiled, BlockMask       |
+    |        |                                        |       |        | [B, N or 1] of 128-blocks, once per mask |
+    | CPU    | CPMask                                 | no    | no     | SDPA with the dense boolean mask         |
+    | CPU    | None or CPMask                         | yes   | any    | attention_reference (fp32 softmax)       |
+    | CPU    | None or CPMask                         | any   | yes    | attention_reference                      |
+    | any    | boolean tensor                         | no    | no     | SDPA with that mask                      |
+    | any    | boolean tensor                         | yes   | no     | attention_reference                      |
 
-    cp changes only what K is: the gather above, then the same table (the mask holds global positions; a
-    selection's key blocks are global, its query blocks this rank's own in split_for_cp order)."""
+    cp changes only K: the gather, then the same table (the mask holds global positions; a selection's key blocks
+    are global, its query blocks this rank's own, in split_for_cp order)."""
     B, N, S, _ = q_BNSD.shape
     G = k_BGSD.shape[1]
     if N % G:
@@ -399,9 +416,7 @@ def attention(q_BNSD, k_BGSD, v_BGSE, mask=None, cp_group=None, scale=None, sink
         if cp_group is None or k_BGSD.shape[2] * dist.get_world_size(cp_group) != K:
             raise ValueError(f"keys hold {k_BGSD.shape[2]} positions but the mask covers {K}: pass the cp group "
                              f"the keys are split over (cp_group), or keys of the whole sequence")
-        D = k_BGSD.shape[-1]
-        kv_BGKX = gather_sequence(torch.cat([k_BGSD, v_BGSE], -1), cp_group, dim=2)
-        k_BGSD, v_BGSE = kv_BGKX[..., :D], kv_BGKX[..., D:]
+        k_BGSD, v_BGSE = gather_kv(k_BGSD, v_BGSE, cp_group)
     if select_BNQJ is not None:
         if mask is not None and not isinstance(mask, CPMask):
             raise ValueError("a block selection combines with a CPMask or None (causal), not a boolean mask")

@@ -184,7 +184,8 @@ def test_flex_block_tables_per_head_skip_unselected_blocks():
                 bm = mask.block_mask(block)
                 assert bm.kv_num_blocks.shape[:2] == (B, N)
                 if not docs and bs % block == 0:  # tiles inside one cell and one chunk: tight
-                    for b, h, qb in torch.cartesian_prod(torch.arange(B), torch.arange(N), torch.arange(L // 2 // block)).tolist():
+                    tiles = torch.cartesian_prod(torch.arange(B), torch.arange(N), torch.arange(L // 2 // block))
+                    for b, h, qb in tiles.tolist():
                         for kb in bm.kv_indices[b, h, qb, :bm.kv_num_blocks[b, h, qb]].tolist() + \
                                 bm.full_kv_indices[b, h, qb, :bm.full_kv_num_blocks[b, h, qb]].tolist():
                             assert expected[b, h, qb * block:(qb + 1) * block, kb * block:(kb + 1) * block].any()
@@ -233,7 +234,8 @@ def test_gpu_selection_with_documents_trains_without_host_sync():
     Lg, N, G, Dg, bs = 2048, 8, 2, 64, 128
     doc_BL = torch.arange(Lg).div(700, rounding_mode="floor").expand(B, -1).cuda()
     sel = (torch.rand(B, N, Lg // 2 // bs, Lg // bs, generator=g) < 0.3).cuda()
-    q, k, v = (torch.randn(B, n, s, Dg, generator=g).cuda().requires_grad_() for n, s in ((N, Lg // 2), (G, Lg), (G, Lg)))
+    q, k, v = (torch.randn(B, n, s, Dg, generator=g).cuda().requires_grad_()
+               for n, s in ((N, Lg // 2), (G, Lg), (G, Lg)))
     sink = torch.randn(N, generator=g).cuda().requires_grad_()
     w = torch.randn(B, N, Lg // 2, Dg, generator=g).cuda()
     mask = cp_attention_mask(Lg, 1, 2, 512, doc_BL).with_selection(sel, bs, B, N)
