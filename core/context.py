@@ -259,7 +259,7 @@ class CPMask:
             from torch.nn.attention.flex_attention import BlockMask
 
             def table(m_BNQK):  # (count [B, N, Q], indices [B, N, Q, Kb]: the listed key blocks first, in order)
-                order = torch.sort(~m_BNQK, dim=-1, stable=True).indices
+                order = torch.argsort(m_BNQK.to(torch.int32), dim=-1, descending=True, stable=True)  # as flex's own
                 return m_BNQK.sum(-1, dtype=torch.int32), order.to(torch.int32)
 
             partial, full = self.block_kinds(block)

@@ -25,7 +25,7 @@ from core.context import (
 from core.mesh import build_mesh, destroy_mesh
 from tests.multiproc import run_ranks
 from tests.test_context import rel_err
-from tests.test_context_masks import doc_ids, effective_mask, rank_positions
+from tests.test_context_masks import LargestTensor, doc_ids, effective_mask, rank_positions
 
 B, L, D = 2, 32, 8
 
@@ -211,6 +211,23 @@ def test_document_block_mask_builds_without_host_sync_and_once():
     assert mask.with_selection(sel, 4, B, 4).block_mask(16).kv_indices.shape == (B, 4, 2, 4)
     mask = cp_attention_mask(64, 1, 2, 9, doc_ids(64, 2, seed=3))
     assert mask.block_mask(128) is mask.block_mask(128)
+
+
+def test_selection_block_mask_memory_is_per_block():
+    """16k tokens at cp=2 (S = 8k queries), 4 heads, documents, a selection of 128-blocks: the BlockMask is built
+    from [B, N, S/128, K/128] tables; no tensor of S x K (or S x K / 128) elements is ever created, and only the
+    selected tiles are listed."""
+    L_, N, bs = 16384, 4, 128
+    g = torch.Generator().manual_seed(4)
+    sel = torch.rand(B, N, L_ // 2 // bs, L_ // bs, generator=g) < 0.1
+    doc_BL = torch.arange(L_).div(5000, rounding_mode="floor").expand(B, -1).contiguous()
+    mask = cp_attention_mask(L_, 0, 2, None, doc_BL).with_selection(sel, bs, B, N)
+    with LargestTensor() as largest:
+        bm = mask.block_mask(128)
+    tables = B * N * (L_ // 2 // bs) * (L_ // bs)
+    assert "dense" not in mask._cache and largest.numel <= 2 * max(tables, B * L_), largest.numel
+    listed = (bm.kv_num_blocks + bm.full_kv_num_blocks).sum().item()
+    assert 0 < listed <= sel.sum().item()  # never a tile the selection skips
 
 
 def test_bad_selection_and_keys_are_clear_errors():
