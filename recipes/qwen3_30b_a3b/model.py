@@ -164,7 +164,7 @@ class Attention(nn.Module):
         k_BGSD = self.k_norm(self.k_proj(x_BSH).view(B, S, self.G, self.D)).transpose(1, 2)
         v_BGSD = self.v_proj(x_BSH).view(B, S, self.G, self.D).transpose(1, 2)
         q_BNSD, k_BGSD = apply_rope(q_BNSD, cos, sin), apply_rope(k_BGSD, cos, sin)
-        o_BNSD = attention(q_BNSD, k_BGSD, v_BGSD, mask_BSK, self.cp_group)  # core.context.attention: the kernel
+        o_BNSD = attention(q_BNSD, k_BGSD, v_BGSD, mask_BSK, self.cp_group)  # which kernel: its docstring table
         return self.o_proj(o_BNSD.transpose(1, 2).reshape(B, S, self.N * self.D))
 
 
