@@ -8,10 +8,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from core.context import (
-    attend,
+    attention,
     attention_mask,
     attention_reference,
-    cp_attention,
     cp_attention_mask,
     cp_bytes_received_per_layer,
     cp_positions,
@@ -60,12 +59,12 @@ def check_case(rank, cp, group, N, G, window, sinks, docs, scale, D=8):
     w_out = torch.randn(B, N, S, D, generator=g)  # loss = sum(out * w_out): a generic upstream gradient
     doc_ids = packed_doc_ids(g) if docs else None
 
-    out = attend(q, k, v, cp_attention_mask(S, 0, 1, window, doc_ids), scale, sink)  # one device, whole sequence
+    out = attention(q, k, v, cp_attention_mask(S, 0, 1, window, doc_ids), scale=scale, sinks_N=sink)  # one device, whole sequence
     (out * w_out).sum().backward()
 
     local = [split_for_cp(t.detach(), rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
     sink_l = sink.detach().clone().requires_grad_() if sinks else None
-    out_l = cp_attention(*local, cp_attention_mask(S, rank, cp, window, doc_ids), group, scale, sink_l)
+    out_l = attention(*local, cp_attention_mask(S, rank, cp, window, doc_ids), group, scale, sink_l)
     (out_l * split_for_cp(w_out, rank, cp, dim=2)).sum().backward()
 
     err = {"out": rel_err(out_l, split_for_cp(out.detach(), rank, cp, dim=2))}
@@ -93,13 +92,13 @@ def check_mla(rank, cp, group, N=4, C=16, R=4, Dn=8, E=6, scale=0.2):
     q = randn(g, B, N, S, Dn + R)
     w_out = torch.randn(B, N, S, E, generator=g)
 
-    out = attend(q, *mla_expand(latent, w_kv, N, C, Dn, E), None, scale)
+    out = attention(q, *mla_expand(latent, w_kv, N, C, Dn, E), scale=scale)
     (out * w_out).sum().backward()
 
     latent_l, q_l = (split_for_cp(t.detach(), rank, cp, dim).requires_grad_() for t, dim in ((latent, 1), (q, 2)))
     w_kv_l = w_kv.detach().clone().requires_grad_()
     latent_BKX = gather_sequence(latent_l, group, dim=1)  # what travels: C + R numbers per token
-    out_l = attend(q_l, *mla_expand(latent_BKX, w_kv_l, N, C, Dn, E), cp_attention_mask(S, rank, cp), scale)
+    out_l = attention(q_l, *mla_expand(latent_BKX, w_kv_l, N, C, Dn, E), cp_attention_mask(S, rank, cp), group, scale)
     (out_l * split_for_cp(w_out, rank, cp, dim=2)).sum().backward()
     dist.all_reduce(w_kv_l.grad, group=group)  # replicated weight: sum of the ranks' parts
     return {"out": rel_err(out_l, split_for_cp(out.detach(), rank, cp, dim=2)),
@@ -153,7 +152,7 @@ def test_sequence_not_divisible_raises():
     with pytest.raises(ValueError, match=r"2\*cp"):
         cp_bytes_received_per_layer(30, 4, 576)
     with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
-        attend(torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))
+        attention(torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))
 
 
 def naive_attention(q, k, v, scale, visible, sinks=None):
@@ -176,10 +175,10 @@ def test_reference_matches_pytorch_and_naive_loop():
     g = torch.Generator().manual_seed(2)
     N, G, D, Sq = 4, 2, 8, 16
     q, k, v = randn(g, B, N, Sq, D), randn(g, B, G, Sq, D), randn(g, B, G, Sq, D)
-    # plain causal: explicit form == PyTorch SDPA (outputs and gradients) == naive loop; attend's fast path too
+    # plain causal: explicit form == PyTorch SDPA (outputs and gradients) == naive loop; attention's fast path too
     ref = attention_reference(q, k, v)
     sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    assert rel_err(ref, sdpa) <= 1e-6 and rel_err(attend(q, k, v), sdpa) <= 1e-6
+    assert rel_err(ref, sdpa) <= 1e-6 and rel_err(attention(q, k, v), sdpa) <= 1e-6
     assert rel_err(ref, naive_attention(q, k, v, D**-0.5, lambda b, i, j: j <= i)) <= 1e-6
     grads_ref = torch.autograd.grad(ref.square().sum(), (q, k, v))
     grads_sdpa = torch.autograd.grad(sdpa.square().sum(), (q, k, v))
@@ -190,9 +189,9 @@ def test_reference_matches_pytorch_and_naive_loop():
     mask = cp_attention_mask(Sq, window=window, doc_ids_BK=doc)
     assert torch.equal(mask.dense(), attention_mask(torch.arange(Sq), torch.arange(Sq), window, doc, doc))
     visible = lambda b, i, j: i - window < j <= i and doc[b, i] == doc[b, j]
-    assert rel_err(attend(q, k, v, mask, scale, sinks), naive_attention(q, k, v, scale, visible, sinks)) <= 1e-6
+    assert rel_err(attention(q, k, v, mask, scale=scale, sinks_N=sinks), naive_attention(q, k, v, scale, visible, sinks)) <= 1e-6
     # the same without sinks goes through SDPA with a boolean mask: equal to the explicit form
-    assert rel_err(attend(q, k, v, mask, scale), attention_reference(q, k, v, mask, scale)) <= 1e-6
+    assert rel_err(attention(q, k, v, mask, scale=scale), attention_reference(q, k, v, mask, scale)) <= 1e-6
 
 
 def test_bytes_received():

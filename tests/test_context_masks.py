@@ -48,23 +48,26 @@ def doc_ids(seq_len: int, cp: int, seed: int) -> torch.Tensor:
 
 
 def effective_mask(mask: CPMask, block: int) -> torch.Tensor:
-    """[B, S, K] of what flex_attention computes from the block tables: keys of listed full blocks all visible,
-    keys of listed partial blocks as the mask function says, every other key skipped."""
+    """[B, H, S, K] (H: the tables' heads, 1 without a per-head selection) of what flex_attention computes from
+    the block tables: keys of listed full blocks all visible, keys of listed partial blocks as the mask function
+    says, every other key skipped."""
     bm = mask.block_mask(block)
     S, K = mask.q_pos_S.numel(), mask.seq_len
     mod = mask.mask_mod()
-    out = torch.zeros(max(bm.kv_num_blocks.shape[0], B), S, K, dtype=torch.bool)
+    H = bm.kv_num_blocks.shape[1]
+    out = torch.zeros(max(bm.kv_num_blocks.shape[0], B), H, S, K, dtype=torch.bool)
     for b in range(out.shape[0]):
         bb = min(b, bm.kv_num_blocks.shape[0] - 1)
-        for qb in range(bm.kv_num_blocks.shape[2]):
-            rows = torch.arange(qb * block, min((qb + 1) * block, S))
-            for full, num, idx in ((False, bm.kv_num_blocks, bm.kv_indices),
-                                   (True, bm.full_kv_num_blocks, bm.full_kv_indices)):
-                for kb in idx[bb, 0, qb, :num[bb, 0, qb]].tolist():
-                    cols = torch.arange(kb * block, min((kb + 1) * block, K))
-                    seen = True if full else mod(torch.tensor(b), torch.tensor(0), rows[:, None], cols[None])
-                    assert not out[b][rows[:, None], cols[None]].any(), "a key block listed twice"
-                    out[b][rows[:, None], cols[None]] = seen
+        for h in range(H):
+            for qb in range(bm.kv_num_blocks.shape[2]):
+                rows = torch.arange(qb * block, min((qb + 1) * block, S))
+                for full, num, idx in ((False, bm.kv_num_blocks, bm.kv_indices),
+                                       (True, bm.full_kv_num_blocks, bm.full_kv_indices)):
+                    for kb in idx[bb, h, qb, :num[bb, h, qb]].tolist():
+                        cols = torch.arange(kb * block, min((kb + 1) * block, K))
+                        seen = True if full else mod(torch.tensor(b), torch.tensor(h), rows[:, None], cols[None])
+                        assert not out[b, h][rows[:, None], cols[None]].any(), "a key block listed twice"
+                        out[b, h][rows[:, None], cols[None]] = seen
     return out
 
 
@@ -95,7 +98,7 @@ def test_masks_match_a_per_position_loop(cp):
             assert torch.equal(by_mod, expected)
             c = seq_len // (2 * cp)
             for block in sorted({2, 3, c, 8}):
-                assert torch.equal(effective_mask(mask, block), expected), (seq_len, window, docs, rank, block)
+                assert torch.equal(effective_mask(mask, block)[:, 0], expected), (seq_len, window, docs, rank, block)
                 if not docs and c % block == 0:  # tight: every listed partial block has a visible pair
                     bm = mask.block_mask(block)
                     for qb in range(bm.kv_num_blocks.shape[2]):

@@ -358,7 +358,7 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
     r = machine.rates
     act_bytes = 2 if layout.bf16 else 4
     ops = op_counts(mod.__name__, layout.recompute)
-    # a CPU computes masked attention over every (query, key) pair (core/context.py:attend; a GPU runs flash /
+    # a CPU computes masked attention over every (query, key) pair (core/context.py:attention; a GPU runs flash /
     # flex kernels): the explicit softmax form where the recipe's attention takes it (GPT-OSS's sinks,
     # DeepSeek's value width), SDPA with a boolean mask under cp, each at its calibrated rate per pair (an older
     # calibration without them: the GEMM rate)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from core.context import attend, cp_attention_mask, cp_positions, gather_sequence
+from core.context import attention, cp_attention_mask, cp_positions, gather_sequence
 from core.fp8 import convert_linears, fp8_grouped_mm
 from core.hf_io import CheckpointReader, read_hf_config, write_hf_folder
 from core.kernels.cross_entropy import linear_cross_entropy
@@ -257,7 +257,7 @@ class Attention(nn.Module):
         kv_BNKX = self.kv_b_proj(latent_BKX[..., :self.C]).view(B, K, self.N, self.P + self.U).transpose(1, 2)
         k_rope_BNKR = latent_BKX[:, None, :, self.C:].expand(B, self.N, K, self.R)
         k_BNKD = torch.cat([kv_BNKX[..., :self.P], k_rope_BNKR], -1)
-        o_BNSU = attend(q_BNSD, k_BNKD, kv_BNKX[..., self.P:], mask_BSK, self.scale)
+        o_BNSU = attention(q_BNSD, k_BNKD, kv_BNKX[..., self.P:], mask_BSK, self.cp_group, self.scale)  # keys whole
         return self.o_proj(o_BNSU.transpose(1, 2).reshape(B, S, self.N * self.U))
 
 

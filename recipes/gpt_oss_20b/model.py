@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from core.context import CPMask, cp_attention, cp_attention_mask, cp_positions
+from core.context import CPMask, attention, cp_attention_mask, cp_positions
 from core.fp8 import convert_linears, fp8_grouped_mm
 from core.hf_io import CheckpointReader, dequantize_mxfp4, read_hf_config, write_hf_folder
 from core.kernels.cross_entropy import linear_cross_entropy
@@ -213,7 +213,7 @@ class Attention(nn.Module):
         k_BGSD = self.k_proj(x_BSH).view(B, S, self.G, self.D).transpose(1, 2)
         v_BGSD = self.v_proj(x_BSH).view(B, S, self.G, self.D).transpose(1, 2)
         q_BNSD, k_BGSD = apply_rope(q_BNSD, cos, sin), apply_rope(k_BGSD, cos, sin)
-        o_BNSD = cp_attention(q_BNSD, k_BGSD, v_BGSD, mask_BSK, cp_group, sinks_N=self.sinks)
+        o_BNSD = attention(q_BNSD, k_BGSD, v_BGSD, mask_BSK, cp_group, sinks_N=self.sinks)
         return self.o_proj(o_BNSD.transpose(1, 2).reshape(B, S, self.N * self.D))
 
 
@@ -580,7 +580,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def cp_gather_width(cfg: ModelConfig) -> int:
-    """Numbers per token and layer that attention all-gathers over cp (core.context.cp_attention): K and V of
+    """Numbers per token and layer that attention all-gathers over cp (core.context.attention): K and V of
     the G key-value heads. tools/plan.py times the gather from it."""
     return 2 * cfg.num_key_value_heads * cfg.head_dim
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from core.context import cp_attention, cp_attention_mask, cp_positions
+from core.context import attention, cp_attention_mask, cp_positions
 from core.fp8 import convert_linears, fp8_grouped_mm
 from core.hf_io import CheckpointReader, read_hf_config, write_hf_folder
 from core.kernels.cross_entropy import linear_cross_entropy
@@ -156,7 +156,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
 
     def forward(self, x_BSH, cos, sin, mask_BSK=None):
-        """mask_BSK None: plain causal over these S tokens (SDPA's causal fast path). Otherwise x holds this rank's
+        """mask_BSK None: plain causal over these S tokens (SDPA's causal kernel). Otherwise x holds this rank's
         split_for_cp part of each sequence: K and V of the whole sequence (K = S * cp) are gathered over the cp
         group and this rank's queries attend to them under mask_BSK (a core.context.CPMask: flex_attention on CUDA)."""
         B, S, _ = x_BSH.shape
@@ -164,10 +164,7 @@ class Attention(nn.Module):
         k_BGSD = self.k_norm(self.k_proj(x_BSH).view(B, S, self.G, self.D)).transpose(1, 2)
         v_BGSD = self.v_proj(x_BSH).view(B, S, self.G, self.D).transpose(1, 2)
         q_BNSD, k_BGSD = apply_rope(q_BNSD, cos, sin), apply_rope(k_BGSD, cos, sin)
-        if mask_BSK is None:
-            o_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, is_causal=True, enable_gqa=self.N != self.G)
-        else:
-            o_BNSD = cp_attention(q_BNSD, k_BGSD, v_BGSD, mask_BSK, self.cp_group)
+        o_BNSD = attention(q_BNSD, k_BGSD, v_BGSD, mask_BSK, self.cp_group)  # which kernel: its docstring table
         return self.o_proj(o_BNSD.transpose(1, 2).reshape(B, S, self.N * self.D))
 
 
@@ -550,7 +547,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def cp_gather_width(cfg: ModelConfig) -> int:
-    """Numbers per token and layer that attention all-gathers over cp (core.context.cp_attention): K and V of
+    """Numbers per token and layer that attention all-gathers over cp (core.context.attention): K and V of
     the G key-value heads. tools/plan.py times the gather from it."""
     return 2 * cfg.num_key_value_heads * cfg.head_dim
 
