@@ -143,7 +143,8 @@ GPU_EFFICIENCY = {
     "flex_attention": Efficiency(0.90, "attention",
                                  "PyTorch blog 'FlexAttention: The Flexibility of PyTorch with the Performance of "
                                  "FlashAttention': 90% of FlashAttention-2 forward; applied where core/context.py "
-                                 "attends through flex (cp masks, GPT-OSS's sinks, DeepSeek's value width)"),
+                                 "attention runs flex (its kernel table: a CPMask or sinks on CUDA; taken here for "
+                                 "cp > 1 and for recipes whose attention is not plain causal SDPA)"),
     "flex_attention_bwd": Efficiency(0.85, "attention_bwd", "the same PyTorch FlexAttention blog: 85% of "
                                      "FlashAttention-2 backward"),
     "memory": Efficiency(0.78, "hbm_bw",
@@ -375,7 +376,9 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
     out = {key: _zero() for key in ("F", "B", "W")}
     a2a = {"F": 0.0, "B": 0.0}
     E, k, H = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
-    flex = layout.cp > 1 or ops["explicit_attention"]  # on a GPU core/context.py attends through flex
+    # on CUDA core/context.py:attention runs flex for a CPMask (cp, windows, documents) or sinks, flash SDPA for
+    # plain causal attention; a recipe whose tiny-config forward is not plain SDPA is taken as flex
+    flex = layout.cp > 1 or ops["explicit_attention"]
 
     def gemm_s(flops: float, quantized_elems: float, kind: str) -> float:
         """Seconds of a class's training GEMMs (forward, input gradient, weight gradient: a third each). In FP8
