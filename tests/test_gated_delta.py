@@ -116,6 +116,31 @@ def test_causal_conv1d_equals_direct_sum(W):
         causal_conv1d(x_BSC, w_CW, activation="gelu")
 
 
+def test_fla_wrapper_ops_autograd_and_fullgraph_compile(monkeypatch):
+    """The custom ops around fla (forward, recomputing backward, fake shapes, autograd registration) on CPU, with a
+    stand-in for fla that has fla's signature and runs the reference; also under torch.compile(fullgraph=True)
+    (aot_eager: graph capture, fake tensors and the autograd split, without code generation)."""
+    from core.kernels import gated_delta
+
+    def fla_standin(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+        assert q.shape[2] == v.shape[2] and initial_state is not None and output_final_state  # what the ops pass
+        return chunk_gated_delta_rule_reference(q, k, v, g, beta, scale, initial_state, True, 16,
+                                                use_qk_l2norm_in_kernel)
+
+    monkeypatch.setattr(gated_delta, "_fla_chunk_gated_delta_rule", fla_standin)
+    inputs = make_inputs(S=21, dtype=torch.float32)
+
+    def wrapped(q, k, v, g, b, S0):
+        return gated_delta._fla_gated_delta_rule(q, k, v, g, b, 0.5, S0, True, True)
+
+    want = values_and_grads(lambda q, k, v, g, b, S0: chunk_gated_delta_rule_reference(
+        q, k, v, g, b, 0.5, S0, True, 16, True), inputs)
+    for fn in (wrapped, torch.compile(wrapped, fullgraph=True, backend="aot_eager")):
+        got = values_and_grads(fn, inputs)
+        for name, a, b in zip(NAMES, got, want):  # the same fp32 ops in the same order: equal to rounding
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+
+
 # ------------------------------------------------------------------------------------ context parallelism
 
 # A Gated-DeltaNet-like block: conv (SiLU) over q, k, v channels, then the rule with the kernel's q/k norm.
@@ -143,37 +168,48 @@ def cp_case(cp: int, seed: int = 0):
     return inputs, cotangents
 
 
-def _cp_rank(cp: int):
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    inputs, (do, dS) = cp_case(cp)
+def _cp_run(cp: int, seed: int, group, rank: int) -> list:
+    """This rank's outputs and input gradients for case (cp, seed) on group (rank: its rank in the group)."""
+    inputs, (do, dS) = cp_case(cp, seed)
     local = [split_for_cp(t, rank, cp) if i in (0, 3, 4) else t for i, t in enumerate(inputs)]  # per-token ones
     local = [t.clone().requires_grad_() for t in local]
-    o, S = cp_block(*local, dist.group.WORLD)
+    o, S = cp_block(*local, group)
     # the final state is replicated: rank 0 alone carries its cotangent (a replica's loss counts once)
     torch.autograd.backward([o, S], [split_for_cp(do, rank, cp), dS if rank == 0 else torch.zeros_like(dS)])
-    out = [o.detach(), S.detach()] + [t.grad for t in local]
+    return [o.detach(), S.detach()] + [t.grad for t in local]
+
+
+def _cp_worker():
+    """4 ranks (one spawn for both layouts): cp 2 on ranks {0, 1} (seed 0) and {2, 3} (seed 1), then cp 4 (seed 2)."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    cp2 = _cp_run(2, rank // 2, pairs[rank // 2], rank % 2)
+    cp4 = _cp_run(4, 2, dist.group.WORLD, rank)
     dist.destroy_process_group()
-    return out
+    return {"cp2": cp2, "cp4": cp4}
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_cp_equals_one_process(cp):
-    inputs, (do, dS) = cp_case(cp)
-    inputs = [t.clone().requires_grad_() for t in inputs]
-    o, S = cp_block(*inputs, None)
-    torch.autograd.backward([o, S], [do, dS])
-    ranks = run_ranks(cp, _cp_rank, cp)
+def test_cp2_and_cp4_equal_one_process():
+    """Each cp chunk is 10 tokens, 3 kernel chunks of 4 (the last padded), conv width 4; every input's gradient."""
+    ranks = run_ranks(4, _cp_worker)
+    cases = [(2, 0, [r["cp2"] for r in ranks[:2]]), (2, 1, [r["cp2"] for r in ranks[2:]]),
+             (4, 2, [r["cp4"] for r in ranks])]
     names = ["o", "final state", "dx", "dw", "db", "dg", "dbeta", "dS0"]
-    got = [merge_from_cp([r[0] for r in ranks]), ranks[0][1],
-           merge_from_cp([r[2] for r in ranks]), sum(r[3] for r in ranks), sum(r[4] for r in ranks),
-           merge_from_cp([r[5] for r in ranks]), merge_from_cp([r[6] for r in ranks]), sum(r[7] for r in ranks)]
-    want = [o.detach(), S.detach()] + [t.grad for t in inputs]
-    assert all(torch.equal(r[1], ranks[0][1]) for r in ranks)  # every rank has the same final state
-    # fp64: the composition S_{j+1} = M_j S_j + C_j and o0 + S_in^T P regroup the same sums; differences are a
-    # few hundred fp64 roundings of O(1) values, far below 1e-10.
-    for name, a, b in zip(names, got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=name)
+    for cp, seed, per_rank in cases:
+        inputs, (do, dS) = cp_case(cp, seed)
+        inputs = [t.clone().requires_grad_() for t in inputs]
+        o, S = cp_block(*inputs, None)
+        torch.autograd.backward([o, S], [do, dS])
+        want = [o.detach(), S.detach()] + [t.grad for t in inputs]
+        per_token = (0, 2, 5, 6)  # o, dx, dg, dbeta: split over the ranks; weights, S0: gradients summed
+        got = [merge_from_cp([r[i] for r in per_rank]) if i in per_token else
+               per_rank[0][i] if i == 1 else sum(r[i] for r in per_rank) for i in range(len(names))]
+        assert all(torch.equal(r[1], per_rank[0][1]) for r in per_rank)  # every rank has the same final state
+        # fp64: the composition S_{j+1} = M_j S_j + C_j and o0 + S_in^T P regroup the same sums; differences are
+        # a few hundred fp64 roundings of O(1) values, far below 1e-10.
+        for name, a, b in zip(names, got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=f"cp{cp} seed {seed}: {name}")
 
 
 def test_cp_bytes_and_flops_formulas():
@@ -190,7 +226,7 @@ def test_cp_bytes_and_flops_formulas():
 @pytest.mark.gpu
 def test_fla_kernel_matches_reference_on_cuda():
     """fla's Triton kernels (bf16, through chunk_gated_delta_rule) against the fp32 reference on the same bf16
-    inputs, values and every gradient, also under torch.compile of a function around the call."""
+    inputs, values and every gradient, also under torch.compile(fullgraph=True) of a function around the call."""
     from core.kernels import gated_delta
     if gated_delta._fla_chunk_gated_delta_rule is None:
         pytest.skip("fla-core is not installed (pip install fla-core)")
@@ -208,7 +244,7 @@ def test_fla_kernel_matches_reference_on_cuda():
 
     assert gated_delta.fla_usable(bf16[2])
     want = values_and_grads(ref, bf16)
-    for fn in (fla, torch.compile(fla)):
+    for fn in (fla, torch.compile(fla, fullgraph=True)):
         got = values_and_grads(fn, bf16)
         # bf16 outputs and bf16-stored intermediate states in fla (8 mantissa bits: 4e-3 relative per rounding,
         # a few chained): 3e-2 of each tensor's largest magnitude
