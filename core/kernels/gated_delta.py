@@ -141,7 +141,8 @@ def _fla(q, k, v, g, beta, h0, scale, use_qk_l2norm_in_kernel):
 def _fla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             h0: torch.Tensor, scale: float, use_qk_l2norm_in_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
-        return _fla(q, k, v, g, beta, h0, scale, use_qk_l2norm_in_kernel)
+        o, ht = _fla(q, k, v, g, beta, h0, scale, use_qk_l2norm_in_kernel)
+    return o.to(v.dtype), ht.float()  # the dtypes the fake implementation promises
 
 
 @torch.library.custom_op("moe_delta::fla_gated_delta_rule_backward", mutates_args=())
@@ -155,7 +156,8 @@ def _fla_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
             torch.enable_grad():
         inputs = [x.detach().requires_grad_() for x in (q, k, v, g, beta, h0)]
         o, ht = _fla(*inputs, scale, use_qk_l2norm_in_kernel)
-        return list(torch.autograd.grad([o, ht], inputs, [do, dht]))
+        grads = torch.autograd.grad([o, ht], inputs, [do, dht], allow_unused=True)
+    return [torch.zeros_like(x) if d is None else d.to(x.dtype) for d, x in zip(grads, inputs)]
 
 
 @_fla_op.register_fake
