@@ -255,3 +255,28 @@ def test_fla_kernel_matches_reference_on_cuda():
         # a few chained): 3e-2 of each tensor's largest magnitude
         for name, a, b in zip(NAMES, got, want):
             torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=3e-2 * b.abs().max().item(), msg=name)
+
+
+@pytest.mark.gpu
+def test_fla_cp_path_matches_reference_on_cuda(tmp_path):
+    """gated_delta_rule on a one-rank NCCL group (the rank holds chunks 0 and 1): fla runs with value width V + K
+    from the state [0 | I], the summaries are gathered and composed; against the reference without cp."""
+    from core.kernels import gated_delta
+    if gated_delta._fla_chunk_gated_delta_rule is None:
+        pytest.skip("fla-core is not installed (pip install fla-core)")
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        inputs = [x.detach().cuda().requires_grad_() for x in make_inputs(B=2, S=256, Hk=2, Hv=4, K=128, V=128,
+                                                                            dtype=torch.float32)]
+        q, k, v, g, beta, S0 = inputs
+        bf16 = [q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(), S0]
+        got = values_and_grads(lambda q, k, v, g, b, S0: gated_delta_rule(
+            q, k, v, g, b, None, S0, True, 64, True, dist.group.WORLD), bf16)
+        want = values_and_grads(lambda q, k, v, g, b, S0: chunk_gated_delta_rule_reference(
+            q.float(), k.float(), v.float(), g, b.float(), None, S0, True, 64, True), bf16)
+        for name, a, b in zip(NAMES, got, want):  # bf16 bound as in the test above
+            torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=3e-2 * b.abs().max().item(), msg=name)
+    finally:
+        dist.destroy_process_group()
