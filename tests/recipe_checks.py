@@ -247,7 +247,12 @@ def export_results(recipe: Recipe, data, workdir: Path, hf_in: Path) -> list[Res
     before, after = folder_tensors(hf_in), folder_tensors(hf_out)
     error, where = worst_error([(bitwise_error(after[n], t) if n in after else math.inf, n) for n, t in before.items()]
                                + [(math.inf, f"exported, not in the input: {n}") for n in after.keys() - before.keys()])
-    return [Result("export round trip: HF folder -> train.py --lr 0 -> export", error, 0.0, where)]
+    # a variant (TRANSFORMERS_CLASS None) names itself, so transformers cannot take it for its base model
+    model_type = json.loads((hf_out / "config.json").read_text()).get("model_type")
+    expected = recipe.config["model_type"] if recipe.transformers_class else recipe.name
+    return [Result("export round trip: HF folder -> train.py --lr 0 -> export", error, 0.0, where),
+            Result(f"export's model_type is {expected!r}", 0.0 if model_type == expected else math.inf, 0.0,
+                   f"got {model_type!r}")]
 
 
 def buffer_results(recipe: Recipe, hf_dir: Path) -> list[Result]:

@@ -225,3 +225,37 @@ def test_post_step_seam_writes_routing_decisions(tmp_path, monkeypatch, capsys):
         assert "routing is collapsing" not in log
     holders = [weights["layers.0.mlp.experts.gate_up_proj"][0] for _, _, weights in [single] + [r for r, _ in results[2:3]]]
     assert all(torch.equal(w, torch.full_like(w, REINIT)) for w in holders)
+
+
+# ------------------------------------------------------------------------------------------ a variant's export
+
+
+def test_variant_export_names_the_variant(tmp_path, monkeypatch, capsys):
+    """A recipe that departs from transformers (TRANSFORMERS_CLASS None; here DeepSeek-V2-Lite's, patched) exports
+    a config.json whose model_type names the recipe: transformers' Auto classes refuse it (instead of loading a
+    DeepSeek-V2 and dropping the variant's tensors), the recipe reads it back, another recipe's refusal says how to
+    load it, and tools.evaluate --hf picks the variant's recipe by itself."""
+    import transformers
+
+    from recipes.deepseek_v2_lite import model as deepseek
+    from tools import evaluate
+
+    monkeypatch.setattr(deepseek, "TRANSFORMERS_CLASS", None)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**deepseek.check_setup()["config"], "num_hidden_layers": 2}))
+    cfg = deepseek.ModelConfig.from_hf(config)
+    torch.manual_seed(0)
+    deepseek.save_hf_checkpoint(deepseek.Model(cfg), tmp_path / "variant")
+    hf = json.loads((tmp_path / "variant" / "config.json").read_text())
+    assert (hf["model_type"], hf["base_model_type"], hf["architectures"]) == ("deepseek_v2_lite", "deepseek_v2", [])
+    assert "python -m tools.evaluate --hf FOLDER --recipe deepseek_v2_lite" in hf["how_to_load"]
+    with pytest.raises(ValueError, match="deepseek_v2_lite"):
+        transformers.AutoConfig.from_pretrained(tmp_path / "variant")
+    assert deepseek.ModelConfig.from_hf(tmp_path / "variant") == cfg
+    with pytest.raises(ValueError, match="--recipe deepseek_v2_lite"):
+        qwen3.ModelConfig.from_hf(tmp_path / "variant")
+    data = write_counting_data(tmp_path / "data")
+    val = evaluate.main(["--hf", str(tmp_path / "variant"), "--data", str(data), "--seq-len", "32", "--global-batch",
+                         "8", "--micro-batch", "2", "--eval-batches", "1", "--out", str(tmp_path / "eval")])
+    assert "export of the variant recipe deepseek_v2_lite" in capsys.readouterr().out
+    assert 0 < val["val_loss"] < 10  # ln(256) = 5.5 for random weights

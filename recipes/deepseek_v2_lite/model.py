@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from core.context import attend, cp_attention_mask, cp_positions, gather_sequence
 from core.fp8 import convert_linears, fp8_grouped_mm
-from core.hf_io import CheckpointReader, read_hf_config, write_hf_folder
+from core.hf_io import CheckpointReader, read_hf_config, variant_config, write_hf_folder
 from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.swiglu import swiglu
 from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias
@@ -75,8 +75,9 @@ class ModelConfig:
     def from_hf(cls, path) -> "ModelConfig":
         """Read a Hugging Face DeepSeek-V2 config.json (the file, or a checkpoint folder holding it)."""
         hf = read_hf_config(path)
-        if hf.get("model_type") != "deepseek_v2":
-            raise ValueError(f"{path}: model_type is {hf.get('model_type')!r}, this recipe reads 'deepseek_v2' configs")
+        if hf.get("model_type") not in ("deepseek_v2", Path(__file__).parent.name):  # (the second: this variant's exports)
+            raise ValueError(f"{path}: model_type is {hf.get('model_type')!r}, this recipe reads 'deepseek_v2' configs"
+                             + (f" ({hf['how_to_load']})" if "how_to_load" in hf else ""))
         unsupported = {"hidden_act": ("silu", "silu"), "scoring_func": ("softmax", "softmax"), "tie_word_embeddings":
                        (False, False), "moe_layer_freq": (1, 1), "norm_topk_prob": (False, False)}
         for key, (default, needed) in unsupported.items():
@@ -782,6 +783,8 @@ def save_hf_checkpoint(model: Model, path, dtype: torch.dtype | None = None, den
     tensors = {k: (v.to(dtype) if dtype else v) for k, v in hf_state_dict(model).items()
                if (experts if ".mlp.experts." in k else dense)}
     config = model.cfg.to_hf()
+    if TRANSFORMERS_CLASS is None:  # a variant: its export must not pass for the base model (names the variant)
+        config = variant_config(config, Path(__file__).parent.name)
     if dtype is not None:
         config["dtype"] = str(dtype).removeprefix("torch.")
     write_hf_folder(path, tensors, config)

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from core.context import CPMask, cp_attention, cp_attention_mask, cp_positions
 from core.fp8 import convert_linears, fp8_grouped_mm
-from core.hf_io import CheckpointReader, dequantize_mxfp4, read_hf_config, write_hf_folder
+from core.hf_io import CheckpointReader, dequantize_mxfp4, read_hf_config, variant_config, write_hf_folder
 from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.swiglu import gptoss_swiglu
 from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias
@@ -80,8 +80,9 @@ class ModelConfig:
         """Read a Hugging Face GPT-OSS config.json (the file, or a checkpoint folder holding it): the released one
         (rope_scaling, rope_theta at the top) or one transformers writes (rope_parameters)."""
         hf = read_hf_config(path)
-        if hf.get("model_type") != "gpt_oss":
-            raise ValueError(f"{path}: model_type is {hf.get('model_type')!r}, this recipe reads 'gpt_oss' configs")
+        if hf.get("model_type") not in ("gpt_oss", Path(__file__).parent.name):  # (the second: this variant's exports)
+            raise ValueError(f"{path}: model_type is {hf.get('model_type')!r}, this recipe reads 'gpt_oss' configs"
+                             + (f" ({hf['how_to_load']})" if "how_to_load" in hf else ""))
         if hf.get("tie_word_embeddings"):
             raise ValueError(f"{path}: tie_word_embeddings=true is not supported by this recipe (GPT-OSS is untied)")
         if not hf.get("attention_bias", True):
@@ -698,6 +699,8 @@ def save_hf_checkpoint(model: Model, path, dtype: torch.dtype | None = None, den
     MXFP4). In a distributed run every rank calls it (see core.hf_io.write_hf_folder and hf_state_dict)."""
     tensors = {k: (v.to(dtype) if dtype else v) for k, v in hf_state_dict(model, dense, experts).items()}
     config = model.cfg.to_hf()
+    if TRANSFORMERS_CLASS is None:  # a variant: its export must not pass for the base model (names the variant)
+        config = variant_config(config, Path(__file__).parent.name)
     if dtype is not None:
         config["dtype"] = str(dtype).removeprefix("torch.")
     write_hf_folder(path, tensors, config)
