@@ -171,7 +171,7 @@ def decisions(out, steps, local_rows, micro_batch, seq_len, data_rank):
     global ranks must come in rank order (reduce_stats' "gather")."""
     found = {}
     for step in range(1, steps + 1):
-        rows = torch.load(out / "routing" / f"step_{step}.pt")
+        rows = torch.load(out / "routing" / f"step_{step}.pt", weights_only=True)
         ranks = rows["keys"][:, 0]
         assert (ranks[1:] >= ranks[:-1]).all(), "gathered out of rank order"
         table = {}
