@@ -252,7 +252,7 @@ def export_results(recipe: Recipe, data, workdir: Path, hf_in: Path) -> list[Res
     expected = recipe.config["model_type"] if recipe.transformers_class else recipe.name
     return [Result("export round trip: HF folder -> train.py --lr 0 -> export", error, 0.0, where),
             Result(f"export's model_type is {expected!r}", 0.0 if model_type == expected else math.inf, 0.0,
-                   f"got {model_type!r}")]
+                   "" if model_type == expected else f"got {model_type!r}")]
 
 
 def buffer_results(recipe: Recipe, hf_dir: Path) -> list[Result]:
