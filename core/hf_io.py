@@ -32,6 +32,18 @@ def read_hf_config(path: str | os.PathLike) -> dict:
         raise ValueError(f"{file} is not valid JSON ({e}); re-download or re-export the config") from None
 
 
+def variant_config(config: dict, recipe: str) -> dict:
+    """The config.json of an export whose model departs from its transformers class (a recipe with
+    TRANSFORMERS_CLASS None, a variant of its BASE_RECIPE): model_type names the variant (the recipe folder), so
+    that transformers' Auto classes refuse the folder rather than load the base model and silently drop the new
+    tensors; base_model_type keeps the base's; architectures names no transformers class; how_to_load is the
+    one-line note on how to load it. The recipe's own ModelConfig.from_hf reads it back."""
+    return {**config, "model_type": recipe, "base_model_type": config.get("model_type"), "architectures": [],
+            "how_to_load": f"a variant trained by recipes/{recipe} that transformers cannot load: python -m "
+                           f"tools.evaluate --hf FOLDER --recipe {recipe}, or train.py --hf-checkpoint FOLDER of "
+                           f"that recipe (its model.py:load_hf_checkpoint)"}
+
+
 class CheckpointReader:
     """Lazy access to the tensors of a safetensors checkpoint folder; remembers which names were read."""
 

@@ -1,5 +1,5 @@
 """Step metrics: one log line per step, TensorBoard scalars, MFU, peak memory, progress and ETA; the model's own
-step statistics summed (or maxed) over the ranks."""
+step statistics summed, maxed or gathered over the ranks; expert load max/mean over the live experts."""
 
 import resource
 import sys
@@ -69,13 +69,23 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+REDUCTIONS = ("sum", "max", "gather")
+
+
 def reduce_stats(stats: dict[str, tuple[torch.Tensor, str]], group) -> dict[str, torch.Tensor]:
-    """{name: (tensor, "sum" | "max")} -> {name: tensor combined over the ranks of `group`} (None: this rank alone).
-    Each rank holds other tokens or other layers, so a count adds up and a maximum is the largest; the tensors of
-    one kind travel in one all-reduce (fp32: counts stay exact up to 2^24 per entry)."""
-    for name, (_, how) in stats.items():
-        if how not in ("sum", "max"):
-            raise ValueError(f"statistic {name!r}: reduction {how!r} is not 'sum' or 'max'")
+    """{name: (tensor, "sum" | "max" | "gather")} -> {name: tensor combined over the ranks of `group`} (None: this
+    rank alone). Each rank holds other tokens or other layers, so a count adds up and a maximum is the largest; the
+    tensors of one kind travel in one all-reduce (fp32: counts stay exact up to 2^24 per entry).
+
+    "gather": every rank's tensor concatenated along dim 0 in the group's rank order (WORLD: global rank, row-major
+    over (pp, dp, cp, ep), core/mesh.py), e.g. per-token records. Ranks may hold different dim-0 sizes (a rank
+    without the layer: 0 rows); the other dims and the dtype must agree, and the dtype is kept (ids stay integers;
+    bool: send as uint8). Costs two all-gathers per name, and the result, on every rank, holds every rank's rows."""
+    for name, (t, how) in stats.items():
+        if how not in REDUCTIONS:
+            raise ValueError(f"statistic {name!r}: reduction {how!r} is not one of {', '.join(REDUCTIONS)}")
+        if how == "gather" and t.dim() == 0:
+            raise ValueError(f"statistic {name!r}: 'gather' concatenates along dim 0; give it at least one dim")
     out = {}
     for how, op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX)):
         items = [(name, t) for name, (t, h) in stats.items() if h == how]
@@ -86,7 +96,38 @@ def reduce_stats(stats: dict[str, tuple[torch.Tensor, str]], group) -> dict[str,
             dist.all_reduce(flat, op=op, group=group)
         for (name, t), part in zip(items, flat.split([t.numel() for _, t in items])):
             out[name] = part.view(t.shape)
+    for name, (t, how) in stats.items():
+        if how == "gather":
+            out[name] = gather_rows(t.detach(), group)
     return out
+
+
+def gather_rows(t: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's `t` concatenated along dim 0 in the rank order of `group` (None: t); dim-0 sizes may differ
+    (padded to the longest for the all-gather, which needs equal shapes, and cut back)."""
+    if group is None:
+        return t.clone()
+    n = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=t.device) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device), group=group)
+    sizes = [int(s) for s in sizes]
+    padded = t.new_zeros((max(sizes), *t.shape[1:]))
+    padded[: t.shape[0]] = t
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part[:size] for part, size in zip(parts, sizes)])
+
+
+def load_max_over_mean(load_LE: torch.Tensor, live_LE: torch.Tensor | None = None) -> list[float]:
+    """Per MoE layer, the busiest expert's load over the mean load, both over the experts the router can choose
+    (live_LE nonzero; None: all). 1.0 is balanced; a layer with no live expert or no load reads 0."""
+    if not load_LE.numel():
+        return []
+    live_LE = torch.ones_like(load_LE, dtype=torch.bool) if live_LE is None else live_LE.bool()
+    load_LE = load_LE.float()
+    busiest_L = load_LE.masked_fill(~live_LE, float("-inf")).max(-1).values.clamp(min=0)
+    mean_L = (load_LE * live_LE).sum(-1) / live_LE.sum(-1).clamp(min=1)
+    return torch.where(mean_L > 0, busiest_L / mean_L.clamp(min=1e-30), 0.0).tolist()
 
 
 def _fmt_duration(seconds: float) -> str:

@@ -17,6 +17,13 @@ Router contract (what a recipe's router hands to this file; E experts, k slots p
   applies) identically on every rank and layout.
   Example, k = 2, E = 4: ids [[2, 0], [3, -1], [-1, -1]], weights [[.7, .3], [1., .5], [0., 0.]] give
   out[0] = .7 expert2(x0) + .3 expert0(x0), out[1] = expert3(x1), out[2] = 0.
+  Two counts, two names: E = `num_experts` (a layer's `layer.num_experts`, the ModelConfig field read from
+  config.json) is the routed experts this file dispatches, ids 0..E-1, whose weights the ep ranks hold;
+  `num_choices` (ModelConfig.num_choices, >= E) is the router's choice space: its logits, expert bias, load
+  statistics (expert_counts(ids, num_choices)) and balance loss. Equal in the shipped recipes. Choices kept on
+  the token's rank (zero-computation experts, ids E..num_choices-1: e.g. a copy of x or zero) never reach this
+  file: the router counts its load over all choices, then hands those slots to core as -1 (ids.masked_fill(ids
+  >= E, -1)) and the recipe adds their weighted output itself in its step (5) (`finish`: + w * x for a copy).
 
 Legend: T tokens on this rank, H hidden, k slots per token, E experts in the model, n ranks in the ep group,
 L experts on this rank (core/placement.py: which rank holds each expert at which local index; by default rank d

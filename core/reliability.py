@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from core.metrics import load_max_over_mean
+
 
 class StopRun(Exception):
     """The run cannot go on (e.g. --max-bad-steps non-finite steps in a row); the message says what to do."""
@@ -217,10 +219,13 @@ def step_is_finite(stats: torch.Tensor, finite_P: torch.Tensor, names: list[str]
     return stats, bad_ranks or list(range(world)), bad_names
 
 
-def collapse_warning(step: int, load_per_layer: list[float], moe_layer_ids: list[int], threshold: float = 2.0) -> str:
-    """A log line naming the layers whose expert load max/mean (over the last steps) exceeds threshold ('' if
-    none). With top-k of E experts the worst case is E/k: every token sent to the same k experts."""
-    bad = [f"layer {i} {x:.2f}x" for i, x in zip(moe_layer_ids, load_per_layer) if x > threshold]
+def collapse_warning(step: int, load_LE, moe_layer_ids: list[int], live_LE=None, threshold: float = 2.0) -> str:
+    """A log line naming the layers whose expert load max/mean (load_LE [MoE layers, E], summed over the last steps)
+    exceeds threshold ('' if none), over the experts the router could choose throughout (live_LE nonzero; None:
+    all), so experts a router switched off read as neither idle nor collapse. With top-k of E live experts the
+    worst case is E/k: every token sent to the same k experts."""
+    per_layer = load_max_over_mean(load_LE, live_LE)
+    bad = [f"layer {i} {x:.2f}x" for i, x in zip(moe_layer_ids, per_layer) if x > threshold]
     if not bad:
         return ""
     return (f"warning: step {step}: expert load max/mean over the last steps {', '.join(bad)} (balanced: 1.0): routing "

@@ -1,5 +1,6 @@
-"""What every train.py needs around the model: flags from a dataclass (--help shows each field's comment) and the
-lr schedule (the optimizer, with gradient reduction and clipping, is core/optimizer.py)."""
+"""What every train.py needs around the model: flags from a dataclass (--help shows each field's comment), the
+lr schedule (the optimizer, with gradient reduction and clipping, is core/optimizer.py), the check of the flags
+a model may not support (check_features) and what the model is told after each step (StepDone)."""
 
 import argparse
 import ast
@@ -7,6 +8,7 @@ import dataclasses
 import inspect
 import io
 import math
+import pathlib
 import textwrap
 import tokenize
 import typing
@@ -116,3 +118,26 @@ def lr_factor(step: int, schedule: str, warmup: int, total: int, min_ratio: floa
     if step < decay_start:
         return 1.0
     return 1.0 - (1 - min_ratio) * min(1.0, (step - decay_start + 1) / max(1, total - decay_start))
+
+
+def check_features(supported, requested: dict[str, tuple[str, bool]], where: str) -> None:
+    """requested: optional model feature -> (the flag that asks for it, whether it is on). Raise, in one line, for
+    the first feature asked for that the model's `supported` (its Model.features) lacks."""
+    for feature, (flag, on) in requested.items():
+        if on and feature not in supported:
+            raise ValueError(f"{flag} needs the model feature {feature!r}, which {where} does not support (it "
+                             f"supports: {', '.join(sorted(supported)) or 'none'}); drop the flag")
+
+
+@dataclasses.dataclass
+class StepDone:
+    """What train.py hands `Model.after_step` once per step, on every rank, after the optimizer step and the
+    reduction of the statistics (the post-step seam: expert bias, a router's expert changes, per-step files)."""
+
+    step: int  # the step just finished (1-based)
+    stats: dict  # Model.take_stats() combined over all ranks (core/metrics.py:reduce_stats), expert_load included
+    optimizer: object  # ShardedAdamW / MuonAdamW: reinit_(param, index, value) resets rows and their optimizer state
+    out: pathlib.Path  # the run's folder (--out): per-step artifacts go under it
+    args: object  # train.py's Args (every flag: expert_bias_rate, ...)
+    skipped: bool  # the step was skipped (non-finite loss or gradient): weights and optimizer state unchanged
+    mesh: object  # core/mesh.py:Mesh (is_main: write a shared file once; group(...): a collective of the model's own)

@@ -162,8 +162,10 @@ def check_args(recipe: Recipe, config, data, out, **extra) -> list[str]:
     other shapes, so gradients differ from one process by ~3e-7 (float rounding); with eps 1e-8 the few elements
     whose clipped gradient is ~eps turn that into lr-sized steps, ~1e-5 weight differences after 5 steps at cp2
     (measured: grad norm 1.8e-5, weights 9.5e-6). dp splits whole sequences, keeps the shapes and is not affected;
-    losses and grad norms match at either eps."""
-    return train_args(config, data, out, **{"steps": 3, "micro_batch": 1, "adam_eps": 1e-6, "expert_bias_rate": 1e-2,
+    losses and grad norms match at either eps. A model without the expert_bias feature (Model.features) trains
+    without the bias."""
+    bias = {"expert_bias_rate": 1e-2} if "expert_bias" in recipe.model.Model.features else {}
+    return train_args(config, data, out, **{"steps": 3, "micro_batch": 1, "adam_eps": 1e-6, **bias,
                                             "seq_len": recipe.seq_len, **extra})
 
 
@@ -245,7 +247,12 @@ def export_results(recipe: Recipe, data, workdir: Path, hf_in: Path) -> list[Res
     before, after = folder_tensors(hf_in), folder_tensors(hf_out)
     error, where = worst_error([(bitwise_error(after[n], t) if n in after else math.inf, n) for n, t in before.items()]
                                + [(math.inf, f"exported, not in the input: {n}") for n in after.keys() - before.keys()])
-    return [Result("export round trip: HF folder -> train.py --lr 0 -> export", error, 0.0, where)]
+    # a variant (TRANSFORMERS_CLASS None) names itself, so transformers cannot take it for its base model
+    model_type = json.loads((hf_out / "config.json").read_text()).get("model_type")
+    expected = recipe.config["model_type"] if recipe.transformers_class else recipe.name
+    return [Result("export round trip: HF folder -> train.py --lr 0 -> export", error, 0.0, where),
+            Result(f"export's model_type is {expected!r}", 0.0 if model_type == expected else math.inf, 0.0,
+                   "" if model_type == expected else f"got {model_type!r}")]
 
 
 def buffer_results(recipe: Recipe, hf_dir: Path) -> list[Result]:
@@ -353,6 +360,9 @@ def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
                 "resumed": ("train", args("resumed", ep=2, steps=4, resume=workdir / "full/checkpoints/step_00000002")),
                 "grads cp2": ("grads", (config, 2, 1, recipe.seq_len))},
             4: {"grads cp2xep2": ("grads", (config, 2, 2, recipe.seq_len))}}
+    recompute = "recompute" in recipe.model.Model.features  # (Model.features: what the model declines is skipped)
+    if not recompute:
+        del jobs[2]["pp2 recompute"], jobs[2]["cp2 recompute"]
     for name, layout in LAYOUTS.items():
         export = {"export_hf": workdir / "hf_pp2xep2"} if name == "pp2xep2" else {}
         jobs[math.prod(layout.values())][name] = ("train", args(name, **layout, **export))
@@ -378,7 +388,8 @@ def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
         label = f"{name} {','.join(map(str, placements[name]))}" if name in placements else name
         results.append(Result(f"{label} = 1 process: losses, grad norms, weights", error, LAYOUT_TOLERANCE, where))
         bias = worst_error([bias, (worst["expert bias"][0], f"{name} {worst['expert bias'][1]}")])
-    results.append(Result("expert bias in every layout = 1 process", bias[0], 0.0, bias[1]))
+    if "expert_bias" in recipe.model.Model.features:
+        results.append(Result("expert bias in every layout = 1 process", bias[0], 0.0, bias[1]))
     for name in ("grads cp2", "grads cp2xep2"):
         error, where = worst_error((e, f"rank {rank} {k}") for rank, errors in enumerate(runs[name])
                                    for k, e in errors.items())
@@ -386,8 +397,9 @@ def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
 
     uninterrupted = [(losses[2:], norms[2:], weights) for losses, norms, weights in runs["full"]]
     results.append(same_runs_result("resume at ep2 from step 2 = uninterrupted run", uninterrupted, runs["resumed"]))
-    results.append(same_runs_result("pp2 --recompute layer = pp2", runs["pp2"], runs["pp2 recompute"]))
-    results.append(same_runs_result("cp2 --recompute attention = cp2", runs["cp2"], runs["cp2 recompute"]))
+    if recompute:
+        results.append(same_runs_result("pp2 --recompute layer = pp2", runs["pp2"], runs["pp2 recompute"]))
+        results.append(same_runs_result("cp2 --recompute attention = cp2", runs["cp2"], runs["cp2 recompute"]))
     error, where = worst_error((e, f"{what} {w}") for what, (e, w) in
                                layout_errors(single_bf16, runs["pp2 bf16"], error=bitwise_error).items())
     results.append(Result("pp2 bf16 = 1 bf16 process", error, 0.0, where))

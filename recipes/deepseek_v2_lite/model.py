@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from core.context import attention, cp_attention_mask, cp_positions, gather_sequence
 from core.fp8 import convert_linears, fp8_grouped_mm
-from core.hf_io import CheckpointReader, read_hf_config, write_hf_folder
+from core.hf_io import CheckpointReader, read_hf_config, variant_config, write_hf_folder
 from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.swiglu import swiglu
 from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias
@@ -75,8 +75,9 @@ class ModelConfig:
     def from_hf(cls, path) -> "ModelConfig":
         """Read a Hugging Face DeepSeek-V2 config.json (the file, or a checkpoint folder holding it)."""
         hf = read_hf_config(path)
-        if hf.get("model_type") != "deepseek_v2":
-            raise ValueError(f"{path}: model_type is {hf.get('model_type')!r}, this recipe reads 'deepseek_v2' configs")
+        if hf.get("model_type") not in ("deepseek_v2", Path(__file__).parent.name):  # (the second: this variant's exports)
+            raise ValueError(f"{path}: model_type is {hf.get('model_type')!r}, this recipe reads 'deepseek_v2' configs"
+                             + (f" ({hf['how_to_load']})" if "how_to_load" in hf else ""))
         unsupported = {"hidden_act": ("silu", "silu"), "scoring_func": ("softmax", "softmax"), "tie_word_embeddings":
                        (False, False), "moe_layer_freq": (1, 1), "norm_topk_prob": (False, False)}
         for key, (default, needed) in unsupported.items():
@@ -101,14 +102,14 @@ class ModelConfig:
         if cfg.topk_method not in ("greedy", "group_limited_greedy"):
             raise ValueError(f"{path}: topk_method {cfg.topk_method!r} is not supported; "
                              "use greedy or group_limited_greedy")
-        if cfg.topk_method == "group_limited_greedy" and (not cfg.n_group or cfg.num_experts % cfg.n_group or not
+        if cfg.topk_method == "group_limited_greedy" and (not cfg.n_group or cfg.num_choices % cfg.n_group or not
                                                           cfg.topk_group or cfg.topk_group > cfg.n_group):
-            raise ValueError(f"{path}: group_limited_greedy needs n_group dividing n_routed_experts={cfg.num_experts} "
+            raise ValueError(f"{path}: group_limited_greedy needs n_group dividing n_routed_experts={cfg.num_choices} "
                              f"and 1 <= topk_group <= n_group (got n_group={cfg.n_group}, topk_group={cfg.topk_group})")
         if cfg.topk_method == "group_limited_greedy" and \
-                cfg.num_experts_per_tok > cfg.topk_group * cfg.num_experts // cfg.n_group:
+                cfg.num_experts_per_tok > cfg.topk_group * cfg.num_choices // cfg.n_group:
             raise ValueError(f"{path}: num_experts_per_tok={cfg.num_experts_per_tok} exceeds the experts of topk_group "
-                             f"groups ({cfg.topk_group * cfg.num_experts // cfg.n_group})")
+                             f"groups ({cfg.topk_group * cfg.num_choices // cfg.n_group})")
         if not cfg.n_shared_experts:
             raise ValueError(f"{path}: n_shared_experts must be >= 1 (DeepSeek-V2 always has shared experts)")
         return cfg
@@ -127,6 +128,15 @@ class ModelConfig:
         return i >= self.first_k_dense_replace and self.num_experts > 0
 
     @property
+    def num_choices(self) -> int:
+        """The router's choice space: the ids it scores and picks, 0..num_choices-1 (its weight rows, expert
+        bias, load and aux statistics). num_experts (config.json's n_routed_experts) counts the routed experts
+        core dispatches, ids 0..num_experts-1, held by the ep ranks. They are the same here; a router that also picks
+        choices computed on the token's own rank (zero-computation experts, ids num_experts..num_choices-1)
+        returns more, and hands those slots to core as -1 (core/moe.py: router contract)."""
+        return self.num_experts
+
+    @property
     def router_aux_loss_coef(self) -> float:
         """Coefficient of the balance loss (Model.aux_loss) in the training loss: aux_loss_alpha when seq_aux."""
         return self.aux_loss_alpha if self.seq_aux else 0.0
@@ -143,7 +153,7 @@ def load_config(path) -> ModelConfig:
                          f"{tiny_config_path()}") from None
     check_args({
         f"{path}: num_experts_per_tok ({cfg.num_experts_per_tok}) must be in 1..num_experts ({cfg.num_experts})":
-            1 <= cfg.num_experts_per_tok <= cfg.num_experts,
+            1 <= cfg.num_experts_per_tok <= cfg.num_choices,
         f"{path}: hidden_size, num_attention_heads, head dims, kv_lora_rank, intermediate sizes, vocab_size and "
         f"num_hidden_layers must be >= 1":
             min(cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
@@ -275,9 +285,9 @@ class DenseMLP(nn.Module):
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.weight = nn.Parameter(torch.empty(cfg.num_choices, cfg.hidden_size))
         # aux-loss-free balancing (core.moe.update_expert_bias): shifts which experts are chosen, not their weights
-        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_choices))
         self.cfg = cfg
 
     def forward(self, x_TH):
@@ -289,10 +299,10 @@ class Router(nn.Module):
         scores_TE = probs_TE + self.expert_bias
         if cfg.topk_method == "group_limited_greedy":  # experts of the topk_group groups with the best expert only
             G = cfg.n_group
-            best_TG = scores_TE.view(-1, G, cfg.num_experts // G).amax(-1)
+            best_TG = scores_TE.view(-1, G, cfg.num_choices // G).amax(-1)
             best_groups_Tg = best_TG.topk(cfg.topk_group, -1).indices
             keep_TG = torch.zeros_like(best_TG, dtype=torch.bool).scatter_(1, best_groups_Tg, True)
-            scores_TE = scores_TE.masked_fill(~keep_TG.repeat_interleave(cfg.num_experts // G, 1), float("-inf"))
+            scores_TE = scores_TE.masked_fill(~keep_TG.repeat_interleave(cfg.num_choices // G, 1), float("-inf"))
         ids_Tk = scores_TE.topk(cfg.num_experts_per_tok, dim=-1).indices
         weights_Tk = probs_TE.gather(1, ids_Tk) * cfg.routed_scaling_factor
         return probs_TE, weights_Tk.to(x_TH.dtype), ids_Tk
@@ -323,6 +333,7 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, expert_ids)
         self.shared_experts = DenseMLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
         self.num_experts, self.k = cfg.num_experts, cfg.num_experts_per_tok
+        self.num_choices = cfg.num_choices  # the router's ids; num_experts: the dispatched ones (ModelConfig.num_choices)
         self.ep_group, self.cp_group = ep_group, cp_group
         self.load_E = None  # (token, slot) pairs routed per expert since Model.take_expert_load
 
@@ -332,7 +343,7 @@ class MoE(nn.Module):
         this rank's summed router probabilities (differentiable), so the cp ranks' parts add up to the loss.
         load_E counts the routed slots that are kept (ids >= 0, core/moe.py's router contract). No host sync."""
         probs_TE, weights_Tk, ids_Tk = self.gate(x_TH)
-        E, k = self.num_experts, self.k
+        E, k = self.num_choices, self.k
         ids_BX = ids_Tk.view(batch, -1)  # every slot of a sequence
         counts_BE = probs_TE.new_zeros(batch, E).scatter_add_(1, ids_BX, probs_TE.new_ones(ids_BX.shape))
         cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
@@ -436,6 +447,12 @@ class TrainOutput:
 
 
 class Model(nn.Module):
+    # optional training features this model has; train.py's check_run refuses a flag asking for another (one
+    # error: line before any rank starts) and tests/recipe_checks.py skips its checks: expert_bias
+    # (--expert-bias-rate, after_step), aux_loss (--aux-loss-coef), recompute (--recompute), fp8 (--fp8), muon
+    # (--optimizer muon: muon_matrices)
+    features = frozenset({"expert_bias", "aux_loss", "recompute", "fp8", "muon"})
+
     def __init__(self, cfg: ModelConfig, layers=None, expert_ids: list[int] | None = None, embed: bool = True,
                  head: bool = True, ep_group=None, cp_group=None, recompute: str = "none",
                  placement: Placement | None = None):
@@ -557,9 +574,21 @@ class Model(nn.Module):
         """This rank's statistics since the last call, for the log line, TensorBoard and metrics.jsonl: name ->
         (tensor, "sum" | "max": how core/metrics.py:reduce_stats combines the ranks, which hold other tokens (dp,
         cp, ep) or other layers (pp)). Every rank returns the same names and shapes (rows of layers held by other
-        pipeline stages are 0, or -inf for "max"). expert_load [MoE layers, E] is required (the expert bias and
-        the load heatmap use it); a new router adds its own entries. Scalars and 1-D tensors are logged."""
+        pipeline stages are 0, or -inf for "max"). expert_load [MoE layers, num_choices] is required (the expert
+        bias and the load heatmap use it); a new router adds its own entries. Scalars and 1-D tensors are logged.
+        "gather" (core/metrics.py:reduce_stats) concatenates the ranks' rows instead (per-token records for an
+        after_step file; not logged). Optional expert_live [MoE layers, num_choices] ("max"; 1 where the router
+        can choose the expert now, 0 elsewhere and on rows of other stages' layers): the load max/mean and the
+        collapse warning then count only those; absent: every choice is live."""
         return {"expert_load": (self.take_expert_load(), "sum")}
+
+    def after_step(self, done) -> None:
+        """The post-step seam: train.py calls it on every rank after each optimizer step (a skipped step too) with a
+        core.training.StepDone: step, stats (take_stats reduced over all ranks), optimizer (reinit_ for re-initialised
+        rows), out (the run's folder), args, skipped, mesh. What every rank does here must be the same (the stats
+        are), so replicas stay identical. Here: the aux-loss-free expert-bias update (--expert-bias-rate)."""
+        if done.args.expert_bias_rate > 0 and not done.skipped:
+            self.update_expert_bias(done.stats["expert_load"], done.args.expert_bias_rate)
 
     @torch.no_grad()
     def update_expert_bias(self, load_LE: torch.Tensor, rate: float) -> None:
@@ -575,7 +604,7 @@ class Model(nn.Module):
         model, E] with zero rows for layers held by other pipeline stages."""
         moe_ids = [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
         device = next(self.parameters()).device
-        load_LE = torch.zeros(len(moe_ids), self.cfg.num_experts, device=device)
+        load_LE = torch.zeros(len(moe_ids), self.cfg.num_choices, device=device)
         for row, i in enumerate(moe_ids):
             mlp = self.layers[str(i)].mlp if str(i) in self.layers else None
             if mlp is not None and mlp.load_E is not None:
@@ -644,7 +673,7 @@ def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str
     out = []
     for i in range(cfg.num_hidden_layers):
         moe = cfg.is_moe_layer(i)
-        mlp = cfg.n_shared_experts * 3 * H * I + H * cfg.num_experts if moe else 3 * H * cfg.intermediate_size
+        mlp = cfg.n_shared_experts * 3 * H * I + H * cfg.num_choices if moe else 3 * H * cfg.intermediate_size
         out.append({"attention": 3 * seq_len * N * (P + R + U), "dense": 6 * (attn + mlp),
                     "experts": 6 * cfg.num_experts_per_tok * 3 * H * I if moe else 0})
     return out + [{"head": 6 * cfg.vocab_size * H}]
@@ -754,6 +783,8 @@ def save_hf_checkpoint(model: Model, path, dtype: torch.dtype | None = None, den
     tensors = {k: (v.to(dtype) if dtype else v) for k, v in hf_state_dict(model).items()
                if (experts if ".mlp.experts." in k else dense)}
     config = model.cfg.to_hf()
+    if TRANSFORMERS_CLASS is None:  # a variant: its export must not pass for the base model (names the variant)
+        config = variant_config(config, Path(__file__).parent.name)
     if dtype is not None:
         config["dtype"] = str(dtype).removeprefix("torch.")
     write_hf_folder(path, tensors, config)

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from core.context import attention, cp_attention_mask, cp_positions
 from core.fp8 import convert_linears, fp8_grouped_mm
-from core.hf_io import CheckpointReader, read_hf_config, write_hf_folder
+from core.hf_io import CheckpointReader, read_hf_config, variant_config, write_hf_folder
 from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.swiglu import swiglu
 from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias
@@ -62,8 +62,9 @@ class ModelConfig:
     def from_hf(cls, path) -> "ModelConfig":
         """Read a Hugging Face Qwen3-MoE config.json (the file, or a checkpoint folder holding it)."""
         hf = read_hf_config(path)
-        if hf.get("model_type") != "qwen3_moe":
-            raise ValueError(f"{path}: model_type is {hf.get('model_type')!r}, this recipe reads 'qwen3_moe' configs")
+        if hf.get("model_type") not in ("qwen3_moe", Path(__file__).parent.name):  # (the second: this variant's exports)
+            raise ValueError(f"{path}: model_type is {hf.get('model_type')!r}, this recipe reads 'qwen3_moe' configs"
+                             + (f" ({hf['how_to_load']})" if "how_to_load" in hf else ""))
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported (Qwen3-MoE uses silu)")
         if hf.get("use_sliding_window"):
@@ -93,6 +94,15 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         return i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
 
+    @property
+    def num_choices(self) -> int:
+        """The router's choice space: the ids it scores and picks, 0..num_choices-1 (its weight rows, expert
+        bias, load and aux statistics). num_experts (config.json's field) counts the routed experts core
+        dispatches, ids 0..num_experts-1, held by the ep ranks. They are the same here; a router that also picks
+        choices computed on the token's own rank (zero-computation experts, ids num_experts..num_choices-1)
+        returns more, and hands those slots to core as -1 (core/moe.py: router contract)."""
+        return self.num_experts
+
 
 def load_config(path) -> ModelConfig:
     """The model config, with the mistakes a hand-edited config.json can hold reported in one line (train.py)."""
@@ -103,7 +113,7 @@ def load_config(path) -> ModelConfig:
                          f"{tiny_config_path()}") from None
     check_args({
         f"{path}: num_experts_per_tok ({cfg.num_experts_per_tok}) must be in 1..num_experts ({cfg.num_experts})":
-            1 <= cfg.num_experts_per_tok <= cfg.num_experts,
+            1 <= cfg.num_experts_per_tok <= cfg.num_choices,
         f"{path}: num_attention_heads ({cfg.num_attention_heads}) must be a multiple of num_key_value_heads "
         f"({cfg.num_key_value_heads})": cfg.num_key_value_heads >= 1 and cfg.num_attention_heads % cfg.num_key_value_heads == 0,
         f"{path}: hidden_size, head_dim, intermediate sizes, vocab_size and num_hidden_layers must be >= 1":
@@ -182,9 +192,9 @@ class DenseMLP(nn.Module):
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.weight = nn.Parameter(torch.empty(cfg.num_choices, cfg.hidden_size))
         # aux-loss-free balancing (core.moe.update_expert_bias): shifts which experts are chosen, not their weights
-        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_choices))
         self.k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
     def forward(self, x_TH):
@@ -221,6 +231,7 @@ class MoE(nn.Module):
         self.gate = Router(cfg)
         self.experts = Experts(cfg, expert_ids)
         self.num_experts, self.k, self.ep_group, self.cp_group = cfg.num_experts, cfg.num_experts_per_tok, ep_group, cp_group
+        self.num_choices = cfg.num_choices  # the router's ids; num_experts: the dispatched ones (ModelConfig.num_choices)
         self.load_E = None  # (token, slot) pairs routed per expert since Model.take_expert_load
 
     def route(self, x_TH, aux_2E):
@@ -230,10 +241,10 @@ class MoE(nn.Module):
         load_E counts the routed slots that are kept (ids >= 0, core/moe.py's router contract). No host sync."""
         logits_TE, weights_Tk, ids_Tk = self.gate(x_TH)
         probs_TE = logits_TE.softmax(dim=-1)
-        counts_E = expert_counts(probs_TE.topk(self.k, dim=-1).indices, self.num_experts).float()
+        counts_E = expert_counts(probs_TE.topk(self.k, dim=-1).indices, self.num_choices).float()
         if self.cp_group is not None:
             dist.all_reduce(counts_E, group=self.cp_group)
-        load_E = expert_counts(ids_Tk, self.num_experts)
+        load_E = expert_counts(ids_Tk, self.num_choices)
         self.load_E = load_E if self.load_E is None else self.load_E + load_E
         return weights_Tk, ids_Tk, aux_2E + torch.stack([probs_TE.float().sum(0), counts_E])
 
@@ -323,6 +334,12 @@ class TrainOutput:
 
 
 class Model(nn.Module):
+    # optional training features this model has; train.py's check_run refuses a flag asking for another (one
+    # error: line before any rank starts) and tests/recipe_checks.py skips its checks: expert_bias
+    # (--expert-bias-rate, after_step), aux_loss (--aux-loss-coef), recompute (--recompute), fp8 (--fp8), muon
+    # (--optimizer muon: muon_matrices)
+    features = frozenset({"expert_bias", "aux_loss", "recompute", "fp8", "muon"})
+
     def __init__(self, cfg: ModelConfig, layers=None, expert_ids: list[int] | None = None, embed: bool = True,
                  head: bool = True, ep_group=None, cp_group=None, recompute: str = "none",
                  placement: Placement | None = None):
@@ -400,7 +417,7 @@ class Model(nn.Module):
         if position_ids_BS is None:
             position_ids_BS = self.default_positions(B, S, input_ids_BS.device, cp_split)
         self.set_positions(position_ids_BS, cp_split)
-        state = [self.embed(input_ids_BS), torch.zeros(2, self.cfg.num_experts, device=input_ids_BS.device)]
+        state = [self.embed(input_ids_BS), torch.zeros(2, self.cfg.num_choices, device=input_ids_BS.device)]
         for layer in self.layers.values():
             state = layer(state)
         return self.norm(state[0]), state[1]
@@ -441,15 +458,27 @@ class Model(nn.Module):
         if layers == 0:
             return aux_2E.new_zeros(())
         cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
-        return cfg.num_experts * (aux_2E[0] * aux_2E[1]).sum() / (layers * tokens * cp) ** 2
+        return cfg.num_choices * (aux_2E[0] * aux_2E[1]).sum() / (layers * tokens * cp) ** 2
 
     def take_stats(self) -> dict[str, tuple[torch.Tensor, str]]:
         """This rank's statistics since the last call, for the log line, TensorBoard and metrics.jsonl: name ->
         (tensor, "sum" | "max": how core/metrics.py:reduce_stats combines the ranks, which hold other tokens (dp,
         cp, ep) or other layers (pp)). Every rank returns the same names and shapes (rows of layers held by other
-        pipeline stages are 0, or -inf for "max"). expert_load [MoE layers, E] is required (the expert bias and
-        the load heatmap use it); a new router adds its own entries. Scalars and 1-D tensors are logged."""
+        pipeline stages are 0, or -inf for "max"). expert_load [MoE layers, num_choices] is required (the expert
+        bias and the load heatmap use it); a new router adds its own entries. Scalars and 1-D tensors are logged.
+        "gather" (core/metrics.py:reduce_stats) concatenates the ranks' rows instead (per-token records for an
+        after_step file; not logged). Optional expert_live [MoE layers, num_choices] ("max"; 1 where the router
+        can choose the expert now, 0 elsewhere and on rows of other stages' layers): the load max/mean and the
+        collapse warning then count only those; absent: every choice is live."""
         return {"expert_load": (self.take_expert_load(), "sum")}
+
+    def after_step(self, done) -> None:
+        """The post-step seam: train.py calls it on every rank after each optimizer step (a skipped step too) with a
+        core.training.StepDone: step, stats (take_stats reduced over all ranks), optimizer (reinit_ for re-initialised
+        rows), out (the run's folder), args, skipped, mesh. What every rank does here must be the same (the stats
+        are), so replicas stay identical. Here: the aux-loss-free expert-bias update (--expert-bias-rate)."""
+        if done.args.expert_bias_rate > 0 and not done.skipped:
+            self.update_expert_bias(done.stats["expert_load"], done.args.expert_bias_rate)
 
     @torch.no_grad()
     def update_expert_bias(self, load_LE: torch.Tensor, rate: float) -> None:
@@ -465,7 +494,7 @@ class Model(nn.Module):
         model, E] with zero rows for layers held by other pipeline stages."""
         moe_ids = [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
         device = next(self.parameters()).device
-        load_LE = torch.zeros(len(moe_ids), self.cfg.num_experts, device=device)
+        load_LE = torch.zeros(len(moe_ids), self.cfg.num_choices, device=device)
         for row, i in enumerate(moe_ids):
             mlp = self.layers[str(i)].mlp if str(i) in self.layers else None
             if mlp is not None and mlp.load_E is not None:
@@ -505,13 +534,13 @@ class PipelineStage:
         """(shape, dtype) of each tensor of `state` that crosses pp ranks: the hidden state [micro_batch, seq_len
         (this rank's part under cp), H] in the compute dtype (bf16 on the bf16 path, Model.embed) and the aux
         statistics [2, E] in fp32."""
-        return [((micro_batch, seq_len, cfg.hidden_size), hidden_dtype), ((2, cfg.num_experts), torch.float32)]
+        return [((micro_batch, seq_len, cfg.hidden_size), hidden_dtype), ((2, cfg.num_choices), torch.float32)]
 
     def pre(self, inputs, mb):
         if not self.first:
             return inputs
         ids_BS = self.input_ids[mb]
-        return [self.model.embed(ids_BS), torch.zeros(2, self.model.cfg.num_experts, device=ids_BS.device)]
+        return [self.model.embed(ids_BS), torch.zeros(2, self.model.cfg.num_choices, device=ids_BS.device)]
 
     def post(self, state, mb):
         if not self.last:
@@ -534,7 +563,7 @@ def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str
     for i in range(cfg.num_hidden_layers):
         moe = cfg.is_moe_layer(i)
         out.append({"attention": 6 * seq_len * N * D,
-                    "dense": 6 * (attn + (H * cfg.num_experts if moe else 3 * H * cfg.intermediate_size)),
+                    "dense": 6 * (attn + (H * cfg.num_choices if moe else 3 * H * cfg.intermediate_size)),
                     "experts": 6 * cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size if moe else 0})
     return out + [{"head": 6 * cfg.vocab_size * H}]
 
@@ -644,6 +673,8 @@ def save_hf_checkpoint(model: Model, path, dtype: torch.dtype | None = None, den
     tensors = {k: (v.to(dtype) if dtype else v) for k, v in hf_state_dict(model).items()
                if (experts if ".mlp.experts." in k else dense)}
     config = model.cfg.to_hf()
+    if TRANSFORMERS_CLASS is None:  # a variant: its export must not pass for the base model (names the variant)
+        config = variant_config(config, Path(__file__).parent.name)
     if dtype is not None:
         config["dtype"] = str(dtype).removeprefix("torch.")
     write_hf_folder(path, tensors, config)

@@ -6,7 +6,9 @@ loop (log, checkpoint) -> export.
 
 This file is the same in every shipped recipe (tests/test_layers.py compares them); what differs between
 architectures lives in model.py: the config and its checks (`load_config`), the layers, the pipeline hand-off
-(`PipelineStage.p2p_specs`), the balance loss (`Model.aux_loss`), the step statistics (`Model.take_stats`).
+(`PipelineStage.p2p_specs`), the balance loss (`Model.aux_loss`), the step statistics (`Model.take_stats`), the
+optional features it supports (`Model.features`: a flag for another is refused) and what it does after each
+step (`Model.after_step`: the expert bias, a router's own changes, per-step files).
 
 The loss of a step is the cross-entropy summed over every non-ignored label of the global batch, divided by
 their number (counted across all ranks before the forward), plus aux_loss_coef x the mean per-micro-batch
@@ -34,11 +36,11 @@ from core.context import cp_positions, split_for_cp
 from core.data import TokenLoader, load_tokenizer
 from core.memory import check_train_args
 from core.mesh import build_mesh, destroy_mesh, resolve_layout
-from core.metrics import MetricsLogger, peak_flops, peak_memory_gib, reduce_stats, timed
+from core.metrics import MetricsLogger, load_max_over_mean, peak_flops, peak_memory_gib, reduce_stats, timed
 from core.moe import traffic
 from core.muon import MuonAdamW
 from core.optimizer import ReplicaSet, ShardedAdamW
-from core.pipeline import DualPipeV, split_layers
+from core.pipeline import DualPipeV, running, split_layers
 from core.placement import Placement
 from core.profiling import StepProfiler, parse_steps
 from core.reliability import (
@@ -51,7 +53,7 @@ from core.reliability import (
     run_main,
     step_is_finite,
 )
-from core.training import check_args, lr_factor, parse_args
+from core.training import StepDone, check_args, check_features, lr_factor, parse_args
 
 from .model import (
     Model,
@@ -250,7 +252,8 @@ def main(argv=None):
         return [val], model
     watchdog = Watchdog(args.step_timeout, mesh.rank, mesh.world)
     profiler = StepProfiler(args.profile_steps, args.steps, args.out, mesh.rank, device)
-    bad_in_a_row, skipped, timeline, window_LE = 0, 0, [], 0  # window_LE: expert load since the last collapse check
+    # window_LE: expert load since the last collapse check, window_live_LE: experts live in all of it (None: all)
+    bad_in_a_row, skipped, timeline, window_LE, window_live_LE = 0, 0, [], 0, None
     for step in range(start_step + 1, args.steps + 1):
         start = time.perf_counter()
         watchdog.arm(step, "data")
@@ -272,11 +275,14 @@ def main(argv=None):
         if pipeline is None:  # micro-batches one after the other, in one autocast region (as the pipeline runs:
             # autocast casts each nn.Linear weight once per region, and backwards compute alike in both)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                for mb in range(n_micro):
+                for mb in range(n_micro):  # `running` tells the layers which micro-batch (core/pipeline.py)
                     rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
+                    running.set(mb)
                     out = model.forward_train(input_ids[rows], labels[rows], positions_BS)
+                    running.set(mb, backward=True)
                     micro_batch_loss(out.loss_sum, out.aux_loss).backward()
                     stats += torch.stack([out.loss_sum.detach(), out.aux_loss.detach()])
+                running.set(None)
         else:  # DualPipeV over the pp ranks (core/pipeline.py)
             model.set_positions(positions_BS)
             for stage in pipeline.stages:
@@ -308,31 +314,40 @@ def main(argv=None):
         # statistics of the global batch: every rank holds other tokens (dp, cp, ep) or other layers (pp); the
         # model's own (Model.take_stats: the expert load and whatever its router counts) and the all-to-all rows
         watchdog.set_phase("statistics all-reduce")
-        model_stats = reduce_stats({**model.take_stats(), "a2a_rows": (torch.zeros(2, device=device) + traffic.take(), "sum")},
+        own_stats = model.take_stats()
+        model_stats = reduce_stats({**own_stats, "a2a_rows": (torch.zeros(2, device=device) + traffic.take(), "sum")},
                                    dist.group.WORLD if mesh.world > 1 else None)
-        load_LE, a2a_rows = model_stats.pop("expert_load"), model_stats.pop("a2a_rows")
-        if args.expert_bias_rate > 0 and not bad_ranks:  # global load, so the bias stays identical on every rank
-            model.update_expert_bias(load_LE, args.expert_bias_rate)
+        a2a_rows = model_stats.pop("a2a_rows")
+
+        # ---- post-step seam: the model sees the step's global statistics and the optimizer (Model.after_step;
+        # by default the expert-bias update), on every rank alike
+        watchdog.set_phase("Model.after_step")
+        model.after_step(StepDone(step, model_stats, optimizer, Path(args.out), args, bool(bad_ranks), mesh))
+        load_LE, live_LE = model_stats["expert_load"], model_stats.get("expert_live")
+        logged = {n: v for n, v in model_stats.items() if n not in ("expert_load", "expert_live")
+                  and own_stats[n][1] != "gather"}  # gathered records are the model's to write (after_step)
         if device.type == "cuda":
             torch.cuda.synchronize()
         profiler.end(step)  # (writes the traces after the window's last step)
-        load_per_layer = (load_LE.max(-1).values / load_LE.mean(-1)).tolist() if load_LE.numel() else []
+        load_per_layer = load_max_over_mean(load_LE, live_LE)  # over the experts the router could choose
         scalars = {"loss": (stats[0] / num_labels).item(), "aux_loss": (stats[1] / (n_micro * mesh.data_world)).item(),
                    "lr": lr, "grad_norm": grad_norm.item(), "peak_mem_gib": peak_memory_gib(device),
                    "skipped_steps": skipped, "opt_time": opt_time}
         if a2a_rows[1] > 0:  # rows sent to other ranks, deduplicated vs one per (token, expert)
             scalars["a2a_rows_vs_naive"] = (a2a_rows[0] / a2a_rows[1]).item()
         history.append(logger.log(step, time.perf_counter() - start, args.global_batch * args.seq_len, scalars,
-                                  {"expert_load_max_over_mean": load_per_layer, **model_stats}))
+                                  {"expert_load_max_over_mean": load_per_layer, **logged}))
         watchdog.step_done(history[-1]["step_time"])
         logger.log_load_heatmap(step, load_LE, args.load_heatmap_every)
         window_LE = window_LE + load_LE
+        if live_LE is not None:  # the experts live throughout the window
+            window_live_LE = live_LE.bool() & (True if window_live_LE is None else window_live_LE)
         if step % 25 == 0 or step == args.steps:  # over 25 steps: one batch's content would be noise
             moe_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
-            warning = collapse_warning(step, (window_LE.max(-1).values / window_LE.mean(-1)).tolist(), moe_ids)
+            warning = collapse_warning(step, window_LE, moe_ids, window_live_LE)
             if warning and mesh.is_main and step > args.warmup_steps:
                 print(warning, flush=True)
-            window_LE = 0
+            window_LE, window_live_LE = 0, None
 
         # ---- validation loss (every eval_every steps and after the last one)
         if eval_every > 0 and (step % eval_every == 0 or step == args.steps):
@@ -430,6 +445,12 @@ def check_run(args: Args, world: int):
         raise ValueError(f"--seq-len {args.seq_len} is not divisible by 2*cp = {2 * args.cp}: context parallelism "
                          f"cuts each sequence into 2*cp chunks; use a --seq-len that is a multiple of {2 * args.cp}")
     cfg = load_config(args.hf_checkpoint or args.config)
+    check_features(Model.features, {  # optional features: each model.py says which it has (Model.features)
+        "expert_bias": (f"--expert-bias-rate {args.expert_bias_rate}", args.expert_bias_rate > 0),
+        "aux_loss": (f"--aux-loss-coef {args.aux_loss_coef}", args.aux_loss_coef > 0),
+        "recompute": (f"--recompute {args.recompute}", args.recompute != "none"),
+        "fp8": ("--fp8", args.fp8), "muon": ("--optimizer muon", args.optimizer == "muon")},
+        f"recipes/{Path(__file__).parent.name}/model.py")
     if args.pp > 1:
         split_layers(cfg.num_hidden_layers, args.pp)  # clear error if too few layers for 2*pp stages
     pp, dp, cp, ep = resolve_layout(world, args.pp, args.dp, args.cp, args.ep)
@@ -500,8 +521,10 @@ def evaluate(model, pipeline, loader, args, mesh, positions_BS, use_bf16) -> dic
             input_ids, labels = (split_for_cp(t, mesh.coord("cp"), mesh.cp) for t in (input_ids, labels))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
             if pipeline is None:
-                for ids, lab in zip(input_ids.split(args.micro_batch), labels.split(args.micro_batch)):
+                for mb, (ids, lab) in enumerate(zip(input_ids.split(args.micro_batch), labels.split(args.micro_batch))):
+                    running.set(mb)
                     totals[0] += model.forward_train(ids, lab, positions_BS).loss_sum.float()
+                running.set(None)
             else:
                 model.set_positions(positions_BS)
                 for stage in pipeline.stages:
@@ -511,13 +534,13 @@ def evaluate(model, pipeline, loader, args, mesh, positions_BS, use_bf16) -> dic
                 totals[0] += pipeline.stages[1].stats[0]
         if pipeline is None or mesh.coord("pp") == 0:
             totals[1] += (labels != -100).sum()
-    load_LE = reduce_stats(model.take_stats(), dist.group.WORLD if mesh.world > 1 else None)["expert_load"]
+    stats = reduce_stats(model.take_stats(), dist.group.WORLD if mesh.world > 1 else None)
     traffic.take()
     if mesh.world > 1:
         dist.all_reduce(totals)
     loss = (totals[0] / totals[1].clamp(min=1)).item()
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(totals[1]),
-            "val_load_max_over_mean": (load_LE.max(-1).values / load_LE.mean(-1)).tolist() if load_LE.numel() else []}
+            "val_load_max_over_mean": load_max_over_mean(stats["expert_load"], stats.get("expert_live"))}
 
 
 @torch.no_grad()
