@@ -126,11 +126,12 @@ def layout_errors(reference, results, ep: int = 1, error=rel_err, placement=None
 
 def worst_bounded(errors) -> tuple[float, str, float]:
     """The (error, where, bound) of largest error / bound (NaN the largest, an error above a bound 0 infinite);
-    (0.0, "", 0.0) when there is none or every error is 0."""
+    (0.0, "", the smallest bound) when every error is 0, (0.0, "", 0.0) when there is none."""
+    errors = list(errors)
     def excess(e):
         return math.inf if math.isnan(e[0]) else e[0] / e[2] if e[2] else (math.inf if e[0] else 0.0)
     worst = max(errors, key=excess, default=(0.0, "", 0.0))
-    return worst if worst[0] != 0 else (0.0, "", 0.0)
+    return worst if worst[0] != 0 else (0.0, "", min((e[2] for e in errors), default=0.0))
 
 
 def assert_matches_single(reference, results, ep: int = 1, placement=None) -> list[float]:
@@ -279,3 +280,25 @@ def test_lr_schedules(schedule):
     assert all(a >= b - 1e-12 for a, b in zip(f[9:], f[10:]))  # never rises after warmup
     if schedule == "wsd":
         assert f[10:80] == [1.0] * 70  # stable until the last 20%
+
+
+def test_each_tensor_is_held_to_its_own_noise():
+    """layout_errors with a float64 run: a tensor whose fp32 run is far from float64 (a near-cancelling sum) may
+    differ by up to NOISE_FACTOR times that, one that is not by no more than NOISE_FLOOR; experts per ep rank."""
+    ones = torch.ones(4, 3)
+    noisy, quiet = ones.clone(), ones.clone()
+    noisy[0, 0] += 2e-4  # the fp32 run's rounding, seen against float64: relative noise 2e-4 / sqrt(12) = 5.8e-5
+    reference64 = ([1.0], [1.0], {"lam": ones, "w": ones, "layers.0.mlp.experts.w": ones})
+    reference = ([1.0], [1.0], {"lam": noisy, "w": quiet, "layers.0.mlp.experts.w": quiet})
+    layout = lambda lam, w, experts: ([1.0], [1.0], {"lam": lam, "w": w, "layers.0.mlp.experts.w": experts})
+    within = layout(noisy + 5e-4, quiet, quiet[:2])
+    errors = layout_errors(reference, [within, within], ep=2, reference64=reference64)
+    assert errors["weights"][0] == pytest.approx(5e-4, rel=1e-3)  # every element off by 5e-4: 9 x the floor
+    assert errors["weights"][2] == pytest.approx(NOISE_FACTOR * 2e-4 / math.sqrt(12), rel=1e-3)
+    assert errors["weights"][0] <= errors["weights"][2] and errors["losses"] == (0.0, "", NOISE_FLOOR)
+    above_floor = layout_errors(reference, [layout(noisy, quiet * (1 + 3e-6), quiet)], reference64=reference64)
+    assert above_floor["weights"][1:] == ("rank 0 w", NOISE_FLOOR)  # 3e-6 > NOISE_FLOOR: fails
+    wrong_expert = quiet[:2].clone()
+    wrong_expert[1] += 1e-5  # rank 1's second expert (global 3): compared with expert 3 of one process's
+    errors = layout_errors(reference, [within, layout(noisy, quiet, wrong_expert)], ep=2, reference64=reference64)
+    assert errors["weights"][1] == "rank 1 layers.0.mlp.experts.w" and errors["weights"][0] > NOISE_FLOOR
