@@ -231,8 +231,8 @@ def parity_results(recipe: Recipe, hf_dir: Path) -> list[Result]:
             check, _, tensor = row.check.partition(": ")  # "grad worst: NAME"
             error = row.max_abs if row.metric == "max_abs" else row.rel
             what = f"{check}, {'max abs' if row.metric == 'max_abs' else 'relative'}"
-            kind = " float64" if dtype == torch.float64 else ""
-            results.append(Result(f"={kind} {recipe.transformers_class}{kind}: {what}", error, row.tol, tensor))
+            kind = ("float64 ", " float64") if dtype == torch.float64 else ("", "")
+            results.append(Result(f"{kind[0]}= {recipe.transformers_class}{kind[1]}: {what}", error, row.tol, tensor))
     return results
 
 
