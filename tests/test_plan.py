@@ -16,6 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from core.memory import Layout, check_fits
+from core.placement import Placement
 from tests.test_launch import launch_env
 from tools import plan
 from tools.pipeline_timeline import formula_bubble, schedule_order, simulate
