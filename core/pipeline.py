@@ -31,9 +31,16 @@ queue the weight gradient (core.moe.weight_grads); the schedule's W steps run th
 
 Recompute: a layer may wrap parts of its compute steps in torch.utils.checkpoint (non-reentrant); each such region
 lies inside one autograd segment (never across an all-to-all), so it is recomputed when that segment's backward runs.
+
+Which chunk is running: `running` (a Running) names the micro-batch, stage and direction whose code runs right now.
+The engine sets it each time it advances a chunk's forward or backward generator, so under overlap a layer sees
+its own chunk's micro-batch, and a forward recomputed inside a backward sees the backward chunk's (backward True).
+train.py's plain loop (pp=1) and evaluate() set it too. Read it, never set it, from a layer (e.g. to pick the
+micro-batch's document mask): `from core.pipeline import running; running.micro_batch`.
 """
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -57,6 +64,33 @@ def split_layers(num_layers: int, pp: int) -> list[list[int]]:
                          f"a layer); use a smaller --pp or a model with at least {stages - 2} layers")
     starts = [sum(sizes[:s]) for s in range(stages)]
     return [list(range(starts[s], starts[s] + sizes[s])) for s in range(stages)]
+
+
+@dataclass
+class Running:
+    """The chunk whose compute runs now: micro_batch (index within the step, 0..n-1; None outside any loop and
+    in W slots, which run queued weight gradients of several chunks), stage (pipeline stage 0..2*pp-1; None without a pipeline), backward (True while its backward runs, recompute
+    included). One instance, `running`, per process."""
+
+    micro_batch: int | None = None
+    stage: int | None = None
+    backward: bool = False
+
+    def set(self, micro_batch: int | None, stage: int | None = None, backward: bool = False) -> None:
+        self.micro_batch, self.stage, self.backward = micro_batch, stage, backward
+
+
+running = Running()
+
+
+def _running_as(steps, micro_batch: int, stage: int, backward: bool):
+    """The generator `steps`, with `running` set to this chunk before each of its steps (the other generator
+    interleaved with it sets its own in between)."""
+    while True:
+        running.set(micro_batch, stage, backward)
+        if next(steps, StopIteration) is StopIteration:
+            return
+        yield
 
 
 class _Tape:
@@ -140,7 +174,11 @@ class DualPipeV:
         out = []
         self.tapes[phase].append(tape)
         self.outputs[phase].append(out)
-        return chunk, _forward_steps(self.stages[phase], self.inputs[phase][chunk], chunk, tape, out)
+        steps = _forward_steps(self.stages[phase], self.inputs[phase][chunk], chunk, tape, out)
+        return chunk, _running_as(steps, chunk, self._stage_id(phase), backward=False)
+
+    def _stage_id(self, phase: int) -> int:
+        return self.rank if phase == 0 else 2 * self.pp - 1 - self.rank
 
     def _end_forward(self, phase: int, chunk: int):
         out = self.outputs[phase][chunk]
@@ -159,7 +197,8 @@ class DualPipeV:
             grads = [torch.ones_like(outputs[0])]
         else:
             grads = self.output_grads[phase][chunk]
-        return chunk, _backward_steps(self.tapes[phase][chunk], outputs, grads)
+        steps = _backward_steps(self.tapes[phase][chunk], outputs, grads)
+        return chunk, _running_as(steps, chunk, self._stage_id(phase), backward=True)
 
     def _end_backward(self, phase: int, chunk: int):
         inputs = self.inputs[phase][chunk]
@@ -214,6 +253,7 @@ class DualPipeV:
         if self.forward_only or not self.delay_weight_grads:
             return
         self._commit()
+        running.set(None, backward=True)  # queued weight gradients of earlier chunks: no one micro-batch
         with torch.no_grad():
             self._timed("W", weight_grads.pop)
 
@@ -363,4 +403,5 @@ class DualPipeV:
             self._weight_compute()
         self._commit()
         assert forward_only or not self.delay_weight_grads or weight_grads.empty(), "weight gradients left queued"
+        running.set(None)
         return self.losses

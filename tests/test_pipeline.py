@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from core.mesh import build_mesh, destroy_mesh
 from core.moe import expert_matmul, moe_forward
-from core.pipeline import DualPipeV, split_layers
+from core.pipeline import DualPipeV, running, split_layers
 from tests.multiproc import run_ranks
 
 H, E, K, S, MB = 16, 4, 2, 8, 2  # hidden, experts, top-k, sequence, sequences per micro-batch
@@ -99,12 +100,13 @@ def pipeline_worker(pp, ep, num_micro, overlap, delay, forward_only=False):
     return result
 
 
-def run_pipeline(mesh, num_micro, overlap, delay, forward_only=False, drops=(None,)):
-    """One DualPipeV run on `mesh`; layer i's router drops slots below drops[i % len(drops)] (ToyLayer.drop)."""
+def run_pipeline(mesh, num_micro, overlap, delay, forward_only=False, drops=(None,), layer_class=ToyLayer):
+    """One DualPipeV run on `mesh`; layer i's router drops slots below drops[i % len(drops)] (ToyLayer.drop); the
+    layers are of `layer_class` (a ToyLayer with the same parameters)."""
     pp, ep, r, ep_rank = mesh.pp, mesh.ep, mesh.coord("pp"), mesh.coord("ep")
     model, ids = ToyModel(mesh.group("ep"), ep_rank, ep), batches(num_micro)
     for i, layer in enumerate(model.layers):
-        layer.drop = drops[i % len(drops)]
+        layer.drop, layer.__class__ = drops[i % len(drops)], layer_class
     stages_layers = split_layers(LAYERS, pp)
     stages = [ToyStage(model, stages_layers[s], s == 0, s == 2 * pp - 1, ids, ids.numel()) for s in (r, 2 * pp - 1 - r)]
     step = mesh.world // pp  # global rank distance between pp neighbours
@@ -166,3 +168,60 @@ def test_errors():
     engine = DualPipeV([None, None], 0, 2, None, 1, None, [], torch.device("cpu"))
     with pytest.raises(ValueError, match="at least 2\\*pp = 4 micro-batches"):
         engine.run(3)
+
+
+
+RECORDS = []  # (fingerprint of a mixing input, running.micro_batch, running.stage, running.backward), this process
+
+
+def fingerprint(x):
+    return x.detach().flatten()[:8].tolist()
+
+
+class RecordingLayer(ToyLayer):
+    """ToyLayer whose mixing is recomputed in backward (torch.utils.checkpoint); each run of it, the first and the
+    recomputed one, records what core.pipeline.running says while it runs, next to its input's fingerprint."""
+
+    def attention(self, state):
+        def mix(x):
+            RECORDS.append((fingerprint(x), running.micro_batch, running.stage, running.backward))
+            return x + torch.tanh(self.mix(x))
+
+        h = checkpoint(mix, state[0], use_reentrant=False)
+        x_TH = h.flatten(0, 1)
+        weights, ids = self.router(x_TH).softmax(-1).topk(K, dim=-1)
+        return [h], x_TH, ids, weights
+
+
+def running_worker(pp, num_micro, overlap):
+    mesh = build_mesh(pp=pp, ep=1, dp=1)
+    run_pipeline(mesh, num_micro, overlap, delay=True, layer_class=RecordingLayer)
+    destroy_mesh()
+    return RECORDS, running.micro_batch
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_running_names_the_chunk(overlap):
+    """Every run of a layer's code, in forward and recomputed in backward, under overlap (one chunk's forward
+    interleaved with another's backward) or not, sees the micro-batch and stage whose data it computes: told
+    apart by its input, matched to the one-process run's inputs of each (layer, micro-batch)."""
+    pp, num_micro = 2, 5
+    model, ids = ToyModel(), batches(num_micro)
+    stage_of = {i: s for s, layer_ids in enumerate(split_layers(LAYERS, pp)) for i in layer_ids}
+    ref = []  # (fingerprint, micro-batch, stage) of every layer's input
+    with torch.no_grad():
+        for mb in range(num_micro):
+            state = [model.embed(ids[mb])]
+            for i, layer in enumerate(model.layers):
+                ref.append((torch.tensor(fingerprint(state[0])), mb, stage_of[i]))
+                state, x_TH, top_ids, weights = layer.attention(state)
+                state = layer.finish(state, moe_forward(x_TH, top_ids, weights, E, None, layer.routed_experts)[0])
+    seen = set()
+    for records, after in run_ranks(pp, running_worker, pp, num_micro, overlap):
+        assert after is None  # reset when the step is done
+        for fp, mb, stage, backward in records:
+            _, ref_mb, ref_stage = min(ref, key=lambda r: (r[0] - torch.tensor(fp)).norm().item())
+            assert (mb, stage) == (ref_mb, ref_stage), (fp, mb, stage, backward)
+            seen.add((ref_mb, ref_stage, backward))
+    # every (micro-batch, stage) ran forward once and was recomputed in its backward
+    assert seen == {(mb, s, b) for mb in range(num_micro) for s in range(2 * pp) for b in (False, True)}

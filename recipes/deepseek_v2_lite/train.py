@@ -38,7 +38,7 @@ from core.metrics import MetricsLogger, peak_flops, peak_memory_gib, reduce_stat
 from core.moe import traffic
 from core.muon import MuonAdamW
 from core.optimizer import ReplicaSet, ShardedAdamW
-from core.pipeline import DualPipeV, split_layers
+from core.pipeline import DualPipeV, running, split_layers
 from core.placement import Placement
 from core.profiling import StepProfiler, parse_steps
 from core.reliability import (
@@ -272,11 +272,14 @@ def main(argv=None):
         if pipeline is None:  # micro-batches one after the other, in one autocast region (as the pipeline runs:
             # autocast casts each nn.Linear weight once per region, and backwards compute alike in both)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                for mb in range(n_micro):
+                for mb in range(n_micro):  # `running` tells the layers which micro-batch (core/pipeline.py)
                     rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
+                    running.set(mb)
                     out = model.forward_train(input_ids[rows], labels[rows], positions_BS)
+                    running.set(mb, backward=True)
                     micro_batch_loss(out.loss_sum, out.aux_loss).backward()
                     stats += torch.stack([out.loss_sum.detach(), out.aux_loss.detach()])
+                running.set(None)
         else:  # DualPipeV over the pp ranks (core/pipeline.py)
             model.set_positions(positions_BS)
             for stage in pipeline.stages:
@@ -500,8 +503,10 @@ def evaluate(model, pipeline, loader, args, mesh, positions_BS, use_bf16) -> dic
             input_ids, labels = (split_for_cp(t, mesh.coord("cp"), mesh.cp) for t in (input_ids, labels))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
             if pipeline is None:
-                for ids, lab in zip(input_ids.split(args.micro_batch), labels.split(args.micro_batch)):
+                for mb, (ids, lab) in enumerate(zip(input_ids.split(args.micro_batch), labels.split(args.micro_batch))):
+                    running.set(mb)
                     totals[0] += model.forward_train(ids, lab, positions_BS).loss_sum.float()
+                running.set(None)
             else:
                 model.set_positions(positions_BS)
                 for stage in pipeline.stages:
