@@ -43,7 +43,7 @@ MODULES = ("os", "os.path", "shutil", "json", "re", "string", "textwrap", "itert
 QUESTIONS = ("What does {} do?", "Explain {}.", "What is {} for?", "Describe the function {}.")
 
 
-def sentencepiece_to_hf(model_path: Path, out: Path, chat_template: str) -> None:
+def sentencepiece_to_hf(model_path: Path, out: Path, chat_template: str, check_files: int = 20) -> None:
     """A Hugging Face tokenizer folder that encodes and decodes exactly as the sentencepiece BPE model (built as
     tools/prepare_data.py trains it: identity normalisation, no dummy prefix, byte fallback, "\\n" a piece)."""
     import sentencepiece as spm
@@ -61,7 +61,7 @@ def sentencepiece_to_hf(model_path: Path, out: Path, chat_template: str) -> None
     specials = [sp.id_to_piece(i) for i in (sp.unk_id(), sp.bos_id(), sp.eos_id())]
     tk.add_special_tokens([AddedToken(t, special=True) for t in specials])
     root = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.glob("*.py"))[:20]:  # the same ids as sentencepiece, or no folder
+    for path in sorted(root.glob("*.py"))[:check_files]:  # the same ids as sentencepiece, or no folder
         text = path.read_text(encoding="utf-8", errors="replace")
         if tk.encode(text, add_special_tokens=False).ids != sp.encode(text):
             raise ValueError(f"the converted tokenizer encodes {path} differently from {model_path}; "
