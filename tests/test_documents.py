@@ -218,3 +218,29 @@ def test_loss_is_the_mean_over_trained_tokens(tmp_path):
     assert history[0]["trained_tokens"] == count
     # fp32 sums over ~200 tokens in another order than transformers' (fused experts, sdpa): ~1e-7 relative
     assert abs(history[0]["loss"] - total / count) <= 1e-5 * total / count
+
+
+def test_raw_text_documents_end_at_each_eos(tmp_path):
+    """Raw text keeps its stream windows; with documents=True each token's document counts the eos tokens before
+    it in its window (an eos belongs to the document it ends), which --document-mask masks by."""
+    write_shards([[5, 6, 7], [8, 9], [10, 11, 12, 13]], tmp_path / "t", vocab_size=100, eos_id=1,
+                 tokenizer={"kind": "none"})
+    loader = TokenLoader(tmp_path / "t", 5, 2)
+    assert not loader.documents and loader.num_samples == 2
+    ids, labels, docs = loader.next_batch(documents=True)
+    for row_ids, row_labels, row_docs in zip(ids.tolist(), labels.tolist(), docs.tolist()):
+        assert row_labels[:-1] == row_ids[1:]  # the stream: every label trained, across documents too
+        expected, d = [], 0
+        for t in row_ids:
+            expected.append(d)
+            d += t == 1
+        assert row_docs == expected
+
+
+def test_documents_dataset_missing_fields(tmp_path):
+    path, _ = chat_dataset(tmp_path / "d", n=4)
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["masks"]
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="without masks; rerun tools.prepare_data --force"):
+        TokenLoader(path, 32, 1)
