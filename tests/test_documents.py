@@ -244,3 +244,31 @@ def test_documents_dataset_missing_fields(tmp_path):
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="without masks; rerun tools.prepare_data --force"):
         TokenLoader(path, 32, 1)
+
+
+def test_prepare_data_skill_checks_conversations(chatml, tmp_path, capsys):
+    """skills/prepare-data on --chat data: the trained tokens and the first answer in its table, --seq-len in
+    the printed command."""
+    import importlib.util
+
+    from tests.test_launch import ROOT
+
+    spec = importlib.util.spec_from_file_location("prepare_skill", ROOT / "skills/prepare-data/scripts/prepare.py")
+    skill = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(skill)
+    tok, folder = chatml
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT}] * 3)
+    skill.main(["--recipe", "qwen3_30b_a3b", "--config", str(ROOT / "recipes/qwen3_30b_a3b/config_tiny.json"), "--chat",
+                "--input", str(path), "--hf-tokenizer", str(folder), "--seq-len", "200", "--out", str(tmp_path / "o"),
+                "--val-fraction", "0"])
+    out = capsys.readouterr().out
+    assert f"OK   first training answer decodes: {assistant_text(CHAT, '<|im_end|>')[:60]!r}" in out
+    assert "OK   3 conversations:" in out and out.rstrip().endswith("--seq-len 200")
+
+
+def test_document_mask_cost_tool_runs():
+    from tools import bench
+
+    res = bench.main(["--document-mask-cost", "--seq-len", "32", "--micro-batch", "1", "--steps", "1", "--rounds", "1",
+                      "--warmup", "0"])
+    assert set(res) == set(bench.RECIPES) and all(r["ratio"] > 0 for r in res.values())
