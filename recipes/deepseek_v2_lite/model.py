@@ -683,15 +683,16 @@ def cp_gather_width(cfg: ModelConfig) -> int:
 # ------------------------------------------------------------------ speed switches (train.py --compile, --fp8)
 
 
-def compile_dense_parts(model: Model) -> None:
+def compile_dense_parts(model: Model, document_mask: bool = False) -> None:
     """torch.compile(fullgraph=True) the dense parts of every decoder layer, in place (parameter names unchanged):
     the norms, the attention block (projections, norms, rope, expansion, SDPA), the router, shared experts and
     dense MLPs. Left eager: the routed experts and the dispatch/combine around them, the residual adds, and
-    attention with a cp group (it all-gathers the latents). One layer's graphs serve all layers (same shapes)."""
+    attention with a cp group (it all-gathers the latents) or with document_mask (a CPMask). One layer's graphs
+    serve all layers (same shapes)."""
     for layer in model.layers.values():
         for module in (layer.input_layernorm, layer.post_attention_layernorm):
             module.compile(fullgraph=True)
-        if layer.self_attn.cp_group is None:
+        if layer.self_attn.cp_group is None and not document_mask:  # else its mask is a CPMask (flex on CUDA)
             layer.self_attn.compile(fullgraph=True)
         for module in ((layer.mlp.gate, layer.mlp.shared_experts) if isinstance(layer.mlp, MoE) else (layer.mlp,)):
             module.compile(fullgraph=True)

@@ -181,7 +181,7 @@ def main(argv=None):
     if args.fp8:
         enable_fp8(model)
     if args.compile if args.compile is not None else device.type == "cuda":
-        compile_dense_parts(model)
+        compile_dense_parts(model, document_mask)
     pipeline = None
     if args.pp > 1:
         step_ranks = mesh.world // args.pp  # global rank distance between pipeline neighbours

@@ -605,10 +605,10 @@ def cp_gather_width(cfg: ModelConfig) -> int:
 # ------------------------------------------------------------------ speed switches (train.py --compile, --fp8)
 
 
-def compile_dense_parts(model: Model) -> None:
+def compile_dense_parts(model: Model, document_mask: bool = False) -> None:
     """torch.compile(fullgraph=True) the norms and the router of every decoder layer, in place (parameter names
     unchanged). Left eager: attention (its core already runs as compiled flex_attention on CUDA, whose block
-    mask is built outside the graph), the routed experts and the dispatch/combine around them (row counts depend
+    mask is built outside the graph; document_mask changes nothing), the routed experts and the dispatch/combine around them (row counts depend
     on the routing, and the all-to-alls), the residual adds. One layer's graphs serve all layers."""
     for layer in model.layers.values():
         for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.router):

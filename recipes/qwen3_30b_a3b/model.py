@@ -574,17 +574,18 @@ def cp_gather_width(cfg: ModelConfig) -> int:
 # ------------------------------------------------------------------ speed switches (train.py --compile, --fp8)
 
 
-def compile_dense_parts(model: Model) -> None:
+def compile_dense_parts(model: Model, document_mask: bool = False) -> None:
     """torch.compile(fullgraph=True) the dense parts of every decoder layer, in place (parameter names unchanged):
     the norms, the attention block (projections, q/k norms, rope, SDPA), the router and dense MLPs. Modules, not
     DecoderLayer.forward, are compiled, so any schedule that calls them (whole layer, or pipeline steps) runs the
     compiled code. Left eager: the routed experts and the dispatch/combine around them (row counts depend on the
     routing, and the all-to-alls), the residual adds (one elementwise op each), and attention with a cp group
-    (it all-gathers K/V). One layer's graphs serve all layers (same shapes); a new (B, S) recompiles once."""
+    (it all-gathers K/V) or with document_mask (its mask is a CPMask: flex_attention with a BlockMask built
+    outside the graph). One layer's graphs serve all layers (same shapes); a new (B, S) recompiles once."""
     for layer in model.layers.values():
         for module in (layer.input_layernorm, layer.post_attention_layernorm):
             module.compile(fullgraph=True)
-        if layer.self_attn.cp_group is None:
+        if layer.self_attn.cp_group is None and not document_mask:  # else its mask is a CPMask (flex on CUDA)
             layer.self_attn.compile(fullgraph=True)
         (layer.mlp.gate if isinstance(layer.mlp, MoE) else layer.mlp).compile(fullgraph=True)
 
