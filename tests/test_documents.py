@@ -67,6 +67,24 @@ def test_rendering_masks_exactly_the_assistant_turns(chatml, tmp_path):
     assert mask[-1] == 0 and demo.decode(ids[-1:]) == "\n"  # the separator after the last turn is not trained
 
 
+# as Qwen3's template does without reasoning content: an empty think block for the last assistant turn only
+LAST_THINKS = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+               "{% if m['role'] == 'assistant' and loop.last %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+               "{{ m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_rendering_when_earlier_turns_render_differently(tmp_path):
+    """A template that renders an assistant turn differently once later turns follow: the earlier turns' spans are
+    their content and end-of-turn token, the last one's its whole rendered turn (think block included, as the
+    model generates it after the generation prompt)."""
+    tok = hf_tokenizer(tmp_path / "t", LAST_THINKS, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|im_end|>")
+    ids, mask = render_conversation(tok, CHAT, "x:1")
+    assert tok.decode(ids) == tok.apply_chat_template(CHAT, tokenize=False)
+    assert tok.decode([t for t, m in zip(ids, mask) if m]) == \
+        CHAT[2]["content"] + "<|im_end|>" + "<think>\n\n</think>\n\n" + CHAT[4]["content"] + "<|im_end|>"
+
+
 def test_demo_tokenizer_equals_its_sentencepiece_model(tmp_path):
     """tools/chat_demo.py's Hugging Face folder encodes and decodes as the sentencepiece model it converts (one
     trained here as tools/prepare_data.py trains the demo's), and its chat template renders the demo's form."""

@@ -135,9 +135,12 @@ def render_conversation(tok, messages, where: str) -> tuple[list[int], list[int]
     spans are found prefix by prefix, which works for any template (return_assistant_tokens_mask needs templates
     with {% generation %} markers): assistant turn i spans from the end of the prompt rendered for it (messages
     before it + the generation prompt) to the end of the conversation rendered up to and including it, minus the
-    whitespace that separates turns, so its end-of-turn token is in and the newline after it is not. Each piece
-    is tokenized on its own (special tokens such as <|im_end|> parsed), so the mask falls exactly on token
-    boundaries."""
+    whitespace that separates turns, so its end-of-turn token is in and the newline after it is not. A template
+    that renders a turn differently once later turns follow (Qwen3's gives only the last assistant turn an empty
+    <think></think> block) fails that test for the turns before; for those the span is the turn's content, found
+    in the whole rendering after the previous span, and the end-of-turn text that follows it (what follows the
+    content in the turn's own rendering, or the eos token). Each piece is tokenized on its own (special tokens
+    such as <|im_end|> parsed), so the mask falls exactly on token boundaries."""
     if not isinstance(messages, list):
         raise ValueError(f"{where} has no \"messages\" list of {{\"role\", \"content\"}} objects (the Hugging Face chat format)")
     if not messages:
@@ -158,11 +161,19 @@ def render_conversation(tok, messages, where: str) -> tuple[list[int], list[int]
         if m["role"] != "assistant":
             continue
         prompt, turn = render(messages[:i], prompt=True), render(messages[:i + 1]).rstrip()
-        lo, hi = len(prompt), len(turn)
-        if not (text.startswith(prompt) and text.startswith(turn) and (spans[-1][1] if spans else 0) <= lo <= hi):
-            raise ValueError(f"{where}: the chat template renders turn {i} differently once later turns follow, so "
-                             "its assistant tokens cannot be located; use a template that renders each turn the same "
-                             "whatever comes after it")
+        lo, hi, after = len(prompt), len(turn), spans[-1][1] if spans else 0
+        if not (text.startswith(prompt) and text.startswith(turn) and after <= lo <= hi):
+            lo = text.find(m["content"], after) if m["content"] else -1
+            if lo < 0:
+                raise ValueError(f"{where}: the chat template renders turn {i} differently once later turns follow "
+                                 "and does not show its content verbatim, so its assistant tokens cannot be located; "
+                                 "use a template that renders each turn the same whatever comes after it")
+            hi = lo + len(m["content"])
+            end = turn[turn.rfind(m["content"]) + len(m["content"]):]  # the end-of-turn text in its own rendering
+            for tail in (end, tok.eos_token or ""):
+                if tail and text.startswith(tail, hi):
+                    hi += len(tail)
+                    break
         spans.append((lo, hi))
     ids, mask, at = [], [], 0
     for lo, hi in spans + [(len(text), len(text))]:
