@@ -389,11 +389,12 @@ def main(argv=None):
         if mesh.is_main:
             print("no sample: with --pp no rank holds the whole model (export it with --export-hf and sample that)")
     elif args.sample_tokens > 0 or args.sample_chat:
-        for prompt, chat in ((args.sample_prompt, False), (args.sample_chat, True)):
-            if (args.sample_chat if chat else args.sample_tokens > 0):
-                text = sample(model, loader.meta, args, device, prompt, chat)
-                if mesh.is_main:
-                    print(f"sample{' (chat)' if chat else ''}: {text!r}", flush=True)
+        wanted = ([(args.sample_prompt, False)] if args.sample_tokens > 0 else []) + \
+            ([(args.sample_chat, True)] if args.sample_chat else [])  # (prompt, through the chat template)
+        for prompt, chat in wanted:
+            text = sample(model, loader.meta, args, device, prompt, chat)
+            if mesh.is_main:
+                print(f"sample{' (chat)' if chat else ''}: {text!r}", flush=True)
     if mesh.is_main and history:
         print(f"trained steps {history[0]['step']}-{history[-1]['step']} in {sum(h['step_time'] for h in history):.0f}s: "
               f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}", flush=True)
