@@ -462,7 +462,11 @@ def check_run(args: Args, world: int):
     eval_dir, eval_every = eval_settings(args)
     for what, path in (("dataset", args.data), ("validation data", eval_dir if eval_every > 0 or args.eval_only else "")):
         if path:
-            vocab = TokenLoader(path, args.seq_len, args.global_batch, 0, data_world, args.seed).meta["vocab_size"]
+            meta = TokenLoader(path, args.seq_len, args.global_batch, 0, data_world, args.seed).meta
+            vocab = meta["vocab_size"]
+            if args.sample_chat and what == "dataset" and meta["tokenizer"]["kind"] != "hf":
+                raise ValueError(f"--sample-chat needs a Hugging Face tokenizer with a chat template, but {path} was "
+                                 f"made with a {meta['tokenizer']['kind']} tokenizer; prepare it with --hf-tokenizer")
             if vocab > cfg.vocab_size:
                 raise ValueError(f"{what} {path} has vocab {vocab} but the model only {cfg.vocab_size}; tokenize with "
                                  f"the model's tokenizer or use a bigger config")
