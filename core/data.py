@@ -3,10 +3,24 @@
 A dataset is a directory written by `python -m tools.prepare_data`:
   meta.json          {"format", "dtype", "vocab_size", "eos_id", "num_tokens", "num_documents", "shards", "tokenizer"}
   tokens_00000.bin   raw little-endian uint16/uint32 token ids, ...
-Documents are packed: concatenated, each followed by eos_id, so the shards are one token stream. The loader
-cuts that stream into windows of seq_len+1 tokens (stride seq_len), shuffles them per epoch with a seeded
-permutation and hands each data-parallel rank its slice of the global batch. Everything is a pure function of
-(seed, step), which is what makes resume exact and lets the number of ranks change between runs.
+Raw text (format 1): documents are concatenated, each followed by eos_id, so the shards are one token stream. The
+loader cuts that stream into windows of seq_len+1 tokens (stride seq_len), shuffles them per epoch with a seeded
+permutation and hands each data-parallel rank its slice of the global batch.
+
+Documents with loss masks (format 2, conversations from `tools.prepare_data --chat`): meta.json also holds
+"packing": "documents", "masks" (mask_00000.bin ...: one uint8 per token, 1 where the token is trained, the shards
+of the token shards' sizes), "documents" (documents.bin: int64 start offset of every document in the stream, and
+the stream's end) and "max_document_tokens". No eos is added: the chat template ends each turn itself. The
+loader never splits a document: a seeded permutation of the documents is packed, in that order, into windows of
+seq_len tokens (next fit: a document that does not fit the current window starts the next), each padded with
+eos_id tokens that are not trained and form a document of their own; those windows are then shuffled per epoch as
+the stream windows are. Inside a window, the label of token t is token t+1 when that one is trained and in the
+same document, else -100 (ignored).
+
+Everything is a pure function of (seed, step), which is what makes resume exact and lets the number of ranks
+change between runs. `next_batch(documents=True)` also returns each token's document index in its window
+(format 1: from the eos tokens, core.context.doc_ids_from_eos), from which train.py builds the block-causal
+--document-mask and positions that restart at every document (positions_in_documents).
 """
 
 import json
@@ -17,7 +31,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-FORMAT = 1
+from core.context import doc_ids_from_eos
+
+FORMAT = 1  # raw text: one token stream
+FORMAT_DOCUMENTS = 2  # whole documents with per-token loss masks
+MASK_DTYPE = np.dtype("u1")
 PREPARE_HINT = "run `python -m tools.prepare_data --default` (or with --input FILES --out DIR) first"
 
 
@@ -26,36 +44,49 @@ def _dtype(name: str) -> np.dtype:
     return np.dtype({"uint16": "<u2", "uint32": "<u4"}[name])
 
 
-def write_shards(token_docs: Iterable[list[int]], out_dir, vocab_size: int, eos_id: int, tokenizer: dict,
-                 shard_tokens: int = 2**26, extra: dict | None = None) -> dict:
-    """Pack documents (each followed by eos_id) into shards of shard_tokens tokens; return the meta written
-    (with `extra`'s fields added)."""
+def write_shards(token_docs: Iterable, out_dir, vocab_size: int, eos_id: int, tokenizer: dict,
+                 shard_tokens: int = 2**26, extra: dict | None = None, loss_masks: bool = False) -> dict:
+    """Pack documents into shards of shard_tokens tokens; return the meta written (with `extra`'s fields added).
+    token_docs: lists of token ids, each then followed by eos_id (format 1); with loss_masks, (ids, mask) pairs
+    (mask: 0/1 per token, 1 = trained) written as they are, with their boundaries (format 2, see the top)."""
     assert shard_tokens > 0 and 0 <= eos_id < vocab_size
     os.makedirs(out_dir, exist_ok=True)
     # drop the old meta.json first: while we overwrite shards the directory must not look complete
     for name in os.listdir(out_dir):
-        if name == "meta.json" or (name.startswith("tokens_") and name.endswith(".bin")):
+        if name in ("meta.json", "documents.bin") or (name.startswith(("tokens_", "mask_")) and name.endswith(".bin")):
             os.remove(os.path.join(out_dir, name))
     dtype_name = "uint16" if vocab_size <= 2**16 else "uint32"
     buf = np.empty(shard_tokens, dtype=_dtype(dtype_name))  # one shard is filled in memory, then written
-    fill, shards, num_tokens, num_docs = 0, [], 0, 0
+    mask_buf = np.empty(shard_tokens if loss_masks else 0, dtype=MASK_DTYPE)
+    fill, shards, masks, num_tokens, num_docs, starts, longest = 0, [], [], 0, 0, [0], 0
 
     def flush():
         name = f"tokens_{len(shards):05d}.bin"
         buf[:fill].tofile(os.path.join(out_dir, name))
         shards.append(name)
+        if loss_masks:
+            masks.append(name.replace("tokens_", "mask_"))
+            mask_buf[:fill].tofile(os.path.join(out_dir, masks[-1]))
 
     for doc in token_docs:
-        ids = np.asarray(list(doc) + [eos_id], dtype=np.int64)
+        if loss_masks:
+            ids, mask = np.asarray(doc[0], dtype=np.int64), np.asarray(doc[1], dtype=MASK_DTYPE)
+            assert len(ids) == len(mask) > 0
+        else:
+            ids, mask = np.asarray(list(doc) + [eos_id], dtype=np.int64), None
         bad = ids[(ids < 0) | (ids >= vocab_size)]
         if len(bad):
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); "
                              "pass the tokenizer's full vocab_size (len(tokenizer))")
         num_docs += 1
         num_tokens += len(ids)
+        starts.append(num_tokens)
+        longest = max(longest, len(ids))
         while len(ids):
             n = min(len(ids), shard_tokens - fill)
             buf[fill:fill + n] = ids[:n]
+            if loss_masks:
+                mask_buf[fill:fill + n], mask = mask[:n], mask[n:]
             fill, ids = fill + n, ids[n:]
             if fill == shard_tokens:
                 flush()
@@ -63,7 +94,13 @@ def write_shards(token_docs: Iterable[list[int]], out_dir, vocab_size: int, eos_
     if fill:
         flush()
     meta = {"format": FORMAT, "dtype": dtype_name, "vocab_size": int(vocab_size), "eos_id": int(eos_id),
-            "num_tokens": num_tokens, "num_documents": num_docs, "shards": shards, "tokenizer": tokenizer, **(extra or {})}
+            "num_tokens": num_tokens, "num_documents": num_docs, "shards": shards, "tokenizer": tokenizer}
+    if loss_masks:
+        np.asarray(starts, dtype="<i8").tofile(os.path.join(out_dir, "documents.bin"))
+        meta.update({"format": FORMAT_DOCUMENTS, "packing": "documents", "masks": masks, "documents": "documents.bin",
+                     "max_document_tokens": longest,
+                     "trained_tokens": int(sum(int(np.fromfile(os.path.join(out_dir, m), MASK_DTYPE).sum()) for m in masks))})
+    meta.update(extra or {})
     tmp = os.path.join(out_dir, "meta.json.tmp")
     with open(tmp, "w") as f:
         json.dump(meta, f, indent=1)
@@ -88,13 +125,57 @@ def read_meta(data_dir) -> dict:
                if not isinstance(meta, dict) or k not in meta]
     if missing:
         raise ValueError(f"{path} is not a dataset description (missing {', '.join(missing)}); rerun tools.prepare_data --force")
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} has format {meta.get('format')}, this loader reads {FORMAT}; rerun tools.prepare_data")
+    if meta.get("format") not in (FORMAT, FORMAT_DOCUMENTS):
+        raise ValueError(f"{path} has format {meta.get('format')}, this loader reads {FORMAT} and {FORMAT_DOCUMENTS}; "
+                         "rerun tools.prepare_data")
+    missing = [k for k in ("masks", "documents", "max_document_tokens")
+               if meta["format"] == FORMAT_DOCUMENTS and k not in meta]
+    if missing:
+        raise ValueError(f"{path} is a dataset of documents without {', '.join(missing)}; rerun tools.prepare_data --force")
     return meta
 
 
+def _open_shards(data_dir, names: list[str], dtype: np.dtype, what: str) -> list[np.ndarray]:
+    shards = []
+    for name in names:
+        path = os.path.join(data_dir, name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{what} {path} listed in meta.json is missing; rerun tools.prepare_data --force")
+        size = os.path.getsize(path)
+        if size % dtype.itemsize:
+            raise ValueError(f"{what} {path} has {size} bytes, not a whole number of {dtype.itemsize}-byte values; "
+                             "the dataset is corrupt, rerun tools.prepare_data --force")
+        # np.memmap refuses empty files; the OS pages in only the windows we touch
+        shards.append(np.memmap(path, dtype=dtype, mode="r") if size else np.empty(0, dtype))
+    return shards
+
+
+def pack_documents(lengths: np.ndarray, seq_len: int, seed: int) -> list[np.ndarray]:
+    """Windows of whole documents: a seeded permutation of the documents, packed in that order, each window
+    taking documents while they fit in seq_len tokens (next fit). Returns the document indices of each window."""
+    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).numpy()
+    windows, first, fill = [], 0, 0
+    for i, n in enumerate(lengths[order].tolist()):
+        if fill + n > seq_len:
+            windows.append(order[first:i])
+            first, fill = i, 0
+        fill += n
+    windows.append(order[first:])
+    return windows
+
+
+def positions_in_documents(doc_ids_BK: torch.Tensor) -> torch.Tensor:
+    """Each token's position inside its document [B, K] (rope restarts at every document): its index minus the
+    index of its document's first token in the window."""
+    index_BK = torch.arange(doc_ids_BK.shape[1], device=doc_ids_BK.device).expand_as(doc_ids_BK)
+    starts_BK = torch.ones_like(doc_ids_BK, dtype=torch.bool)
+    starts_BK[:, 1:] = doc_ids_BK[:, 1:] != doc_ids_BK[:, :-1]
+    return index_BK - torch.where(starts_BK, index_BK, 0).cummax(1).values
+
+
 class TokenLoader:
-    """Deterministic, resumable, data-parallel batches of packed token windows."""
+    """Deterministic, resumable, data-parallel batches: stream windows of raw text (format 1) or windows of whole
+    documents with loss masks (format 2), see the top of this file."""
 
     def __init__(self, data_dir, seq_len: int, global_batch: int, rank: int = 0, world: int = 1, seed: int = 0):
         if seq_len < 1 or global_batch < 1:
@@ -105,28 +186,38 @@ class TokenLoader:
         assert 0 <= rank < world
         self.meta = read_meta(data_dir)
         self.seq_len, self.global_batch, self.rank, self.world, self.seed = seq_len, global_batch, rank, world, seed
-        dtype = _dtype(self.meta["dtype"])
-        self.shards = []
-        for name in self.meta["shards"]:
-            path = os.path.join(data_dir, name)
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"shard {path} listed in meta.json is missing; rerun tools.prepare_data --force")
-            size = os.path.getsize(path)
-            if size % dtype.itemsize:
-                raise ValueError(f"shard {path} has {size} bytes, not a whole number of {self.meta['dtype']} tokens; "
-                                 "the dataset is corrupt, rerun tools.prepare_data --force")
-            # np.memmap refuses empty files; the OS pages in only the windows we touch
-            self.shards.append(np.memmap(path, dtype=dtype, mode="r") if size else np.empty(0, dtype))
+        self.shards = _open_shards(data_dir, self.meta["shards"], _dtype(self.meta["dtype"]), "shard")
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])  # stream offset of each shard
         n = int(self.starts[-1])
         if n != self.meta["num_tokens"]:
             raise ValueError(f"dataset {data_dir} has {n} tokens in its shards but meta.json says "
                              f"{self.meta['num_tokens']}; rerun tools.prepare_data --force")
-        if n < seq_len + 1:
-            raise ValueError(f"dataset {data_dir} has {n} tokens, fewer than one sample of seq_len+1 = {seq_len + 1}; "
-                             "use more text or a shorter --seq-len")
-        # the last token of a window is the first input of the next, so every token except the last is predicted
-        self.num_samples = (n - 1) // seq_len
+        self.documents = self.meta["format"] == FORMAT_DOCUMENTS  # whole documents with loss masks
+        if self.documents:
+            self.masks = _open_shards(data_dir, self.meta["masks"], MASK_DTYPE, "loss mask shard")
+            if [len(m) for m in self.masks] != [len(s) for s in self.shards]:
+                raise ValueError(f"dataset {data_dir}: the loss mask shards do not match the token shards; "
+                                 "rerun tools.prepare_data --force")
+            self.doc_starts = np.fromfile(os.path.join(data_dir, self.meta["documents"]), dtype="<i8")
+            if len(self.doc_starts) != self.meta["num_documents"] + 1 or self.doc_starts[-1] != n:
+                raise ValueError(f"dataset {data_dir}: {self.meta['documents']} does not match meta.json; "
+                                 "rerun tools.prepare_data --force")
+            if self.meta["max_document_tokens"] > seq_len:
+                raise ValueError(f"dataset {data_dir} holds documents of up to {self.meta['max_document_tokens']} "
+                                 f"tokens, longer than --seq-len {seq_len}, and documents are never split; train with "
+                                 f"--seq-len >= {self.meta['max_document_tokens']} or rerun tools.prepare_data --chat "
+                                 f"--seq-len {seq_len}")
+            if self.meta["num_documents"] == 0:
+                raise ValueError(f"dataset {data_dir} holds no documents; rerun tools.prepare_data with more input")
+            # seeded apart from the epochs' window orders (seed + epoch)
+            self.windows = pack_documents(np.diff(self.doc_starts), seq_len, seed + (1 << 40))
+            self.num_samples = len(self.windows)
+        else:
+            if n < seq_len + 1:
+                raise ValueError(f"dataset {data_dir} has {n} tokens, fewer than one sample of seq_len+1 = "
+                                 f"{seq_len + 1}; use more text or a shorter --seq-len")
+            # the last token of a window is the first input of the next, so every token except the last is predicted
+            self.num_samples = (n - 1) // seq_len
         self.step = 0
         self._perm_epoch, self._perm = -1, None
 
@@ -137,29 +228,51 @@ class TokenLoader:
             self._perm, self._perm_epoch = torch.randperm(self.num_samples, generator=g), epoch
         return self._perm
 
-    def _window(self, start: int) -> np.ndarray:
-        # a window may straddle shards: gather it piece by piece
-        end, parts = start + self.seq_len + 1, []
+    def _read(self, shards: list[np.ndarray], start: int, end: int) -> np.ndarray:
+        # a range may straddle shards: gather it piece by piece
+        parts = []
         i = int(np.searchsorted(self.starts, start, side="right")) - 1
         while start < end:
             lo = start - int(self.starts[i])
-            piece = self.shards[i][lo:lo + end - start]
+            piece = shards[i][lo:lo + end - start]
             parts.append(piece)
             start += len(piece)
             i += 1
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, labels), int64 [global_batch // world, seq_len]: this rank's rows of global step `step`."""
+    def _stream_window(self, sample: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        start = sample * self.seq_len
+        window = self._read(self.shards, start, start + self.seq_len + 1).astype(np.int64)
+        return window[:-1], window[1:], doc_ids_from_eos(torch.from_numpy(window[None, :-1]), self.meta["eos_id"])[0].numpy()
+
+    def _document_window(self, sample: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        ids, labels, docs = [], [], []
+        for d, doc in enumerate(self.windows[sample]):
+            lo, hi = int(self.doc_starts[doc]), int(self.doc_starts[doc + 1])
+            tokens = self._read(self.shards, lo, hi).astype(np.int64)
+            trained = self._read(self.masks, lo, hi).astype(bool)
+            ids.append(tokens)
+            labels.append(np.append(np.where(trained[1:], tokens[1:], -100), -100))  # the last predicts nothing
+            docs.append(np.full(hi - lo, d))
+        pad = self.seq_len - sum(len(t) for t in ids)  # the padding: one more document, never trained
+        ids.append(np.full(pad, self.meta["eos_id"]))
+        labels.append(np.full(pad, -100))
+        docs.append(np.full(pad, len(docs)))
+        return tuple(np.concatenate(x).astype(np.int64) for x in (ids, labels, docs))
+
+    def next_batch(self, documents: bool = False) -> tuple[torch.Tensor, ...]:
+        """(input_ids, labels), int64 [global_batch // world, seq_len]: this rank's rows of global step `step`;
+        documents: also each token's document index in its row (the same shape)."""
         local = self.global_batch // self.world
         first = self.step * self.global_batch + self.rank * local  # position in the endless shuffled sequence
+        window = self._document_window if self.documents else self._stream_window
         rows = []
         for g in range(first, first + local):
             epoch, pos = divmod(g, self.num_samples)
-            rows.append(self._window(int(self._order(epoch)[pos]) * self.seq_len))
+            rows.append(window(int(self._order(epoch)[pos])))
         self.step += 1
-        batch = torch.from_numpy(np.stack(rows).astype(np.int64))
-        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        ids, labels, docs = (torch.from_numpy(np.stack(x)) for x in zip(*rows))
+        return (ids, labels, docs) if documents else (ids, labels)
 
     def state_dict(self) -> dict:
         # rank and world are deliberately absent: position is global, so resuming on a different dp size works
@@ -179,6 +292,9 @@ class Tokenizer:
     decode: Callable[[list[int]], str]
     vocab_size: int
     eos_id: int
+    # the chat template of a Hugging Face tokenizer that has one: messages -> ids of the prompt that asks for the
+    # assistant's next turn (apply_chat_template with add_generation_prompt); None otherwise
+    chat_prompt: Callable[[list[dict]], list[int]] | None = None
 
 
 def load_tokenizer(meta: dict) -> Tokenizer:
@@ -199,6 +315,9 @@ def load_tokenizer(meta: dict) -> Tokenizer:
             raise ValueError(f"Hugging Face tokenizer {path} has no eos token; documents need one to be packed")
         # no BOS/EOS added per call: the packer puts exactly one eos after each document; and a literal
         # "<|endoftext|>" inside a document is text, not a document boundary (split_special_tokens)
+        chat = (lambda messages: list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                                return_dict=True)["input_ids"])) \
+            if tok.chat_template else None
         return Tokenizer(lambda text: tok.encode(text, add_special_tokens=False, split_special_tokens=True),
-                         lambda ids: tok.decode(list(ids)), len(tok), tok.eos_token_id)
+                         lambda ids: tok.decode(list(ids)), len(tok), tok.eos_token_id, chat)
     raise ValueError(f"unknown tokenizer kind {kind!r} in meta.json; expected 'sentencepiece' or 'hf'")

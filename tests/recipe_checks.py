@@ -9,10 +9,14 @@ Each check returns Result rows (check, worst error, tolerance, where the worst w
            and, both in float64, the same logits and gradients (float64_base_results)
   export   a Hugging Face folder through train.py --lr 0 comes back bit for bit
   buffers  every buffer of a meta-device build + init_weights + load_hf_checkpoint equals a fresh build's
+  documents a packed micro-batch under the document mask gives each document's loss and every gradient as
+           each document run alone (fp32)
   layouts  ep2, pp2, cp2, pp2xep2, cp2xep2, and ep2 / ep4 under uneven expert placements (PLACED) equal one
            process (losses, grad norms, every weight after 3 steps); the model-level loss, aux loss, expert load,
            logits and gradients at cp2 and cp2xep2; resume at ep2; --recompute; pp2 in bf16; an export at pp2xep2
-           and at ep4 under an uneven placement. One spawned process group per world size runs all of its jobs.
+           and at ep4 under an uneven placement; the same five layouts on conversations (whole documents, loss
+           masks, --document-mask) and pp2 --recompute layer on them. One spawned process group per world size
+           runs all of its jobs.
 
 Also the helpers other per-recipe tests share: a partial model reads only its tensors, transformers' aux loss and
 router gradients, and the counting dataset the tests train on."""
@@ -33,11 +37,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from core.context import cp_positions, split_for_cp
-from core.data import TokenLoader, write_shards
+from core.data import TokenLoader, positions_in_documents, write_shards
 from core.mesh import build_mesh
 from core.pipeline import split_layers
 from tests.multiproc import one_thread, run_ranks
 from tests.test_train import (
+    LAYOUT_TOLERANCE,
     bitwise_error,
     held_experts,
     layout_errors,
@@ -50,7 +55,7 @@ from tests.test_train import (
 )
 from tools.hf_parity import FLOAT64_TOLERANCE, check_recipe, folder_tensors, make_tiny_hf_model
 
-GROUPS = ("parity", "base", "export", "buffers", "layouts")
+GROUPS = ("parity", "base", "export", "buffers", "documents", "layouts")
 # Tolerances, as relative norms ||a - b|| / ||b|| per tensor; 0 is bitwise: the same operations in the same order.
 # Parity: tools/hf_parity.py's 1e-4 (fp32) and FLOAT64_TOLERANCE (float64); layouts: each tensor's own rounding
 # noise, tests/test_train.py:noise_bound; each with its reason.
@@ -154,6 +159,20 @@ def write_counting_data(out) -> Path:
     return Path(out)
 
 
+def write_counting_chats(out, seq_len: int) -> Path:
+    """A dataset of whole documents with loss masks (core/data.py format 2, as tools/prepare_data.py --chat writes
+    it), vocabulary 256: 60 "conversations" of 4 to seq_len tokens counting upwards, each a "prompt" (not trained)
+    then an "answer" (trained) of random lengths, so windows pack 1 to several documents plus padding."""
+    rng = random.Random(1)
+    docs = []
+    for _ in range(60):
+        n, start, stride = rng.randrange(4, seq_len + 1), rng.randrange(3, 256), rng.randrange(1, 5)
+        prompt = rng.randrange(1, n - 1)
+        docs.append(([3 + (start + i * stride) % 253 for i in range(n)], [0] * prompt + [1] * (n - prompt)))
+    write_shards(docs, out, vocab_size=256, eos_id=2, tokenizer={"kind": "none"}, loss_masks=True)
+    return Path(out)
+
+
 def data_vocab(data) -> int:
     return TokenLoader(data, 2, 1, 0, 1, 0).meta["vocab_size"]
 
@@ -196,6 +215,8 @@ def run_checks(name: str, data, workdir, groups=GROUPS) -> list[Result]:
         results += export_results(recipe, data, workdir, hf_in)
     if "buffers" in groups:
         results += buffer_results(recipe, hf_in)
+    if "documents" in groups:
+        results += document_results(recipe)
     if "layouts" in groups:
         results += layout_results(recipe, data, workdir)
     return results
@@ -315,6 +336,56 @@ def buffer_results(recipe: Recipe, hf_dir: Path) -> list[Result]:
     return [Result(f"buffers ({len(fresh)}): meta build + init_weights + load = fresh build", error, 0.0, where)]
 
 
+# ---------------------------------------------------------------------------------------------- documents
+
+DOCUMENT_TOLERANCE = 1e-6  # packed vs alone: the same operations on the same numbers, except that attention and
+# the norms run on other shapes (sums in another order, ~1e-7 relative in fp32) and masked keys add exact zeros;
+# measured <= 3e-8 (losses) and <= 4e-7 (all gradients together); a key leaking across a document boundary or a
+# position not restarting changes the losses by >= 1e-3
+DOCUMENT_TENSOR_TOLERANCE = 1e-5  # one gradient tensor on its own: a small one (a norm weight's, summed over the
+# tokens with cancellation) keeps the same absolute rounding, so its relative error is larger (measured <= 1.6e-6)
+
+
+def document_results(recipe: Recipe) -> list[Result]:
+    """Two packed rows of documents (lengths chosen to span GPT-OSS's window and leave padding in one row) through
+    forward_train's trunk under the document mask, with rope positions restarting per document: each document's
+    cross-entropy and the gradients of their sum equal each document run alone (a batch of one short sequence,
+    default positions, plain causal attention), fp32."""
+    cfg = recipe.model.ModelConfig.from_hf(write_config(Path(__import__("tempfile").mkdtemp()) / "c.json", recipe.config))
+    S = recipe.seq_len
+    lengths = [[S // 2 - 3, 5, S - S // 2 - 2], [S // 4, S - S // 4 - 3, 3]]  # the last of row 1: padding
+    torch.manual_seed(0)
+    model = recipe.model.Model(cfg)
+    ids_BS = torch.randint(3, cfg.vocab_size, (2, S), generator=torch.Generator().manual_seed(5))
+    labels_BS = torch.roll(ids_BS, -1, 1)
+    docs_BS = torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
+    spans = [(b, sum(row[:d]), sum(row[:d + 1])) for b, row in enumerate(lengths) for d in range(len(row))]
+    for b, _, hi in spans:
+        labels_BS[b, hi - 1] = -100  # a document's last token predicts nothing (core/data.py)
+    labels_BS[1, S - 3:] = -100  # padding, never trained
+    labels_BS[0, 2] = -100  # and an untrained prompt token
+
+    def losses_and_grads(packed: bool):
+        model.zero_grad()
+        losses = []
+        if packed:
+            h_BSH = model.trunk(ids_BS, positions_in_documents(docs_BS), doc_ids_BK=docs_BS)[0]
+        for b, lo, hi in spans[:-1]:  # (the padding has no labels)
+            h_1LH = h_BSH[b:b + 1, lo:hi] if packed else model.trunk(ids_BS[b:b + 1, lo:hi])[0]
+            losses.append(model.cross_entropy_sum(h_1LH, labels_BS[b:b + 1, lo:hi]))
+        sum(losses).backward()
+        return torch.stack(losses).detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    (alone, alone_grads), (packed, packed_grads) = losses_and_grads(False), losses_and_grads(True)
+    flat = lambda grads: torch.cat([grads[n].flatten() for n in sorted(alone_grads)])
+    tensors = worst_error([(rel_err(packed_grads[n], g) if n in packed_grads else math.inf, n) for n, g in alone_grads.items()]
+                          + [(math.inf, f"only packed: {n}") for n in packed_grads.keys() - alone_grads.keys()])
+    return [Result("documents: packed + document mask = each alone: losses", rel_err(packed, alone), DOCUMENT_TOLERANCE),
+            Result("documents: ... all gradients together", rel_err(flat(packed_grads), flat(alone_grads))
+                   if packed_grads.keys() == alone_grads.keys() else math.inf, DOCUMENT_TOLERANCE),
+            Result("documents: ... each gradient tensor", *tensors[:1], DOCUMENT_TENSOR_TOLERANCE, tensors[1])]
+
+
 # ------------------------------------------------------------------------------------------------ layouts
 
 
@@ -404,6 +475,11 @@ def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
     with float64_default():
         single64 = run_train(args("single64", hf_checkpoint=workdir / "hf_init", export_hf=workdir / "hf_single64"),
                              recipe.train.main)
+    # conversations: whole documents with loss masks, --document-mask on by default for them (core/data.py)
+    chats = write_counting_chats(workdir / "chats", recipe.seq_len)
+    chat_args = lambda out, **extra: check_args(recipe, config, chats, workdir / out, **extra)
+    single_docs = run_train(chat_args("docs_single"), recipe.train.main)
+    unmasked = run_train(chat_args("docs_unmasked", no_document_mask=True), recipe.train.main)
     with one_thread():
         single_bf16 = run_train(args("single_bf16", dtype="bf16"), recipe.train.main)
     jobs = {2: {"pp2 recompute": ("train", args("pp2r", pp=2, recompute="layer")),
@@ -412,14 +488,16 @@ def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
                 # resume at ep=2: 4 steps with a checkpoint at 2, then again from that checkpoint
                 "full": ("train", args("full", ep=2, steps=4, ckpt_every=2)),
                 "resumed": ("train", args("resumed", ep=2, steps=4, resume=workdir / "full/checkpoints/step_00000002")),
-                "grads cp2": ("grads", (config, 2, 1, recipe.seq_len))},
+                "grads cp2": ("grads", (config, 2, 1, recipe.seq_len)),
+                "docs pp2 recompute": ("train", chat_args("docs_pp2r", pp=2, recompute="layer"))},
             4: {"grads cp2xep2": ("grads", (config, 2, 2, recipe.seq_len))}}
     recompute = "recompute" in recipe.model.Model.features  # (Model.features: what the model declines is skipped)
     if not recompute:
-        del jobs[2]["pp2 recompute"], jobs[2]["cp2 recompute"]
+        del jobs[2]["pp2 recompute"], jobs[2]["cp2 recompute"], jobs[2]["docs pp2 recompute"]
     for name, layout in LAYOUTS.items():
         export = {"export_hf": workdir / "hf_pp2xep2"} if name == "pp2xep2" else {}
         jobs[math.prod(layout.values())][name] = ("train", args(name, **layout, **export))
+        jobs[math.prod(layout.values())]["docs " + name] = ("train", chat_args("docs_" + name, **layout))
     num_experts = recipe.model.ModelConfig.from_hf(config).num_experts
     placements = {name: table(num_experts) for name, table in PLACED.items()}
     for name, table in placements.items():
@@ -446,6 +524,17 @@ def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
         bias = worst_error([bias, (worst["expert bias"][0], f"{name} {worst['expert bias'][1]}")])
     if "expert_bias" in recipe.model.Model.features:
         results.append(Result("expert bias in every layout = 1 process", bias[0], 0.0, bias[1]))
+    results.append(Result("documents: the document mask changes the 1-process losses", rel_err(
+        torch.tensor(single_docs[0]), torch.tensor(unmasked[0])), LAYOUT_TOLERANCE, above=True))
+    for name, layout in LAYOUTS.items():  # conversations: document masks, loss masks, whole-document packing
+        # (the fixed bound: the conversation rows have no float64 run of their own; measured <= 3e-6)
+        worst = layout_errors(single_docs, runs["docs " + name], ep=layout.get("ep", 1))
+        error, where, bound = worst_bounded((e, f"{what} {w}", b) for what, (e, w, b) in worst.items())
+        results.append(Result(f"documents + loss masks {name} = 1 process: losses, grad norms, weights, expert bias",
+                              error, bound, where))
+    if recompute:
+        results.append(same_runs_result("documents pp2 --recompute layer = pp2", runs["docs pp2"],
+                                        runs["docs pp2 recompute"]))
     for name in ("grads cp2", "grads cp2xep2"):
         error, where, bound = worst_bounded((e, f"rank {rank} {k}", noise_bound(noise)) for rank, errors in
                                             enumerate(runs[name]) for k, (e, noise) in errors.items())

@@ -30,7 +30,8 @@ def assert_all_pass(results) -> None:
 def test_numerics_export_and_buffers(recipe, tiny_train_setup, tmp_path):
     """transformers parity (logits, every gradient, export) where the recipe has a counterpart, equality with its
     base recipe where it is a variant; an HF folder through train.py --lr 0 unchanged; every buffer after a meta
-    build + init_weights + load equal to a fresh build's."""
+    build + init_weights + load equal to a fresh build's; packed documents under the document mask equal to each
+    document alone."""
     assert_all_pass(run_checks(recipe, tiny_train_setup[1], tmp_path, [g for g in GROUPS if g != "layouts"]))
 
 

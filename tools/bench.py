@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 8 -m tools.bench --size real --ep 8    # a layout: --dp/--ep/--cp go to train.py
     python -m tools.bench --optimizer-step --rounds 3                 # each recipe's optimizer step, AdamW vs Muon
     python -m tools.bench --newton-schulz-share                       # Muon's FLOPs vs a training step, released models
+    python -m tools.bench --document-mask-cost --steps 10 --rounds 2   # --document-mask vs plain causal, each recipe
 
 Our step is recipes/qwen3_30b_a3b/train.py's own loop: train.main on a synthetic token dataset written to a temp
 folder (data loader, micro-batches, forward + backward, gradient reduction, clipping, AdamW, metrics), so every
@@ -166,6 +167,57 @@ def row(name: str, times: list[float], tokens: int, flops_tok: float, peak: floa
 RECIPES = ("qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b")
 
 
+def document_mask_cost(args) -> dict:
+    """{recipe: {"plain_ms", "masked_ms", "ratio"}}: forward + backward of one micro-batch (--micro-batch x
+    --seq-len, the recipe's config_tiny.json) with plain causal attention and with --document-mask (documents of 16
+    to seq_len/2 tokens packed whole, positions restarting), the two alternating step by step for --steps x
+    --rounds pairs after --warmup; ratio: the median of the pairwise masked / plain ratios (a pair runs within a
+    second, so load that comes and goes on a shared machine hits both alike)."""
+    import importlib
+
+    from core.data import positions_in_documents
+
+    device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
+    B, S = args.micro_batch or (2 if device.type == "cuda" else 4), args.seq_len or (4096 if device.type == "cuda" else 256)
+    results = {}
+    for name in RECIPES:
+        mod = importlib.import_module(f"recipes.{name}.model")
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = mod.Model(mod.ModelConfig.from_hf(mod.tiny_config_path()))
+        g = torch.Generator().manual_seed(0)
+        ids_BS = torch.randint(3, model.cfg.vocab_size, (B, S), generator=g).to(device)
+        docs = []
+        for _ in range(B):  # whole documents, then one padding document, as core/data.py packs them
+            lengths = []
+            while sum(lengths) < S:
+                lengths.append(min(int(torch.randint(16, S // 2 + 1, (), generator=g)), S - sum(lengths)))
+            docs.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)))
+        docs_BS = torch.stack(docs).to(device)
+        positions_BS = positions_in_documents(docs_BS)
+
+        def step(masked: bool, model=model, ids_BS=ids_BS, extra=(positions_BS, docs_BS)):
+            out = model.forward_train(ids_BS, ids_BS, *(extra if masked else ()))
+            (out.loss_sum + out.aux_loss).backward()
+            model.zero_grad(set_to_none=True)
+
+        times = {False: [], True: []}
+        for i in range(args.warmup + args.steps * args.rounds):
+            for masked in (False, True) if i % 2 else (True, False):  # who goes first alternates too
+                seconds = timed(lambda masked=masked: step(masked), device)
+                if i >= args.warmup:
+                    times[masked].append(seconds)
+        ratios = [m / p for m, p in zip(times[True], times[False])]
+        results[name] = {"plain_ms": 1000 * statistics.median(times[False]),
+                         "masked_ms": 1000 * statistics.median(times[True]), "ratio": statistics.median(ratios)}
+    print(f"--document-mask cost: forward + backward of {B} x {S} tokens (tiny configs, {device.type}), "
+          f"{args.steps * args.rounds} alternating pairs after {args.warmup} warm-up")
+    print(f"{'recipe':<18} {'plain ms':>10} {'masked ms':>10} {'ratio':>7}")
+    for name, r in results.items():
+        print(f"{name:<18} {r['plain_ms']:>10.1f} {r['masked_ms']:>10.1f} {r['ratio']:>7.2f}")
+    return results
+
+
 def optimizer_step_times(args, layout: list[str]) -> dict:
     """{recipe: {"adamw_ms", "muon_ms", "ratio"}}: the median over steps and rounds of reduce_gradients +
     clip_grad_norm_ + step, each optimizer on its own copy of the recipe's model (the same random gradients)."""
@@ -259,11 +311,15 @@ def main(argv=None) -> dict:
     p.add_argument("--json", default="", help="append the result as one JSON line to this file")
     p.add_argument("--optimizer-step", action="store_true", help="time each recipe's optimizer step, AdamW vs Muon")
     p.add_argument("--newton-schulz-share", action="store_true", help="Muon's FLOPs per step vs a training step's")
+    p.add_argument("--document-mask-cost", action="store_true", help="forward + backward with --document-mask vs "
+                   "without, each recipe's tiny config")
     args, layout = p.parse_known_args(argv)  # the rest (--dp, --ep, --cp, ...) goes to train.py
     if args.newton_schulz_share:
         return newton_schulz_share()
     if args.optimizer_step:
         return optimizer_step_times(args, layout)
+    if args.document_mask_cost:
+        return document_mask_cost(args)
     cuda = torch.cuda.is_available() and args.device != "cpu"
     args.seq_len = args.seq_len or (4096 if cuda else 256)
     args.batch = args.batch or (8 if cuda else 16)

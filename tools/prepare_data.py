@@ -3,12 +3,23 @@
   python -m tools.prepare_data --default       # demo corpus: this Python's stdlib sources, own 4096-piece tokenizer
   python -m tools.prepare_data --input corpus/ --hf-tokenizer /models/Qwen3-30B-A3B --out data/corpus
   python -m tools.prepare_data --input a.jsonl notes/ --train-sp 32000 --out data/mine
+  python -m tools.prepare_data --chat --input chats.jsonl --hf-tokenizer DIR --seq-len 4096 --out data/chat
 
 A .jsonl line is one document (its --jsonl-key field), also in .jsonl.zst (needs `pip install zstandard`); a .parquet
 row is one document (its --jsonl-key column; needs `pip install pyarrow`); any other file is one document. --val-fraction of the
 documents (evenly spread: every 1/fraction-th) go to a held-out dataset in <out>/val/ instead, which train.py
 evaluates (--eval-every) and tools/evaluate.py reads like any dataset. Everything runs
 offline: Hugging Face tokenizers are read from a local folder, sentencepiece models from a file or trained here.
+
+--chat: each .jsonl line holds a conversation, {"messages": [{"role": ..., "content": ...}, ...]} (the Hugging
+Face chat format), rendered with the tokenizer's chat template (render_conversation). The dataset holds whole
+conversations with a loss mask that is on for the assistant's tokens, each assistant turn's end-of-turn token
+included (core/data.py format 2: train.py packs whole conversations and masks attention per conversation). A
+conversation longer than --seq-len tokens is truncated to its first --seq-len tokens (what lies beyond could never
+be trained, since the loader never splits a conversation); one whose assistant tokens all lie beyond, or that has
+no assistant turn, is skipped. Both counts are printed. A line without a "messages" list, with an empty one, with
+a message that is not {"role": str, "content": str}, or that the template rejects (a role it does not know)
+stops the run with one error naming the file and line.
 """
 
 import argparse
@@ -79,31 +90,124 @@ def read_parquet(path: Path, key: str):
     yield "", path.stat().st_size  # progress by file: parquet is compressed
 
 
+def is_jsonl(path: Path) -> bool:
+    return path.suffix == ".jsonl" or path.name.endswith(".jsonl.zst")
+
+
+def read_jsonl(path: Path):
+    """Yield (line number, parsed object, bytes consumed) of each non-empty line of a .jsonl or .jsonl.zst file."""
+    zst = path.name.endswith(".zst")
+    if zst:
+        zstandard = optional_import("zstandard", "zstandard", path)
+    with open(path, "rb") as raw:
+        f = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw)) if zst else raw
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                doc = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno} is not valid JSON ({e.msg}); one JSON object per line") from None
+            yield lineno, doc, 0 if zst else len(line)
+    if zst:
+        yield 0, None, path.stat().st_size  # progress by compressed size
+
+
 def read_documents(files: list[Path], jsonl_key: str):
     """Yield (text, bytes consumed); bytes drive the progress bar."""
     for path in files:
         if path.name.endswith(".parquet"):
             yield from read_parquet(path, jsonl_key)
-        elif path.suffix == ".jsonl" or path.name.endswith(".jsonl.zst"):
-            zst = path.name.endswith(".zst")
-            if zst:
-                zstandard = optional_import("zstandard", "zstandard", path)
-            with open(path, "rb") as raw:
-                f = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw)) if zst else raw
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        doc = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{lineno} is not valid JSON ({e.msg}); one JSON object per line") from None
-                    if not isinstance(doc, dict) or not isinstance(doc.get(jsonl_key), str):
-                        raise ValueError(f"{path}:{lineno} has no string field {jsonl_key!r}; name the text field with --jsonl-key")
-                    yield doc[jsonl_key], 0 if zst else len(line)
-            if zst:
-                yield "", path.stat().st_size  # progress by compressed size
+        elif is_jsonl(path):
+            for lineno, doc, nbytes in read_jsonl(path):
+                if doc is None:
+                    yield "", nbytes
+                    continue
+                if not isinstance(doc, dict) or not isinstance(doc.get(jsonl_key), str):
+                    raise ValueError(f"{path}:{lineno} has no string field {jsonl_key!r}; name the text field with --jsonl-key")
+                yield doc[jsonl_key], nbytes
         else:
             yield path.read_text(encoding="utf-8", errors="replace"), path.stat().st_size
+
+
+def render_conversation(tok, messages, where: str) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of one conversation through a Hugging Face tokenizer's chat template. The assistant
+    spans are found prefix by prefix, which works for any template (return_assistant_tokens_mask needs templates
+    with {% generation %} markers): assistant turn i spans from the end of the prompt rendered for it (messages
+    before it + the generation prompt) to the end of the conversation rendered up to and including it, minus the
+    whitespace that separates turns, so its end-of-turn token is in and the newline after it is not. A template
+    that renders a turn differently once later turns follow (Qwen3's gives only the last assistant turn an empty
+    <think></think> block) fails that test for the turns before; for those the span is the turn's content, found
+    in the whole rendering after the previous span, and the end-of-turn text that follows it (what follows the
+    content in the turn's own rendering, or the eos token). Each piece is tokenized on its own (special tokens
+    such as <|im_end|> parsed), so the mask falls exactly on token boundaries."""
+    if not isinstance(messages, list):
+        raise ValueError(f"{where} has no \"messages\" list of {{\"role\", \"content\"}} objects (the Hugging Face chat format)")
+    if not messages:
+        raise ValueError(f"{where} is an empty conversation (\"messages\": []); remove the line")
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"{where}: message {m!r} is not {{\"role\": str, \"content\": str}}")
+
+    def render(msgs, prompt=False):
+        try:
+            return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt)
+        except Exception as e:  # jinja's raise_exception (an unknown role, a wrong order), or a template bug
+            raise ValueError(f"{where}: the chat template rejects this conversation ({type(e).__name__}: {e}); "
+                             f"roles used: {', '.join(dict.fromkeys(m['role'] for m in msgs))}") from None
+
+    text, spans = render(messages), []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt, turn = render(messages[:i], prompt=True), render(messages[:i + 1]).rstrip()
+        lo, hi, after = len(prompt), len(turn), spans[-1][1] if spans else 0
+        if not (text.startswith(prompt) and text.startswith(turn) and after <= lo <= hi):
+            lo = text.find(m["content"], after) if m["content"] else -1
+            if lo < 0:
+                raise ValueError(f"{where}: the chat template renders turn {i} differently once later turns follow "
+                                 "and does not show its content verbatim, so its assistant tokens cannot be located; "
+                                 "use a template that renders each turn the same whatever comes after it")
+            hi = lo + len(m["content"])
+            end = turn[turn.rfind(m["content"]) + len(m["content"]):]  # the end-of-turn text in its own rendering
+            for tail in (end, tok.eos_token or ""):
+                if tail and text.startswith(tail, hi):
+                    hi += len(tail)
+                    break
+        spans.append((lo, hi))
+    ids, mask, at = [], [], 0
+    for lo, hi in spans + [(len(text), len(text))]:
+        for piece, trained in ((text[at:lo], 0), (text[lo:hi], 1)):
+            if piece:
+                piece_ids = tok(piece, add_special_tokens=False)["input_ids"]
+                ids += piece_ids
+                mask += [trained] * len(piece_ids)
+        at = hi
+    return ids, mask
+
+
+def chat_documents(files: list[Path], tok, seq_len: int, counts: dict, bar):
+    """Yield (ids, mask) of every conversation of the .jsonl files, after the over-length rule (top of the
+    file); counts["truncated"] and counts["skipped"] count what it did."""
+    for path in files:
+        if not is_jsonl(path):
+            raise ValueError(f"--chat reads .jsonl / .jsonl.zst files of conversations, not {path}")
+        for lineno, doc, nbytes in read_jsonl(path):
+            bar.update(nbytes)
+            if doc is None:
+                continue
+            where = f"{path}:{lineno}"
+            if not isinstance(doc, dict) or "messages" not in doc:
+                raise ValueError(f"{where} has no \"messages\" field; each line must be {{\"messages\": [{{\"role\": "
+                                 "..., \"content\": ...}, ...]}")
+            ids, mask = render_conversation(tok, doc["messages"], where)
+            if not any(mask[1:seq_len]):  # nothing trained within --seq-len (the first token is never a label)
+                counts["skipped"] += 1
+                continue
+            if len(ids) > seq_len:
+                ids, mask = ids[:seq_len], mask[:seq_len]
+                counts["truncated"] += 1
+            yield ids, mask
 
 
 def train_sentencepiece(files: list[Path], jsonl_key: str, vocab_size: int, model_path: Path) -> None:
@@ -169,7 +273,15 @@ def main(argv=None):
     p.add_argument("--shard-tokens", type=int, default=2**26, help="tokens per shard file")
     p.add_argument("--val-fraction", type=float, default=0.01, help="share of the documents held out in <out>/val")
     p.add_argument("--force", action="store_true", help="rebuild even if --out already holds this dataset")
+    p.add_argument("--chat", action="store_true", help="jsonl lines of conversations ({\"messages\": [...]}) rendered "
+                   "with --hf-tokenizer's chat template; loss on the assistant's tokens only")
+    p.add_argument("--seq-len", type=int, help="--chat: longest conversation kept whole, in tokens (train with this "
+                   "--seq-len or more); longer ones are truncated")
     args = p.parse_args(argv)
+    if args.chat and not (args.input and args.hf_tokenizer and args.out and args.seq_len):
+        p.error("--chat needs --input FILES, --hf-tokenizer DIR (a tokenizer with a chat template), --seq-len N and --out DIR")
+    if args.chat and args.seq_len < 2:
+        p.error(f"--seq-len must be >= 2, got {args.seq_len}")
     if not 0 <= args.val_fraction < 1:
         p.error(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     if args.default == bool(args.input):
@@ -213,6 +325,8 @@ def main(argv=None):
         print(f"training a {args.train_sp}-piece sentencepiece model on {len(files)} files -> {sp_path}")
         train_sentencepiece(files, args.jsonl_key, args.train_sp, sp_path)
     tok = load_tokenizer({"tokenizer": tok_meta})
+    if args.chat:
+        return prepare_chat(args, files, tok, tok_meta, out, t0)
 
     bar = Progress(sum(f.stat().st_size for f in files))
 
@@ -240,6 +354,39 @@ def main(argv=None):
     print(f"{meta['num_documents']:,} documents, {meta['num_tokens']:,} tokens ({meta['dtype']}, "
           f"{len(meta['shards'])} shards) -> {out} in {time.time() - t0:.1f}s")
     return meta
+
+
+def prepare_chat(args, files: list[Path], tok, tok_meta: dict, out: Path, t0: float) -> dict:
+    """--chat: conversations -> a dataset of whole documents with loss masks (+ val/), as main does for text."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tok_meta["path"], local_files_only=True)
+    if not hf.chat_template:
+        raise ValueError(f"tokenizer {tok_meta['path']} has no chat template (tokenizer_config.json \"chat_template\" or "
+                         "chat_template.jinja); use the instruct model's tokenizer folder")
+    bar, counts, val_docs = Progress(sum(f.stat().st_size for f in files)), {"truncated": 0, "skipped": 0}, []
+
+    def docs():
+        for i, doc in enumerate(chat_documents(files, hf, args.seq_len, counts, bar)):
+            if int((i + 1) * args.val_fraction) > int(i * args.val_fraction):  # every 1/fraction-th
+                val_docs.append(doc)
+            else:
+                yield doc
+
+    # counts is filled while write_shards reads docs(), and its meta.json is written after that: the final counts
+    extra = {"val_fraction": args.val_fraction, "kind": "chat", "seq_len": args.seq_len, "conversations": counts}
+    meta = write_shards(docs(), out, tok.vocab_size, tok.eos_id, tok_meta, args.shard_tokens, extra, loss_masks=True)
+    shutil.rmtree(out / "val", ignore_errors=True)
+    if val_docs:
+        val = write_shards(val_docs, out / "val", tok.vocab_size, tok.eos_id, tok_meta, args.shard_tokens,
+                           {"kind": "chat", "seq_len": args.seq_len}, loss_masks=True)
+        print(f"held out {val['num_documents']:,} conversations, {val['num_tokens']:,} tokens -> {out / 'val'}")
+    bar.close()
+    print(f"{meta['num_documents']:,} conversations, {meta['num_tokens']:,} tokens of which {meta['trained_tokens']:,} "
+          f"trained (assistant), longest {meta['max_document_tokens']} -> {out} in {time.time() - t0:.1f}s; "
+          f"{counts['truncated']} truncated to --seq-len {args.seq_len}, {counts['skipped']} skipped (nothing to train "
+          f"within --seq-len)", flush=True)
+    return {**meta, **counts}
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ step (`Model.after_step`: the expert bias, a router's own changes, per-step file
 
 The loss of a step is the cross-entropy summed over every non-ignored label of the global batch, divided by
 their number (counted across all ranks before the forward), plus aux_loss_coef x the mean per-micro-batch
-balance loss of the model. Each micro-batch's backward adds its share, and gradients are *summed* over the ranks
+balance loss of the model. With loss masks (datasets of conversations, tools/prepare_data.py --chat) the labels
+of untrained tokens (prompts, padding) are ignored, so the loss is the mean over the trained tokens of the global
+batch, whatever the layout; the balance loss still counts every token, trained or not, since every token is
+routed and loads the experts. Each micro-batch's backward adds its share, and gradients are *summed* over the ranks
 replicating a parameter (dense: dp x cp x ep, routed experts: dp x cp, since each ep rank holds other experts
 and already received its ep group's tokens for them), so any layout equals one process running the same global
 batch and micro-batch split. The cp ranks of a group read the same sequences and each keeps its 2 of their
@@ -33,7 +36,7 @@ import torch.distributed as dist
 from core import fp8
 from core.checkpoint import complete_checkpoints, load_checkpoint, resume_candidates, save_checkpoint
 from core.context import cp_positions, split_for_cp
-from core.data import TokenLoader, load_tokenizer
+from core.data import TokenLoader, load_tokenizer, positions_in_documents
 from core.memory import check_train_args
 from core.mesh import build_mesh, destroy_mesh, resolve_layout
 from core.metrics import MetricsLogger, load_max_over_mean, peak_flops, peak_memory_gib, reduce_stats, timed
@@ -88,6 +91,8 @@ class Args:
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     compile: bool | None = None  # torch.compile the dense parts of each layer; default on for CUDA, off for CPU
     # (there, compiling the C++ kernels takes longer than a whole tiny run and gains nothing at its sizes)
+    document_mask: bool | None = None  # attention only within each document, positions restarting at each; default on
+    # for datasets of whole documents (tools/prepare_data.py --chat), off for raw text (then documents end at eos)
     recompute: Literal["none", "attention", "layer"] = "none"  # activations recomputed in backward instead of kept (model.py)
     fp8: bool = False  # FP8 GEMMs (Hopper) for attention, dense MLP and expert weights; on CPU the same numerics
     steps: int = 300
@@ -123,6 +128,7 @@ class Args:
     export_hf: str = ""  # write the trained model here as a Hugging Face folder
     sample_tokens: int = 0  # print a sample of this many tokens at the end
     sample_prompt: str = "def "
+    sample_chat: str = ""  # also sample the assistant's answer to this question through the tokenizer's chat template
     profile_steps: str = ""  # "A-B": torch.profiler over steps A..B -> <out>/profile/rank<N>.json (core/profiling.py)
     dry_run: bool = False  # check flags, config, layout (against WORLD_SIZE), data and resume, then exit (launch.sh does)
 
@@ -155,6 +161,7 @@ def main(argv=None):
     eval_loader = None
     if eval_dir and (eval_every > 0 or args.eval_only):
         eval_loader = TokenLoader(eval_dir, args.seq_len, args.global_batch, mesh.data_rank, mesh.data_world, args.seed)
+    document_mask = loader.documents if args.document_mask is None else args.document_mask
 
     # ---- model: this rank's routed experts (--expert-placement), everything else whole (HF weights or random init)
     # with --pp, this rank's two stages of the V: stage r (holding the embedding on rank 0) and stage 2pp-1-r
@@ -176,7 +183,7 @@ def main(argv=None):
     if args.fp8:
         enable_fp8(model)
     if args.compile if args.compile is not None else device.type == "cuda":
-        compile_dense_parts(model)
+        compile_dense_parts(model, document_mask)
     pipeline = None
     if args.pp > 1:
         step_ranks = mesh.world // args.pp  # global rank distance between pipeline neighbours
@@ -241,9 +248,10 @@ def main(argv=None):
     # global positions of this rank's tokens for rope [micro_batch, seq_len / cp] (None: 0..seq_len-1)
     positions_BS = cp_positions(args.seq_len, mesh.coord("cp"), mesh.cp, device).expand(args.micro_batch, -1) \
         if mesh.cp > 1 else torch.arange(args.seq_len, device=device).expand(args.micro_batch, -1)
+    batch_inputs = dict(args=args, mesh=mesh, positions_BS=positions_BS, document_mask=document_mask)
     model.train()
     if args.eval_only:
-        val = evaluate(model, pipeline, eval_loader, args, mesh, positions_BS, use_bf16)
+        val = evaluate(model, pipeline, eval_loader, batch_inputs, use_bf16)
         if mesh.is_main:
             print(f"{resume_from or args.hf_checkpoint} on {eval_dir}: val loss {val['val_loss']:.4f} | "
                   f"val ppl {val['val_ppl']:.2f} | {val['val_tokens']:,} tokens | load max/mean per layer "
@@ -259,10 +267,8 @@ def main(argv=None):
         watchdog.arm(step, "data")
         inject_fault("hang", step)  # MOE_TRAIN_FAULT (tests only; core/reliability.py)
         profiler.begin(step)
-        input_ids, labels = (t.to(device) for t in loader.next_batch())
-        if mesh.cp > 1:  # this rank's chunks r and 2cp-1-r of every sequence: [local_batch, seq_len / cp]
-            input_ids, labels = (split_for_cp(t, mesh.coord("cp"), mesh.cp) for t in (input_ids, labels))
-        num_labels = (labels != -100).sum().float()
+        input_ids, labels, positions, docs = rank_batch(loader, **batch_inputs)
+        num_labels = (labels != -100).sum().float()  # the trained tokens
         if data_group is not None:
             dist.all_reduce(num_labels, group=data_group)
         num_labels = num_labels.clamp(min=1)
@@ -278,13 +284,13 @@ def main(argv=None):
                 for mb in range(n_micro):  # `running` tells the layers which micro-batch (core/pipeline.py)
                     rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
                     running.set(mb)
-                    out = model.forward_train(input_ids[rows], labels[rows], positions_BS)
+                    out = model.forward_train(input_ids[rows], labels[rows], positions[mb], docs[mb])
                     running.set(mb, backward=True)
                     micro_batch_loss(out.loss_sum, out.aux_loss).backward()
                     stats += torch.stack([out.loss_sum.detach(), out.aux_loss.detach()])
                 running.set(None)
-        else:  # DualPipeV over the pp ranks (core/pipeline.py)
-            model.set_positions(positions_BS)
+        else:  # DualPipeV over the pp ranks (core/pipeline.py); each layer picks its micro-batch's positions and mask
+            model.set_positions(positions, doc_ids_BK=docs) if document_mask else model.set_positions(positions_BS)
             for stage in pipeline.stages:
                 stage.input_ids, stage.labels = input_ids.split(args.micro_batch), labels.split(args.micro_batch)
                 stage.loss_fn, stage.stats = micro_batch_loss, stats
@@ -336,7 +342,8 @@ def main(argv=None):
         if a2a_rows[1] > 0:  # rows sent to other ranks, deduplicated vs one per (token, expert)
             scalars["a2a_rows_vs_naive"] = (a2a_rows[0] / a2a_rows[1]).item()
         history.append(logger.log(step, time.perf_counter() - start, args.global_batch * args.seq_len, scalars,
-                                  {"expert_load_max_over_mean": load_per_layer, **logged}))
+                                  {"expert_load_max_over_mean": load_per_layer, "trained_tokens": int(num_labels),
+                                   **logged}))
         watchdog.step_done(history[-1]["step_time"])
         logger.log_load_heatmap(step, load_LE, args.load_heatmap_every)
         window_LE = window_LE + load_LE
@@ -352,7 +359,7 @@ def main(argv=None):
         # ---- validation loss (every eval_every steps and after the last one)
         if eval_every > 0 and (step % eval_every == 0 or step == args.steps):
             watchdog.arm(step, "evaluation", slow=True)
-            history[-1].update(evaluate(model, pipeline, eval_loader, args, mesh, positions_BS, use_bf16))
+            history[-1].update(evaluate(model, pipeline, eval_loader, batch_inputs, use_bf16))
             if mesh.is_main:
                 print(f"step {step:>5}/{args.steps} | val loss {history[-1]['val_loss']:.4f} | val ppl "
                       f"{history[-1]['val_ppl']:.2f} | {history[-1]['val_tokens']:,} tokens | load max/mean per layer "
@@ -390,12 +397,16 @@ def main(argv=None):
                            experts=mesh.first_replica(experts=True))
         if mesh.is_main:
             print(f"exported Hugging Face folder {args.export_hf}", flush=True)
-    if args.sample_tokens > 0 and args.pp > 1 and mesh.is_main:
-        print("no sample: with --pp no rank holds the whole model (export it with --export-hf and sample that)")
-    elif args.sample_tokens > 0:
-        text = sample(model, loader.meta, args, device)
+    if args.sample_tokens > 0 and args.pp > 1:
         if mesh.is_main:
-            print(f"sample: {text!r}", flush=True)
+            print("no sample: with --pp no rank holds the whole model (export it with --export-hf and sample that)")
+    elif args.sample_tokens > 0 or args.sample_chat:
+        wanted = ([(args.sample_prompt, False)] if args.sample_tokens > 0 else []) + \
+            ([(args.sample_chat, True)] if args.sample_chat else [])  # (prompt, through the chat template)
+        for prompt, chat in wanted:
+            text = sample(model, loader.meta, args, device, prompt, chat)
+            if mesh.is_main:
+                print(f"sample{' (chat)' if chat else ''}: {text!r}", flush=True)
     if mesh.is_main and history:
         print(f"trained steps {history[0]['step']}-{history[-1]['step']} in {sum(h['step_time'] for h in history):.0f}s: "
               f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}", flush=True)
@@ -425,6 +436,8 @@ def check_arguments(args: Args) -> None:
         f"--step-timeout must be >= 0 (0: automatic), got {args.step_timeout}": args.step_timeout >= 0,
         f"--eval-batches must be >= 1, got {args.eval_batches}": args.eval_batches >= 1,
         f"--sample-tokens must be >= 0, got {args.sample_tokens}": args.sample_tokens >= 0,
+        "--sample-chat samples without the pipeline: use --pp 1 (or export with --export-hf and sample that)":
+            not (args.sample_chat and args.pp > 1),
         f"--export-hf {args.export_hf} is a file; name a folder": not os.path.isfile(args.export_hf),
     })
     try:
@@ -467,7 +480,11 @@ def check_run(args: Args, world: int):
     eval_dir, eval_every = eval_settings(args)
     for what, path in (("dataset", args.data), ("validation data", eval_dir if eval_every > 0 or args.eval_only else "")):
         if path:
-            vocab = TokenLoader(path, args.seq_len, args.global_batch, 0, data_world, args.seed).meta["vocab_size"]
+            meta = TokenLoader(path, args.seq_len, args.global_batch, 0, data_world, args.seed).meta
+            vocab = meta["vocab_size"]
+            if args.sample_chat and what == "dataset" and meta["tokenizer"]["kind"] != "hf":
+                raise ValueError(f"--sample-chat needs a Hugging Face tokenizer with a chat template, but {path} was "
+                                 f"made with a {meta['tokenizer']['kind']} tokenizer; prepare it with --hf-tokenizer")
             if vocab > cfg.vocab_size:
                 raise ValueError(f"{what} {path} has vocab {vocab} but the model only {cfg.vocab_size}; tokenize with "
                                  f"the model's tokenizer or use a bigger config")
@@ -506,27 +523,44 @@ def report_bad_step(step, bad_ranks, bad_names, bad_in_a_row, args, mesh, ckpt_d
                       + " with a lower --lr or --grad-clip, or check the data around this step")
 
 
+def rank_batch(loader, args, mesh, positions_BS, document_mask: bool):
+    """This rank's part of the loader's next global batch: input ids and labels [local batch, seq_len / cp] (under
+    cp, chunks r and 2cp-1-r of every sequence), and per micro-batch the rope positions [micro_batch, seq_len / cp]
+    and the document ids of the whole sequences [micro_batch, seq_len] (the block-causal mask, which cp_attention_mask
+    splits itself) with document_mask; without, positions_BS (0..seq_len-1, or their cp part) and None."""
+    device, cp_rank = positions_BS.device, mesh.coord("cp")
+    n_micro = args.global_batch // mesh.data_world // args.micro_batch
+    input_ids, labels, *docs = (t.to(device) for t in loader.next_batch(documents=document_mask))
+    if mesh.cp > 1:  # this rank's chunks r and 2cp-1-r of every sequence: [local_batch, seq_len / cp]
+        input_ids, labels = (split_for_cp(t, cp_rank, mesh.cp) for t in (input_ids, labels))
+    if not document_mask:
+        return input_ids, labels, [positions_BS] * n_micro, [None] * n_micro
+    positions_BK = positions_in_documents(docs[0])  # rope restarts at every document
+    if mesh.cp > 1:
+        positions_BK = split_for_cp(positions_BK, cp_rank, mesh.cp)
+    return input_ids, labels, list(positions_BK.split(args.micro_batch)), list(docs[0].split(args.micro_batch))
+
+
 @torch.no_grad()
-def evaluate(model, pipeline, loader, args, mesh, positions_BS, use_bf16) -> dict:
-    """Validation loss (cross-entropy per label) and perplexity over the first --eval-batches global batches of
-    `loader` (the same windows every time), under any layout; every rank takes part (pp: the forward-only
-    schedule). Also the expert load max/mean per layer over those tokens; these routing counts stay out of the
-    training statistics and the expert bias."""
-    device, n_micro = positions_BS.device, args.global_batch // mesh.data_world // args.micro_batch
+def evaluate(model, pipeline, loader, batch_inputs: dict, use_bf16) -> dict:
+    """Validation loss (cross-entropy per label: per trained token under loss masks) and perplexity over the first
+    --eval-batches global batches of `loader` (the same windows every time), under any layout; every rank takes
+    part (pp: the forward-only schedule). Also the expert load max/mean per layer over those tokens; these routing
+    counts stay out of the training statistics and the expert bias. batch_inputs: rank_batch's arguments."""
+    args, mesh = batch_inputs["args"], batch_inputs["mesh"]
+    device, n_micro = batch_inputs["positions_BS"].device, args.global_batch // mesh.data_world // args.micro_batch
     totals = torch.zeros(2, device=device)  # summed cross-entropy, labels (pp: on pp rank 0, which holds the loss)
     loader.step = 0
     for _ in range(max(1, min(args.eval_batches, loader.num_samples // args.global_batch))):
-        input_ids, labels = (t.to(device) for t in loader.next_batch())
-        if mesh.cp > 1:
-            input_ids, labels = (split_for_cp(t, mesh.coord("cp"), mesh.cp) for t in (input_ids, labels))
+        input_ids, labels, positions, docs = rank_batch(loader, **batch_inputs)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
             if pipeline is None:
                 for mb, (ids, lab) in enumerate(zip(input_ids.split(args.micro_batch), labels.split(args.micro_batch))):
                     running.set(mb)
-                    totals[0] += model.forward_train(ids, lab, positions_BS).loss_sum.float()
+                    totals[0] += model.forward_train(ids, lab, positions[mb], docs[mb]).loss_sum.float()
                 running.set(None)
             else:
-                model.set_positions(positions_BS)
+                model.set_positions(positions, doc_ids_BK=docs if batch_inputs["document_mask"] else None)
                 for stage in pipeline.stages:
                     stage.input_ids, stage.labels = input_ids.split(args.micro_batch), labels.split(args.micro_batch)
                     stage.loss_fn, stage.stats = (lambda ce, aux: ce), torch.zeros(2, device=device)
@@ -544,19 +578,27 @@ def evaluate(model, pipeline, loader, args, mesh, positions_BS, use_bf16) -> dic
 
 
 @torch.no_grad()
-def sample(model, meta, args, device) -> str:
-    """Temperature-0.8 top-40 sampling without a KV cache (the tiny demo model only)."""
+def sample(model, meta, args, device, prompt: str, chat: bool = False) -> str:
+    """Temperature-0.8 top-40 sampling without a KV cache (the tiny demo model only) of --sample-tokens tokens
+    (64 if 0) after `prompt`; chat: `prompt` is a user's question rendered by the tokenizer's chat template, the
+    answer stops at the eos (which ends a turn) and only the answer is returned."""
     tokenizer = load_tokenizer(meta)
-    ids = torch.tensor([tokenizer.encode(args.sample_prompt)], device=device)
+    if chat and tokenizer.chat_prompt is None:
+        raise ValueError(f"--sample-chat needs a tokenizer with a chat template; {meta['tokenizer']['path']} has none "
+                         "(prepare the data with --hf-tokenizer of the instruct model, tools/prepare_data.py --chat)")
+    start = tokenizer.chat_prompt([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
+    ids = torch.tensor([start], device=device)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     model.eval()
-    for _ in range(args.sample_tokens):
+    for _ in range(args.sample_tokens or 64):
         logits_V = model(ids[:, -args.seq_len:])[0, -1].float() / 0.8
         top = logits_V.topk(40)
         next_id = top.indices[torch.multinomial(top.values.softmax(-1), 1, generator=gen)]
         ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+        if chat and int(next_id) == tokenizer.eos_id:
+            break
     model.train()
-    return tokenizer.decode(ids[0].tolist())
+    return tokenizer.decode(ids[0, len(start) if chat else 0:].tolist())
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from core.hf_io import CheckpointReader, dequantize_mxfp4, read_hf_config, varia
 from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.swiglu import gptoss_swiglu
 from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias
+from core.pipeline import running
 from core.placement import Placement, gather_experts
 from core.precision import compute_dtype, upcast
 from core.training import check_args
@@ -312,8 +313,8 @@ class DecoderLayer(nn.Module):
     """One decoder layer as the three compute steps that core/pipeline.py interleaves (its contract): (1)
     `attention` (norms, attention, router), (3) `routed_experts`, (5) `finish` (residual add); the dispatch and
     combine all-to-alls (2) and (4) run between them in core/moe.py. `state` is [hidden x_BSH, aux_2E]. `rope`
-    holds (cos, sin, attention mask, cp group or None) of the current micro-batch shape, set by
-    Model.set_positions.
+    holds (cos, sin, attention mask, cp group or None) of each micro-batch of the step, set by
+    Model.set_positions (one entry: the same for every micro-batch); `current_rope` picks the running one.
 
     recompute (RECOMPUTE): "attention" keeps only the input of each attention block (input norm, projections,
     rope, attention with sinks, output projection) and recomputes the rest in backward; "layer" keeps only the
@@ -340,8 +341,13 @@ class DecoderLayer(nn.Module):
         weights_Tk, ids_Tk, aux_2E = self.mlp.route(x_TH, aux_2E)
         return [h_BSH, aux_2E], x_TH, ids_Tk, weights_Tk
 
+    def current_rope(self):
+        """(cos, sin, mask...) of the micro-batch computing now (core.pipeline.running: under the pipeline's
+        overlap and in a recompute inside a backward too)."""
+        return self.rope[0] if len(self.rope) == 1 else self.rope[running.micro_batch]
+
     def _attention_block(self, x_BSH):
-        return self.self_attn(self.input_layernorm(x_BSH), *self.rope)
+        return self.self_attn(self.input_layernorm(x_BSH), *self.current_rope())
 
     def _attention_and_norm(self, x_BSH):
         h_BSH = x_BSH + _run(self._attention_block, x_BSH, recompute=self.recompute == "attention")
@@ -427,22 +433,32 @@ class Model(nn.Module):
                     gen = torch.Generator(p.device).manual_seed(self.base_seed ^ zlib.crc32(key.encode()))
                     block.normal_(0.0, self.cfg.initializer_range, generator=gen)
 
-    def set_positions(self, position_ids_BS, cp_split: bool = True) -> None:
-        """Rope at these global positions, and the attention masks, for every layer, for micro-batches of this
-        shape. With a cp group and cp_split, a micro-batch holds this rank's split_for_cp part of each sequence
+    def set_positions(self, position_ids_BS, cp_split: bool = True, doc_ids_BK=None) -> None:
+        """Rope at these positions, and the attention masks, for every layer: one micro-batch's tensors for every
+        micro-batch, or lists of them, one per micro-batch of the step, of which each layer takes the running
+        one (DecoderLayer.current_rope).
+        With a cp group and cp_split, a micro-batch holds this rank's split_for_cp part of each sequence
         (S = seq_len / cp): keys and values are gathered over the cp group and masked by global position (CPMask,
         S x S * cp): causal, and on sliding layers within the window, which may reach into other ranks' chunks.
-        No document mask for packed sequences: GPT-OSS in transformers attends across documents.
+        doc_ids_BK (train.py --document-mask): the document of each token of the WHOLE
+        sequences [B, S * cp] (every cp rank knows them), so that attention stays inside each document; rope's
+        positions then restart at each document (core.data.positions_in_documents), as if each ran alone. The window counts global positions, which within a document differ as the restarted ones do;
+        the sinks join each query's softmax as ever, over the keys it sees.
         cp_split=False: whole sequences, computed by every cp rank alone (generation, evaluation)."""
-        B, S = position_ids_BS.shape
+        many = isinstance(position_ids_BS, list)
+        pairs = zip(position_ids_BS, doc_ids_BK or [None] * len(position_ids_BS)) if many else [(position_ids_BS, doc_ids_BK)]
         cp, cp_rank = (1, 0) if self.cp_group is None or not cp_split else \
             (dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group))
-        dev = position_ids_BS.device
-        masks = {w: cp_attention_mask(S * cp, cp_rank, cp, window=w, device=dev)
-                 or CPMask(torch.arange(S, device=dev), S) for w in (None, self.cfg.sliding_window)}
-        cos, sin = rope_cos_sin(position_ids_BS, self.cfg, next(self.parameters()).dtype)
+        ropes = {w: [] for w in (None, self.cfg.sliding_window)}
+        for positions_BS, docs_BK in pairs:
+            S, dev = positions_BS.shape[1], positions_BS.device
+            cos, sin = rope_cos_sin(positions_BS, self.cfg, next(self.parameters()).dtype)
+            for w, per_mb in ropes.items():
+                mask = cp_attention_mask(S * cp, cp_rank, cp, window=w, doc_ids_BK=docs_BK, device=dev) \
+                    or CPMask(torch.arange(S, device=dev), S)
+                per_mb.append((cos, sin, mask, self.cp_group if cp > 1 else None))
         for layer in self.layers.values():
-            layer.rope = (cos, sin, masks[layer.window], self.cp_group if cp > 1 else None)
+            layer.rope = ropes[layer.window]
 
     def default_positions(self, B: int, S: int, device, cp_split: bool = True):
         """Positions 0..S-1, or with cp this rank's global positions of sequences of S * cp tokens."""
@@ -451,12 +467,12 @@ class Model(nn.Module):
         cp, cp_rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
         return cp_positions(S * cp, cp_rank, cp, device).expand(B, S)
 
-    def trunk(self, input_ids_BS, position_ids_BS=None, cp_split: bool = True):
+    def trunk(self, input_ids_BS, position_ids_BS=None, cp_split: bool = True, doc_ids_BK=None):
         """Embedding + decoder layers + final norm: the hidden state [B, S, H] and the aux statistics [2, E]."""
         B, S = input_ids_BS.shape
         if position_ids_BS is None:
             position_ids_BS = self.default_positions(B, S, input_ids_BS.device, cp_split)
-        self.set_positions(position_ids_BS, cp_split)
+        self.set_positions(position_ids_BS, cp_split, doc_ids_BK)
         state = [self.embed(input_ids_BS), torch.zeros(2, self.cfg.num_choices, device=input_ids_BS.device)]
         for layer in self.layers.values():
             state = layer(state)
@@ -474,8 +490,9 @@ class Model(nn.Module):
         """Logits [B, S, V] of the whole model, for whole sequences (each cp rank computes them all)."""
         return self.lm_head(self.trunk(input_ids_BS, position_ids_BS, cp_split=False)[0])
 
-    def forward_train(self, input_ids_BS, labels_BS, position_ids_BS=None) -> TrainOutput:
-        h_BSH, aux_2E = self.trunk(input_ids_BS, position_ids_BS)
+    def forward_train(self, input_ids_BS, labels_BS, position_ids_BS=None, doc_ids_BK=None) -> TrainOutput:
+        """doc_ids_BK: see set_positions (the whole sequences' documents under cp)."""
+        h_BSH, aux_2E = self.trunk(input_ids_BS, position_ids_BS, doc_ids_BK=doc_ids_BK)
         return TrainOutput(self.cross_entropy_sum(h_BSH, labels_BS), self.aux_loss(aux_2E, labels_BS.numel()))
 
     def cross_entropy_sum(self, h_BSH, labels_BS):
@@ -619,10 +636,10 @@ def cp_gather_width(cfg: ModelConfig) -> int:
 # ------------------------------------------------------------------ speed switches (train.py --compile, --fp8)
 
 
-def compile_dense_parts(model: Model) -> None:
+def compile_dense_parts(model: Model, document_mask: bool = False) -> None:
     """torch.compile(fullgraph=True) the norms and the router of every decoder layer, in place (parameter names
     unchanged). Left eager: attention (its core already runs as compiled flex_attention on CUDA, whose block
-    mask is built outside the graph), the routed experts and the dispatch/combine around them (row counts depend
+    mask is built outside the graph; document_mask changes nothing), the routed experts and the dispatch/combine around them (row counts depend
     on the routing, and the all-to-alls), the residual adds. One layer's graphs serve all layers."""
     for layer in model.layers.values():
         for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.router):

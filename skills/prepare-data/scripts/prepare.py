@@ -6,7 +6,8 @@
 Runs tools/prepare_data.py (text, .jsonl, .jsonl.zst, .parquet; a held-out split in DIR/val), then checks against
 the model config the recipe will train (--config; default: the recipe's config.json with --hf-tokenizer, its
 config_tiny.json otherwise): the dataset's vocabulary fits the model's embedding, the eos id is inside it, the
-validation split exists when --val-fraction > 0, and the first training document decodes back to text. Prints
+validation split exists when --val-fraction > 0, and the first training document decodes back to text (--chat:
+the first conversation's trained tokens, its assistant turns; and some tokens are trained). Prints
 OK lines and the launch command, or FAIL lines (exit status 1).
 """
 
@@ -51,14 +52,23 @@ def main(argv=None) -> dict:
                        f"validation split {out / 'val'}: " + (f"{val['num_documents']:,} documents, {val['num_tokens']:,} tokens"
                                                               if val else "missing (too few documents for --val-fraction?)")))
     tokens = np.fromfile(out / meta["shards"][0], dtype=meta["dtype"])
-    first = tokens[: int(np.argmax(tokens == meta["eos_id"]))]
+    chat = meta.get("packing") == "documents"  # --chat: whole conversations with loss masks
+    if chat:
+        lo, hi = np.fromfile(out / meta["documents"], dtype="<i8")[:2]
+        trained = np.fromfile(out / meta["masks"][0], dtype="u1")[lo:hi].astype(bool)
+        checks.append((meta["trained_tokens"] > 0, f"{meta['num_documents']:,} conversations: {meta['trained_tokens']:,} "
+                       f"of {meta['num_tokens']:,} tokens trained (the assistant's), longest {meta['max_document_tokens']}"))
+        first = tokens[lo:hi][trained[:len(tokens[lo:hi])]]
+    else:
+        first = tokens[: int(np.argmax(tokens == meta["eos_id"]))]
     text = load_tokenizer(meta).decode(first.tolist())
-    checks.append((len(text.strip()) > 0, f"first training document decodes: {text[:60]!r}"))
+    checks.append((len(text.strip()) > 0, f"first training {'answer' if chat else 'document'} decodes: {text[:60]!r}"))
     for ok, line in checks:
         print(f"{'OK  ' if ok else 'FAIL'} {line}")
     if not all(ok for ok, _ in checks):
         sys.exit(1)
     flag = f" --config {config}" if args.config else ""
+    flag += f" --seq-len {meta['seq_len']}" if chat else ""  # the longest conversation kept whole
     print(f"train on it: DATA={out} bash recipes/{args.recipe}/launch.sh{flag}")
     return {"meta": meta, "first_text": text, "model_vocab": model_vocab}
 
