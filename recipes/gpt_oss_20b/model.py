@@ -14,6 +14,14 @@ A Model may be partial: `layers` picks which decoder layers it holds (parameter 
 layer index, `layers.7.…`), `expert_ids` which routed experts (global ids; with `ep_group` given, this rank's
 experts of the `placement`, core/placement.py, and tokens reach them through core/moe.py's all-to-all), `embed`/`head` whether it
 holds the embedding and the final norm + LM head. Checkpoint I/O then touches only those tensors.
+
+Seams (skills/add-new-architecture/SKILL.md's table, in this file's order): a config field `ModelConfig`,
+`load_config`; attention `Attention.forward` (through core.context.attention) and its masks
+`Model.set_positions`; the router `Router`, `MoE.route`; expert kinds `ModelConfig.num_choices` (the router's
+choices) vs `num_experts` (the dispatched ones), `DecoderLayer.finish`; state crossing pipeline stages: the
+`state` list of `DecoderLayer`, `PipelineStage.p2p_specs`; the running micro-batch `DecoderLayer.current_rope`
+(core.pipeline.running); optional flags `Model.features`; statistics `Model.take_stats`; after each step
+`Model.after_step`; the shared checks' config `check_setup` (end of file).
 """
 
 import json
