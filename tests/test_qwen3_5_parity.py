@@ -1,0 +1,128 @@
+"""Qwen3.5-MoE recipe against transformers' Qwen3_5MoeForCausalLM (tiny random models, fp32, CPU): logits, every
+gradient and the export round trip over several layer patterns; the released checkpoint's layout (multimodal
+config, model.language_model. prefix, fused experts, MTP and vision tensors beside); the released config's
+parameter count. (What every recipe shares, layouts included, is tests/test_recipes.py.)"""
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+from core.hf_io import write_hf_folder
+from recipes.qwen3_5_35b_a3b import model as qwen35
+from recipes.qwen3_5_35b_a3b.model import Model, ModelConfig, load_config, load_hf_checkpoint, real_config_path
+from tests.recipe_checks import assert_aux_loss_matches, assert_partial_model_reads_only_its_tensors
+from tools.hf_parity import check_recipe, format_table
+
+LIN, FULL = "linear_attention", "full_attention"
+BASE = dict(vocab_size=96, hidden_size=48, num_hidden_layers=3, layer_types=[LIN, LIN, FULL], num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4, moe_intermediate_size=24,
+            shared_expert_intermediate_size=20, num_experts=6, num_experts_per_tok=2, max_position_embeddings=256)
+
+CONFIGS = {  # (config overrides, tokens per sequence)
+    # the released pattern (full attention last), 4 value heads over 2 key heads, conv 4, 70 tokens: one whole
+    # delta-rule chunk of 64 and a padded one
+    "lin_lin_full_conv4": (dict(), 70),
+    # full attention first, one KV head, top-1, conv 3, as many value as key heads, rope on half the head
+    "full_first_one_kv_top1_conv3": (dict(layer_types=[FULL, LIN, LIN], num_key_value_heads=1, num_experts_per_tok=1,
+                                          linear_conv_kernel_dim=3, linear_num_value_heads=2,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.5}), 24),
+    # alternating, 6 value heads over 2 key heads (3 each), k = E, no GQA in the full layers
+    "alternating_3_values_per_key_topk_all": (dict(num_hidden_layers=4, layer_types=[LIN, FULL, LIN, FULL],
+                                                   linear_num_value_heads=6, num_experts_per_tok=6,
+                                                   num_key_value_heads=4), 24),
+}
+
+
+def save_tiny(path, seed=0, **overrides) -> str:
+    """A random Qwen3_5MoeForCausalLM with transformers' init, except A_log: transformers draws exp(A_log) from
+    (0.01, 16), so most heads decay their state by e^-10 and more per token and the delta rule barely recurs;
+    (0.01, 1) keeps the state alive over tens of tokens, which the parity then tests."""
+    torch.manual_seed(seed)
+    ref = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{**BASE, **overrides}))
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.uniform_(0.01, 1.0).log_()
+    ref.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_logits_grads_and_export_match_transformers(tmp_path, name):
+    overrides, seq_len = CONFIGS[name]
+    rows = check_recipe("qwen3_5_35b_a3b", save_tiny(tmp_path, **overrides), seq_len=seq_len)
+    print(f"\n{name}\n" + format_table(rows))
+    if overrides.get("num_experts_per_tok") == 1:
+        # top-1 renormalised: the routing weight is p / p = 1, so the router's gradient is 0 in exact arithmetic
+        # and both models' router gradients are rounding noise (~1e-11), whose relative difference means nothing
+        worst = rows[2]
+        assert "mlp.gate.weight" not in worst.check or worst.max_abs <= 1e-9, "\n" + format_table(rows)
+        rows = [r for r in rows if r is not worst or "mlp.gate.weight" not in r.check]
+    assert all(r.ok for r in rows), "\n" + format_table(rows)
+
+
+def test_aux_loss_and_its_gradient_match_transformers(tmp_path):
+    path = save_tiny(tmp_path)
+    ref = Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = Model(ModelConfig.from_hf(path))
+    load_hf_checkpoint(model, path)
+    assert_aux_loss_matches(ref, model, torch.randint(0, BASE["vocab_size"], (2, 20)), lambda: [
+        (model.layers[str(i)].mlp.gate.weight, ref.model.layers[i].mlp.gate.weight) for i in range(3)])
+
+
+def test_partial_model_reads_only_its_tensors(tmp_path):
+    # layer 1 (linear): 2 norms, Gated DeltaNet (4 projections, conv, A_log, dt_bias, norm, out_proj), router,
+    # shared expert (3) and its gate, 2 experts x 3
+    assert_partial_model_reads_only_its_tensors(qwen35, save_tiny(tmp_path), 2 + 9 + 1 + 4 + 3 * 2)
+
+
+def test_released_config_parameter_count():
+    """The recipe's Model and transformers' Qwen3_5MoeForCausalLM of the released text config, both on meta."""
+    hf = json.loads(real_config_path().read_text())
+    with torch.device("meta"):
+        model = Model(ModelConfig.from_hf(real_config_path()))
+        ref = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{k: v for k, v in hf.items() if k != "model_type"}))
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.parameters()) == 34_660_610_688
+
+
+def test_released_checkpoint_layout_loads(tmp_path):
+    """The released folder: a multimodal config.json (text_config inside), the text model under
+    model.language_model. with fused experts, and vision and MTP tensors that the recipe skips."""
+    path = save_tiny(tmp_path / "hf")
+    ref = Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in ref.state_dict().items()}
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in tensors  # transformers' fused layout
+    tensors |= {"mtp.fc.weight": torch.ones(4, 4), "model.visual.patch_embed.proj.weight": torch.ones(4, 4)}
+    text = {**ModelConfig.from_hf(path).to_hf(), "model_type": "qwen3_5_moe_text"}
+    write_hf_folder(tmp_path / "released", tensors, {"model_type": "qwen3_5_moe", "text_config": text,
+                                                     "vision_config": {"depth": 1}})
+    model = Model(ModelConfig.from_hf(tmp_path / "released"))
+    names = load_hf_checkpoint(model, tmp_path / "released")
+    assert not any(n.startswith(("mtp.", "model.visual.")) for n in names)
+    ids = torch.randint(0, BASE["vocab_size"], (2, 17))
+    with torch.no_grad():
+        assert (model(ids) - ref(input_ids=ids).logits).abs().max() <= 1e-4  # fp32 parity, as tools/hf_parity.py
+
+
+def test_config_errors(tmp_path):
+    path = tmp_path / "config.json"
+    cases = {
+        "model_type is 'qwen3_moe'": {"model_type": "qwen3_moe"},
+        "tie_word_embeddings=true": {"tie_word_embeddings": True},
+        "attn_output_gate=false": {"attn_output_gate": False},
+        "layer_types must list 3 entries": {"layer_types": [LIN, FULL]},
+        "must be a multiple of linear_num_key_heads": {"linear_num_value_heads": 3},
+        "only default rope": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+    }
+    for message, change in cases.items():
+        path.write_text(json.dumps({"model_type": "qwen3_5_moe_text", **BASE, **change}))
+        with pytest.raises(ValueError, match=message):
+            load_config(path)
+    # no layer_types: every full_attention_interval-th layer is full, as transformers' config
+    path.write_text(json.dumps({"model_type": "qwen3_5_moe_text", **{k: v for k, v in BASE.items() if k != "layer_types"},
+                                "num_hidden_layers": 6, "full_attention_interval": 3}))
+    assert load_config(path).layer_types == [LIN, LIN, FULL, LIN, LIN, FULL]
