@@ -1,0 +1,172 @@
+"""The chunked gated delta rule (Gated DeltaNet's recurrence), a PyTorch reference and, on CUDA, fla-core's
+Triton kernels. Model-agnostic: any linear-attention layer with a decayed delta-rule state calls it.
+
+The recurrence, per (batch, value head), state S [K, V] in fp32, token t:
+    S  <- exp(g_t) * S                          (decay; g_t <= 0 is a log decay)
+    u_t = v_t - S^T k_t                         (what the state mis-predicts for key k_t)
+    S  <- S + beta_t * k_t u_t^T                (delta update, beta_t in (0, 1) its learning rate)
+    o_t = S^T q_t * scale                       (scale defaults to K^-0.5)
+
+Chunked form (what the reference computes; exact, the chunk size only changes rounding). Within a chunk of C
+tokens entering with state S0, let gam_t = g_1 + ... + g_t (log decay from the chunk start through t) and
+Gam_t = exp(gam_t). Unrolling the recurrence gives, row t of each [C, *] matrix,
+    u_t = v_t - Gam_t S0^T k_t - sum_{j<t} exp(gam_t - gam_j) beta_j (k_t . k_j) u_j
+i.e. (I + L) U = V - diag(Gam) K S0 with L strictly lower triangular: one unit-triangular solve per chunk with
+the right-hand side [V | Gam*K] gives U = U_v - W S0 for every S0. Then
+    O    = diag(Gam) Q S0 + (Q K^T * D * beta_j) U              D_tj = exp(gam_t - gam_j) for j <= t, else 0
+    S_C  = Gam_C S0 + (K * beta * exp(gam_C - gam))^T U
+and only S crosses chunks (a loop over S/C chunks of small matmuls). Decays are taken as differences in log
+space before exp, so no exp grows (every exponent is <= 0) however strong the decay. The sequence is padded to a
+multiple of the chunk with g = 0, beta = 0, k = v = 0 tokens, which leave the state unchanged.
+
+Grouped value heads: q and k may have fewer heads than v (Qwen3.5: 16 key heads, 32 value heads); key head h
+serves value heads h*n .. h*n+n-1 (n = Hv / Hk), as transformers' repeat_interleave. g and beta are per value
+head. use_qk_l2norm_in_kernel=True L2-normalises q and k over K (x * rsqrt(sum x^2 + 1e-6), in fp32), as fla's
+flag and transformers' torch_chunk_gated_delta_rule do; the model passes it (Gated DeltaNet always normalises).
+
+Backends: on CUDA with bf16/fp16 inputs and fla-core installed, fla's chunk_gated_delta_rule (chunk 64, its own
+Triton backward); elsewhere (CPU, fp32, no fla) the reference below, autograd through it. fla runs under
+torch.compiler.disable: dynamo does not trace into fla's autotuned Triton launchers (it graph-breaks there at best),
+and a disabled region is run eagerly with its own autograd.Function intact, so torch.compile of a layer compiles the
+code around the kernel and calls fla in between. A torch.library.custom_op would keep one graph but needs fla's
+internal forward/backward entry points, whose names and signatures change between fla releases; the public
+function is stable.
+
+Legend: B batch, S sequence, Hk key/query heads, Hv value heads (H after grouping), K key dim, V value dim,
+N chunks, C chunk size.
+"""
+
+import torch
+import torch.nn.functional as F
+
+try:  # optional GPU dependency: pip install fla-core
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk_gated_delta_rule
+except ImportError:  # CPU installs, or fla not installed: the reference runs
+    _fla_chunk_gated_delta_rule = None
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim, in fp32 (or fp64): fla's and transformers' qk normalisation."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV):
+    B, S, Hk, K = q_BSHK.shape
+    Hv, V = v_BSHV.shape[2:]
+    if k_BSHK.shape != q_BSHK.shape or v_BSHV.shape[:2] != (B, S):
+        raise ValueError(f"gated delta rule: q {tuple(q_BSHK.shape)}, k {tuple(k_BSHK.shape)}, v {tuple(v_BSHV.shape)} "
+                         "must be [B, S, Hk, K], [B, S, Hk, K], [B, S, Hv, V] with the same B and S")
+    if Hv % Hk:
+        raise ValueError(f"gated delta rule: {Hv} value heads are not a multiple of {Hk} key heads")
+    if g_BSH.shape != (B, S, Hv) or beta_BSH.shape != (B, S, Hv):
+        raise ValueError(f"gated delta rule: g {tuple(g_BSH.shape)} and beta {tuple(beta_BSH.shape)} must be "
+                         f"[B, S, Hv] = {(B, S, Hv)} (one decay and one learning rate per value head and token)")
+    if initial_state_BHKV is not None and initial_state_BHKV.shape != (B, Hv, K, V):
+        raise ValueError(f"gated delta rule: initial_state {tuple(initial_state_BHKV.shape)} must be "
+                         f"[B, Hv, K, V] = {(B, Hv, K, V)}")
+
+
+def chunk_gated_delta_rule_reference(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | None = None,
+                                     initial_state_BHKV=None, output_final_state: bool = False,
+                                     chunk_size: int = 64, use_qk_l2norm_in_kernel: bool = False):
+    """The chunked recurrence in plain PyTorch (see the top of the file), differentiable in every input.
+    Computes in fp32 (fp64 if any input is fp64); returns (o [B, S, Hv, V] in v's dtype, final state
+    [B, Hv, K, V] fp32/fp64 or None)."""
+    _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV)
+    if chunk_size < 1:
+        raise ValueError(f"gated delta rule: chunk_size {chunk_size} must be >= 1")
+    B, S, Hk, K = q_BSHK.shape
+    Hv, V = v_BSHV.shape[2:]
+    inputs = (q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH)
+    dt = torch.float64 if any(x.dtype == torch.float64 for x in inputs) else torch.float32
+    scale = K ** -0.5 if scale is None else scale
+    q, k = (x.to(dt) for x in (q_BSHK, k_BSHK))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if Hv != Hk:
+        q, k = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
+    C = chunk_size
+    N = -(-S // C)
+
+    def chunked(x_BSH_):  # [B, S, H, *] -> [B, H, N, C, *], zero-padded to N*C tokens
+        x = x_BSH_.to(dt).transpose(1, 2)
+        x = F.pad(x, (0, 0) * (x.dim() - 3) + (0, N * C - S))
+        return x.reshape(B, Hv, N, C, *x.shape[3:])
+
+    q_BHNCK, k_BHNCK, v_BHNCV = chunked(q) * scale, chunked(k), chunked(v_BSHV)
+    g_BHNC, beta_BHNC = chunked(g_BSH), chunked(beta_BSH)
+
+    gam_BHNC = g_BHNC.cumsum(-1)
+    causal_CC = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay_BHNCC = (gam_BHNC[..., :, None] - gam_BHNC[..., None, :]).masked_fill(~causal_CC, float("-inf")).exp()
+    decay_beta_BHNCC = decay_BHNCC * beta_BHNC[..., None, :]  # exp(gam_t - gam_j) beta_j, j <= t
+
+    L_BHNCC = (k_BHNCK @ k_BHNCK.transpose(-1, -2) * decay_beta_BHNCC).tril(-1)
+    eye_CC = torch.eye(C, dtype=dt, device=q.device)
+    rhs_BHNCX = torch.cat([v_BHNCV, gam_BHNC.exp()[..., None] * k_BHNCK], -1)
+    sol_BHNCX = torch.linalg.solve_triangular(eye_CC + L_BHNCC, rhs_BHNCX, upper=False, unitriangular=True)
+    u_v_BHNCV, w_BHNCK = sol_BHNCX[..., :V], sol_BHNCX[..., V:]  # U = u_v - w S0
+
+    attn_BHNCC = q_BHNCK @ k_BHNCK.transpose(-1, -2) * decay_beta_BHNCC
+    q_decayed_BHNCK = q_BHNCK * gam_BHNC.exp()[..., None]
+    k_to_end_BHNCK = k_BHNCK * (beta_BHNC * (gam_BHNC[..., -1:] - gam_BHNC).exp())[..., None]
+    chunk_decay_BHN11 = gam_BHNC[..., -1].exp()[..., None, None]
+
+    S_BHKV = (torch.zeros(B, Hv, K, V, dtype=dt, device=q.device) if initial_state_BHKV is None
+              else initial_state_BHKV.to(dt))
+    outs = []
+    for n in range(N):  # only the state crosses chunks
+        u_BHCV = u_v_BHNCV[:, :, n] - w_BHNCK[:, :, n] @ S_BHKV
+        outs.append(q_decayed_BHNCK[:, :, n] @ S_BHKV + attn_BHNCC[:, :, n] @ u_BHCV)
+        S_BHKV = chunk_decay_BHN11[:, :, n] * S_BHKV + k_to_end_BHNCK[:, :, n].transpose(-1, -2) @ u_BHCV
+    o_BHSV = torch.stack(outs, 2).reshape(B, Hv, N * C, V)[:, :, :S]
+    return o_BHSV.transpose(1, 2).to(v_BSHV.dtype), (S_BHKV if output_final_state else None)
+
+
+def fla_usable(x: torch.Tensor) -> bool:
+    """fla's kernels apply: CUDA tensor, bf16/fp16 (fla refuses fp32 inputs), fla-core installed."""
+    return _fla_chunk_gated_delta_rule is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+@torch.compiler.disable
+def _fla_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale, initial_state_BHKV, output_final_state,
+                          use_qk_l2norm_in_kernel):
+    Hk, Hv = q_BSHK.shape[2], v_BSHV.shape[2]
+    if Hv != Hk:  # fla's gated delta rule expects one key head per value head in the releases we target
+        q_BSHK, k_BSHK = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q_BSHK, k_BSHK))
+    dtype = v_BSHV.dtype
+    o, final = _fla_chunk_gated_delta_rule(
+        q_BSHK.to(dtype), k_BSHK.to(dtype), v_BSHV, g_BSH.float(), beta_BSH.to(dtype), scale=scale,
+        initial_state=None if initial_state_BHKV is None else initial_state_BHKV.float(),
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return o, final
+
+
+def chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | None = None,
+                           initial_state_BHKV=None, output_final_state: bool = False, chunk_size: int = 64,
+                           use_qk_l2norm_in_kernel: bool = False):
+    """The gated delta rule over whole sequences: (o [B, S, Hv, V], final state [B, Hv, K, V] fp32 or None).
+    fla's Triton kernels where `fla_usable` (chunk_size is then fla's 64: the result does not depend on it beyond
+    rounding), else `chunk_gated_delta_rule_reference`. Any S (the last chunk is padded)."""
+    _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV)
+    scale = q_BSHK.shape[-1] ** -0.5 if scale is None else scale
+    if fla_usable(v_BSHV):
+        return _fla_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale, initial_state_BHKV,
+                                     output_final_state, use_qk_l2norm_in_kernel)
+    return chunk_gated_delta_rule_reference(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale, initial_state_BHKV,
+                                            output_final_state, chunk_size, use_qk_l2norm_in_kernel)
+
+
+def chunk_gated_delta_flops_per_token(key_dim: int, value_dim: int, value_heads: int, chunk_size: int = 64,
+                                      cp: int = 1) -> int:
+    """Forward FLOPs per token of the chunked rule (2 per multiply-add, matmuls only; backward ~2x this).
+    Per chunk and head: K K^T and Q K^T (2 C^2 K), the unit-triangular solve with [V | K] right-hand sides
+    (C^2 (V + K) / 2), the intra-chunk A U (C^2 V), and W S0, Q S0, K^T U (3 C K V); divided by C:
+        per token per head = 2 * (2 C K + C (V + K) / 2 + C V + 3 K V) = C (5 K + 3 V) + 6 K V.
+    Under context parallelism (cp > 1, core/linear_attention.py) the kernel runs with value width V + K (the
+    state-transition columns) and each output adds S_in^T P (2 K V)."""
+    K, C = key_dim, chunk_size
+    V = value_dim + (key_dim if cp > 1 else 0)
+    per_head = C * (5 * K + 3 * V) + 6 * K * V + (2 * K * value_dim if cp > 1 else 0)
+    return value_heads * per_head

@@ -1,0 +1,142 @@
+"""Context parallelism for linear attention (Gated DeltaNet and any layer whose state update is linear):
+the causal depthwise conv1d and the gated delta rule over a sequence split by core/context.py:split_for_cp.
+Model-agnostic; with cp_group None both are the plain single-device operations.
+
+A cp rank holds chunks r and 2cp-1-r of the 2cp chunks of every sequence. Nothing of the layer's activations is
+gathered over the sequence; two small things cross ranks per layer:
+
+- Conv tails. A causal conv of width W reads the W-1 inputs before each token. Every rank contributes the last
+  W-1 inputs of each of its two chunks, one all-gather puts the 2cp tails in global order on every rank, and chunk
+  j is convolved after the tail of chunk j-1 (zeros for chunk 0). Backward: gather_sequence's reduce-scatter.
+- Chunk summaries. Per (batch, head), a chunk's effect on the state S [K, V] is affine: S_out = M S_in + C_, with
+  M [K, K] the product of the chunk's transitions exp(g_t)(I - beta_t k_t k_t^T) and C_ [K, V] the state the
+  chunk builds from zero. The recurrence acts on each column of S alone, so one kernel pass with values
+  [v | 0] (width V + K) from the initial state [0 | I] gives, in the columns: C_ and M as the final state, and
+  per token the zero-state output o0_t and P_t = A_t^T q_t (A_t: the transitions up to t). The true output is
+  then o_t = o0_t + S_in^T P_t: no second pass once the entering state S_in is known. One all-gather of the 2cp
+  summaries [C_ | M] lets every rank compose the entering states S_{j+1} = M_j S_j + C_j locally (2cp small
+  matmuls, no sequential hops between ranks). Backward flows through the same gather (reduce-scatter of the
+  summaries' gradients).
+
+Bytes per layer: `cp_linear_attention_bytes_received_per_layer` (independent of the sequence length; it grows
+with cp - 1, like an all-gather of 2 summaries per rank).
+
+Legend: B batch, S local sequence (the rank's two chunks side by side, 2 * h), h tokens of one chunk, Hk key
+heads, Hv value heads, K key dim, V value dim, X = V + K, Ch conv channels, W conv width, R = 2 cp chunks.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from core.context import gather_sequence
+from core.kernels.gated_delta import chunk_gated_delta_rule
+
+
+def _two_chunks(x_BS_: torch.Tensor) -> torch.Tensor:
+    """[B, 2h, ...] -> [2B, h, ...]: the rank's two chunks as two batches (first chunk first)."""
+    if x_BS_.shape[1] % 2:
+        raise ValueError(f"context parallelism: the local sequence has {x_BS_.shape[1]} tokens, not two equal chunks "
+                         "(split it with core.context.split_for_cp)")
+    return torch.cat(x_BS_.chunk(2, 1), 0)
+
+
+def _one_sequence(x_2B_: torch.Tensor) -> torch.Tensor:
+    """Inverse of _two_chunks."""
+    return torch.cat(x_2B_.chunk(2, 0), 1)
+
+
+def _conv(x_BTC: torch.Tensor, weight_CW: torch.Tensor, bias_C, activation) -> torch.Tensor:
+    """Depthwise conv over [B, T, Ch] already left-padded by W-1: [B, T - W + 1, Ch]."""
+    out_BCS = F.conv1d(x_BTC.transpose(1, 2).to(weight_CW.dtype), weight_CW.unsqueeze(1), bias_C,
+                       groups=weight_CW.shape[0])
+    if activation == "silu":
+        out_BCS = F.silu(out_BCS)
+    return out_BCS.transpose(1, 2).to(x_BTC.dtype)
+
+
+def causal_conv1d(x_BSC: torch.Tensor, weight_CW: torch.Tensor, bias_C: torch.Tensor | None = None,
+                  activation: str | None = None, cp_group=None) -> torch.Tensor:
+    """Causal depthwise conv1d (torch's F.conv1d, groups = channels): out_t = act(bias + sum_i w_i x_{t-W+1+i}),
+    inputs before the sequence start are 0. weight [Ch, W] (an nn.Conv1d's weight.squeeze(1)), activation None or
+    "silu". Under cp (x the rank's two chunks) each chunk starts after the tail of the chunk before it."""
+    if activation not in (None, "silu"):
+        raise ValueError(f"causal_conv1d: activation {activation!r} is not supported; use None or 'silu'")
+    W = weight_CW.shape[-1]
+    if cp_group is None or W == 1:
+        return _conv(F.pad(x_BSC, (0, 0, W - 1, 0)), weight_CW, bias_C, activation)
+    cp, r = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    x_2BhC = _two_chunks(x_BSC)
+    h = x_2BhC.shape[1]
+    if W - 1 > h:
+        raise ValueError(f"causal_conv1d: a cp chunk of {h} tokens is shorter than the conv's {W - 1}-token "
+                         f"history; use a longer sequence or a smaller cp")
+    tails_BRtC = gather_sequence(_one_sequence(x_2BhC[:, h - (W - 1):]), cp_group, dim=1)  # [B, 2cp (W-1), Ch]
+    tails = [torch.zeros_like(tails_BRtC[:, :W - 1])] + list(tails_BRtC.split(W - 1, 1))  # tails[j]: before chunk j
+    left_2BtC = torch.cat([tails[r], tails[2 * cp - 1 - r]], 0)
+    return _one_sequence(_conv(torch.cat([left_2BtC, x_2BhC], 1), weight_CW, bias_C, activation))
+
+
+def gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | None = None, initial_state_BHKV=None,
+                     output_final_state: bool = False, chunk_size: int = 64, use_qk_l2norm_in_kernel: bool = False,
+                     cp_group=None):
+    """core/kernels/gated_delta.py:chunk_gated_delta_rule over a sequence split across cp_group (the arguments and
+    results are the same; the final state is the whole sequence's, on every rank). cp_group None: the kernel."""
+    if cp_group is None:
+        return chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale, initial_state_BHKV,
+                                      output_final_state, chunk_size, use_qk_l2norm_in_kernel)
+    cp, r = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    B, _, _, K = q_BSHK.shape
+    Hv, V = v_BSHV.shape[2:]
+    st = torch.promote_types(v_BSHV.dtype, torch.float32)  # the state's dtype (fp32; fp64 in fp64 tests)
+    # columns V.. of the values are 0 and of the initial state the identity: they carry M and P (see the top)
+    v_BSHX = torch.cat([v_BSHV, v_BSHV.new_zeros(*v_BSHV.shape[:3], K)], -1)
+    eye_BHKK = torch.eye(K, dtype=st, device=v_BSHV.device).expand(2 * B, Hv, K, K)
+    init_2BHKX = torch.cat([eye_BHKK.new_zeros(2 * B, Hv, K, V), eye_BHKK], -1)
+    o_2BhHX, final_2BHKX = chunk_gated_delta_rule(
+        *(_two_chunks(x) for x in (q_BSHK, k_BSHK, v_BSHX, g_BSH, beta_BSH)), scale, init_2BHKX, True, chunk_size,
+        use_qk_l2norm_in_kernel)
+    summaries_RBHKX = gather_sequence(final_2BHKX.to(st).reshape(2, B, Hv, K, V + K), cp_group, dim=0)
+    S_BHKV = (v_BSHV.new_zeros(B, Hv, K, V, dtype=st) if initial_state_BHKV is None
+              else initial_state_BHKV.to(st))
+    entering = []
+    for j in range(2 * cp):  # S_{j+1} = M_j S_j + C_j, chunks in global order
+        entering.append(S_BHKV)
+        if j < 2 * cp - 1 or output_final_state:
+            S_BHKV = summaries_RBHKX[j, ..., V:] @ S_BHKV + summaries_RBHKX[j, ..., :V]
+    S_in_2BHKV = torch.cat([entering[r], entering[2 * cp - 1 - r]], 0)
+    o0_2BhHV, P_2BhHK = o_2BhHX[..., :V], o_2BhHX[..., V:]
+    o_2BhHV = o0_2BhHV.to(st) + torch.einsum("bshk,bhkv->bshv", P_2BhHK.to(st), S_in_2BHKV)
+    return _one_sequence(o_2BhHV.to(v_BSHV.dtype)), (S_BHKV if output_final_state else None)
+
+
+def cp_linear_attention_bytes_received_per_layer(cp: int, value_heads: int, key_dim: int, value_dim: int,
+                                                 conv_channels: int, conv_width: int, batch: int = 1,
+                                                 state_bytes: int = 4, activation_bytes: int = 2) -> int:
+    """Bytes one cp rank receives per linear-attention layer in forward (backward's reduce-scatter sends the same
+    back): the other ranks' 2 (cp - 1) chunk summaries [K, K + V] per value head in fp32, plus their 2 (cp - 1)
+    conv tails of W - 1 inputs per channel. Independent of the sequence length."""
+    summaries = 2 * (cp - 1) * batch * value_heads * key_dim * (key_dim + value_dim) * state_bytes
+    tails = 2 * (cp - 1) * batch * (conv_width - 1) * conv_channels * activation_bytes
+    return summaries + tails
+
+
+def print_cp_linear_bytes_table(cps=(2, 4, 8), seq_len: int = 32768) -> None:
+    """Qwen3.5-35B-A3B's Gated DeltaNet layer (Qwen3_5MoeTextConfig: 16 key heads, 32 value heads, K = V = 128,
+    conv width 4 over q, k, v = 2*16*128 + 32*128 = 8192 channels), per sequence, next to an all-gather of the
+    conv inputs (what a gathered-activation scheme would move, bf16)."""
+    Hk, Hv, K, V, W = 16, 32, 128, 128, 4
+    channels = 2 * Hk * K + Hv * V
+    print(f"KiB received per cp rank per Gated DeltaNet layer and sequence (forward), Qwen3.5-35B-A3B; "
+          f"gathering the {channels} conv inputs of {seq_len} tokens instead, bf16")
+    print(f"{'':28s}" + "".join(f"{'cp=' + str(c):>12s}" for c in cps))
+    rows = [("summaries + tails", [cp_linear_attention_bytes_received_per_layer(c, Hv, K, V, channels, W)
+                                   for c in cps]),
+            ("  of which conv tails", [2 * (c - 1) * (W - 1) * channels * 2 for c in cps]),
+            (f"all-gather {seq_len} tokens", [(c - 1) * (seq_len // c) * channels * 2 for c in cps])]
+    for name, values in rows:
+        print(f"{name:28s}" + "".join(f"{b / 2**10:12.0f}" for b in values))
+
+
+if __name__ == "__main__":
+    print_cp_linear_bytes_table()

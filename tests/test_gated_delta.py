@@ -1,0 +1,216 @@
+"""core/kernels/gated_delta.py and core/linear_attention.py: the chunked gated delta rule against a token-by-token
+float64 loop (values and every gradient), the causal conv against a direct sum, context parallelism (cp 2 and 4 on
+gloo) against one process, and on CUDA fla's kernels against the reference.
+
+Legend: B batch, S sequence, Hk key heads, Hv value heads, K key dim, V value dim, Ch conv channels, W conv width.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from core.context import merge_from_cp, split_for_cp
+from core.kernels.gated_delta import chunk_gated_delta_flops_per_token as flops_per_token
+from core.kernels.gated_delta import chunk_gated_delta_rule, chunk_gated_delta_rule_reference
+from core.linear_attention import causal_conv1d, cp_linear_attention_bytes_received_per_layer, gated_delta_rule
+from tests.multiproc import run_ranks
+
+
+def loop_gated_delta(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale, S0_BHKV):
+    """The recurrence one token at a time, per head (float64): S <- exp(g) S; u = v - S^T k; S <- S + beta k u^T;
+    o = S^T q * scale. Key heads are shared by consecutive value heads."""
+    n = v_BSHV.shape[2] // q_BSHK.shape[2]
+    q, k = (x.double().repeat_interleave(n, 2) for x in (q_BSHK, k_BSHK))
+    v, g, beta = v_BSHV.double(), g_BSH.double(), beta_BSH.double()
+    S = S0_BHKV.double()
+    outs = []
+    for t in range(q.shape[1]):
+        S = S * g[:, t].exp()[..., None, None]
+        u = v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t])
+        S = S + beta[:, t][..., None, None] * k[:, t][..., :, None] * u[..., None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]) * scale)
+    return torch.stack(outs, 1), S
+
+
+def make_inputs(B=2, S=37, Hk=2, Hv=4, K=8, V=6, dtype=torch.float64, seed=0):
+    """Unit-norm q, k (as the models pass them), g = logsigmoid (log decays in (-inf, 0)), beta in (0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(B, S, Hk, K, generator=gen, dtype=torch.float64), dim=-1)
+    k = F.normalize(torch.randn(B, S, Hk, K, generator=gen, dtype=torch.float64), dim=-1)
+    v = torch.randn(B, S, Hv, V, generator=gen, dtype=torch.float64)
+    g = F.logsigmoid(torch.randn(B, S, Hv, generator=gen, dtype=torch.float64) + 2)
+    beta = torch.rand(B, S, Hv, generator=gen, dtype=torch.float64)
+    S0 = torch.randn(B, Hv, K, V, generator=gen, dtype=torch.float64)
+    return [x.to(dtype).requires_grad_() for x in (q, k, v, g, beta, S0)]
+
+
+def values_and_grads(fn, inputs, seed=1):
+    """(o, final state, grads of every input) under a random cotangent on both outputs."""
+    o, S = fn(*inputs)
+    gen = torch.Generator().manual_seed(seed)
+    do, dS = (torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x) for x in (o, S))
+    grads = torch.autograd.grad([o, S], inputs, [do, dS])
+    return [o.detach(), S.detach(), *grads]
+
+
+NAMES = ["o", "final state", "dq", "dk", "dv", "dg", "dbeta", "dS0"]
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 16, 64])
+def test_chunked_rule_equals_token_loop_fp64(chunk_size):
+    """S = 37 is a multiple of none of the chunk sizes but 1 (64 > S: one padded chunk); Hv = 2 Hk."""
+    inputs = make_inputs()
+    scale = 0.7
+    got = values_and_grads(lambda q, k, v, g, b, S0: chunk_gated_delta_rule_reference(
+        q, k, v, g, b, scale, S0, True, chunk_size), inputs)
+    want = values_and_grads(lambda q, k, v, g, b, S0: loop_gated_delta(q, k, v, g, b, scale, S0), inputs)
+    # fp64 (unit roundoff 1.1e-16): the two orders of summation differ by a few hundred roundings of O(1) terms
+    # at most (S = 37 steps, K = 8-term dot products, a 64-row triangular solve), far below 1e-11.
+    for name, a, b in zip(NAMES, got, want):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=name)
+
+
+def test_fp32_within_derived_bound_and_l2norm_flag():
+    """fp32 inputs, the kernel's own q/k normalisation (inputs scaled by 3 first), default scale K^-0.5."""
+    inputs64 = make_inputs(S=100, K=16, V=16)
+    want = values_and_grads(lambda q, k, v, g, b, S0: loop_gated_delta(
+        F.normalize(3 * q, dim=-1), F.normalize(3 * k, dim=-1), v, g, b, 16 ** -0.5, S0), inputs64)
+    inputs32 = [x.detach().float().requires_grad_() for x in inputs64]
+    got = values_and_grads(lambda q, k, v, g, b, S0: chunk_gated_delta_rule_reference(
+        3 * q, 3 * k, v, g, b, None, S0, True, 32, True), inputs32)
+    # With |k| = 1 and beta in (0, 1) each transition exp(g)(I - beta k k^T) has norm <= 1, so states, outputs and
+    # gradients stay O(1) (|S0|, |v| ~ 1): errors do not grow along the sequence. Each value is a chain of a few
+    # matmuls of length <= 32 plus a 32-row triangular solve; fp32 unit roundoff 6e-8 times ~100 accumulated
+    # roundings is ~6e-6 relative; 1e-4 absolute leaves a margin of ~10x over what any CPU kernel order gives.
+    for name, a, b in zip(NAMES, got, want):
+        scale = b.abs().max().item()
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-4 * max(1.0, scale), msg=name)
+
+
+def test_zero_initial_state_no_final_state_and_bad_input():
+    q, k, v, g, beta, _ = make_inputs(S=9)
+    o, final = chunk_gated_delta_rule(q, k, v, g, beta)
+    assert final is None and o.shape == v.shape and o.dtype == v.dtype
+    want, _ = loop_gated_delta(q, k, v, g, beta, 8 ** -0.5, torch.zeros(2, 4, 8, 6, dtype=torch.float64))
+    torch.testing.assert_close(o, want, rtol=0, atol=1e-11)  # fp64, as above
+    with pytest.raises(ValueError, match="not a multiple"):
+        chunk_gated_delta_rule(q, k, v[:, :, :3], g[:, :, :3], beta[:, :, :3])
+    with pytest.raises(ValueError, match=r"\[B, S, Hv\]"):
+        chunk_gated_delta_rule(q, k, v, g[:, :, :2], beta)
+    with pytest.raises(ValueError, match="initial_state"):
+        chunk_gated_delta_rule(q, k, v, g, beta, initial_state_BHKV=torch.zeros(2, 4, 6, 8))
+
+
+@pytest.mark.parametrize("W", [3, 4])
+def test_causal_conv1d_equals_direct_sum(W):
+    gen = torch.Generator().manual_seed(0)
+    x_BSC, w_CW, b_C = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((2, 11, 5), (5, W), (5,)))
+    padded = torch.cat([torch.zeros(2, W - 1, 5, dtype=torch.float64), x_BSC], 1)
+    want = torch.stack([b_C + sum(w_CW[:, i] * padded[:, t + i] for i in range(W)) for t in range(11)], 1)
+    torch.testing.assert_close(causal_conv1d(x_BSC, w_CW, b_C), want, rtol=0, atol=1e-13)  # fp64, W-term sums
+    torch.testing.assert_close(causal_conv1d(x_BSC, w_CW, None, "silu"), F.silu(want - b_C), rtol=0, atol=1e-13)
+    with pytest.raises(ValueError, match="activation"):
+        causal_conv1d(x_BSC, w_CW, activation="gelu")
+
+
+# ------------------------------------------------------------------------------------ context parallelism
+
+# A Gated-DeltaNet-like block: conv (SiLU) over q, k, v channels, then the rule with the kernel's q/k norm.
+# chunk 10 tokens per cp chunk, kernel chunk 4: three kernel chunks per cp chunk, the last one padded.
+CP_HK, CP_HV, CP_K, CP_V, CP_W, CP_CHUNK, CP_KERNEL_CHUNK = 1, 2, 4, 3, 4, 10, 4
+
+
+def cp_block(x_BSC, w_CW, b_C, g_BSH, beta_BSH, S0_BHKV, cp_group):
+    y = causal_conv1d(x_BSC, w_CW, b_C, "silu", cp_group)
+    B, S = y.shape[:2]
+    q, k, v = y.split([CP_HK * CP_K, CP_HK * CP_K, CP_HV * CP_V], -1)
+    return gated_delta_rule(q.reshape(B, S, CP_HK, CP_K), k.reshape(B, S, CP_HK, CP_K), v.reshape(B, S, CP_HV, CP_V),
+                            g_BSH, beta_BSH, None, S0_BHKV, True, CP_KERNEL_CHUNK, True, cp_group)
+
+
+def cp_case(cp: int, seed: int = 0):
+    """Whole-sequence inputs [x, w, b, g, beta, S0] and cotangents [do, dS] (fp64)."""
+    gen = torch.Generator().manual_seed(seed)
+    B, S, Ch = 2, 2 * cp * CP_CHUNK, 2 * CP_HK * CP_K + CP_HV * CP_V
+    shapes = [(B, S, Ch), (Ch, CP_W), (Ch,), (B, S, CP_HV), (B, S, CP_HV), (B, CP_HV, CP_K, CP_V)]
+    x, w, b, a, bb, S0 = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in shapes)
+    inputs = [x, w, b, F.logsigmoid(a + 1), torch.sigmoid(bb), S0]
+    cotangents = [torch.randn(B, S, CP_HV, CP_V, generator=gen, dtype=torch.float64),
+                  torch.randn(B, CP_HV, CP_K, CP_V, generator=gen, dtype=torch.float64)]
+    return inputs, cotangents
+
+
+def _cp_rank(cp: int):
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    inputs, (do, dS) = cp_case(cp)
+    local = [split_for_cp(t, rank, cp) if i in (0, 3, 4) else t for i, t in enumerate(inputs)]  # per-token ones
+    local = [t.clone().requires_grad_() for t in local]
+    o, S = cp_block(*local, dist.group.WORLD)
+    # the final state is replicated: rank 0 alone carries its cotangent (a replica's loss counts once)
+    torch.autograd.backward([o, S], [split_for_cp(do, rank, cp), dS if rank == 0 else torch.zeros_like(dS)])
+    out = [o.detach(), S.detach()] + [t.grad for t in local]
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_equals_one_process(cp):
+    inputs, (do, dS) = cp_case(cp)
+    inputs = [t.clone().requires_grad_() for t in inputs]
+    o, S = cp_block(*inputs, None)
+    torch.autograd.backward([o, S], [do, dS])
+    ranks = run_ranks(cp, _cp_rank, cp)
+    names = ["o", "final state", "dx", "dw", "db", "dg", "dbeta", "dS0"]
+    got = [merge_from_cp([r[0] for r in ranks]), ranks[0][1],
+           merge_from_cp([r[2] for r in ranks]), sum(r[3] for r in ranks), sum(r[4] for r in ranks),
+           merge_from_cp([r[5] for r in ranks]), merge_from_cp([r[6] for r in ranks]), sum(r[7] for r in ranks)]
+    want = [o.detach(), S.detach()] + [t.grad for t in inputs]
+    assert all(torch.equal(r[1], ranks[0][1]) for r in ranks)  # every rank has the same final state
+    # fp64: the composition S_{j+1} = M_j S_j + C_j and o0 + S_in^T P regroup the same sums; differences are a
+    # few hundred fp64 roundings of O(1) values, far below 1e-10.
+    for name, a, b in zip(names, got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=name)
+
+
+def test_cp_bytes_and_flops_formulas():
+    # Qwen3.5-35B-A3B: 32 value heads, K = V = 128, conv width 4 over 8192 channels; cp 2: 2 summaries of
+    # 32 x 128 x 256 fp32 (4 MiB each) + 2 tails of 3 x 8192 bf16
+    assert cp_linear_attention_bytes_received_per_layer(2, 32, 128, 128, 8192, 4) == 2 * 2**22 + 2 * 3 * 8192 * 2
+    assert cp_linear_attention_bytes_received_per_layer(1, 32, 128, 128, 8192, 4) == 0
+    assert flops_per_token(128, 128, 1, 64) == 64 * 8 * 128 + 6 * 128 * 128
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_fla_kernel_matches_reference_on_cuda():
+    """fla's Triton kernels (bf16, through chunk_gated_delta_rule) against the fp32 reference on the same bf16
+    inputs, values and every gradient, also under torch.compile of a function around the call."""
+    from core.kernels import gated_delta
+    if gated_delta._fla_chunk_gated_delta_rule is None:
+        pytest.skip("fla-core is not installed (pip install fla-core)")
+    inputs = [x.detach().cuda().requires_grad_() for x in make_inputs(B=2, S=300, Hk=2, Hv=4, K=128, V=128,
+                                                                        dtype=torch.float32)]
+    q, k, v, g, beta, S0 = inputs
+    bf16 = [q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(), S0]
+
+    def fla(q, k, v, g, b, S0):
+        return chunk_gated_delta_rule(q, k, v, g, b, None, S0, True, 64, True)
+
+    def ref(q, k, v, g, b, S0):
+        return chunk_gated_delta_rule_reference(q.float(), k.float(), v.float(), g, b.float(), None, S0, True, 64,
+                                                True)
+
+    assert gated_delta.fla_usable(bf16[2])
+    want = values_and_grads(ref, bf16)
+    for fn in (fla, torch.compile(fla)):
+        got = values_and_grads(fn, bf16)
+        # bf16 outputs and bf16-stored intermediate states in fla (8 mantissa bits: 4e-3 relative per rounding,
+        # a few chained): 3e-2 of each tensor's largest magnitude
+        for name, a, b in zip(NAMES, got, want):
+            torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=3e-2 * b.abs().max().item(), msg=name)
