@@ -166,3 +166,22 @@ def test_errors():
     engine = DualPipeV([None, None], 0, 2, None, 1, None, [], torch.device("cpu"))
     with pytest.raises(ValueError, match="at least 2\\*pp = 4 micro-batches"):
         engine.run(3)
+
+
+def test_split_layers_by_cost():
+    """Layers of unequal cost: the split whose largest stage (embedding and head one mean layer each) is smallest,
+    found against every contiguous split written out here; equal costs split by count."""
+    import itertools
+
+    costs = [1, 1, 1, 4, 1, 1, 1, 4, 1, 1]  # a hybrid: every 4th layer costs 4
+    unit = sum(costs) / len(costs)
+
+    def largest(stages):
+        return max(sum(costs[i] for i in s) + (unit if k in (0, len(stages) - 1) else 0) for k, s in enumerate(stages))
+
+    best = min(largest([list(range(a, b)) for a, b in zip((0, *cuts), (*cuts, 10))])
+               for cuts in itertools.combinations_with_replacement(range(11), 3)
+               if all(b > a for a, b in zip(cuts, cuts[1:])))  # middle stages non-empty
+    split = split_layers(10, 2, costs)
+    assert sum(split, []) == list(range(10)) and all(split[1:-1]) and largest(split) == best == 6
+    assert split_layers(10, 2, [{"attention": 2, "dense": 3}] * 10 + [{"head": 9}]) == split_layers(10, 2)

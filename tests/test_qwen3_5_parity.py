@@ -7,12 +7,25 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
+from core.context import cp_positions, split_for_cp
 from core.hf_io import write_hf_folder
+from core.mesh import build_mesh
 from recipes.qwen3_5_35b_a3b import model as qwen35
-from recipes.qwen3_5_35b_a3b.model import Model, ModelConfig, load_config, load_hf_checkpoint, real_config_path
+from recipes.qwen3_5_35b_a3b.model import (
+    GatedDeltaNet,
+    Model,
+    ModelConfig,
+    check_setup,
+    load_config,
+    load_hf_checkpoint,
+    real_config_path,
+)
+from tests.multiproc import run_ranks
 from tests.recipe_checks import assert_aux_loss_matches, assert_partial_model_reads_only_its_tensors
+from tests.test_train import rel_err
 from tools.hf_parity import check_recipe, format_table
 
 LIN, FULL = "linear_attention", "full_attention"
@@ -126,3 +139,56 @@ def test_config_errors(tmp_path):
     path.write_text(json.dumps({"model_type": "qwen3_5_moe_text", **{k: v for k, v in BASE.items() if k != "layer_types"},
                                 "num_hidden_layers": 6, "full_attention_interval": 3}))
     assert load_config(path).layer_types == [LIN, LIN, FULL, LIN, LIN, FULL]
+
+
+def cp_worker(config: dict, cps: tuple, seq_len: int, chunk: int) -> dict:
+    """At each cp (the ranks split into groups of cp; here 4 ranks: cp2 twice, then cp4): the model with a cp group,
+    each rank holding chunks r and 2cp-1-r of 2 sequences, against one process over the whole sequences: loss
+    (summed over the cp ranks), whole-sequence logits and every gradient (summed over the cp ranks). The delta rule
+    runs in chunks of `chunk` tokens, so each cp chunk spans several (and a padded last one)."""
+    dist.init_process_group("gloo")
+    GatedDeltaNet.chunk_size = chunk
+    cfg = ModelConfig(**{k: v for k, v in config.items() if k in ModelConfig.__dataclass_fields__})
+    errors = {}
+    for cp in cps:
+        mesh = build_mesh(dp=dist.get_world_size() // cp, cp=cp, ep=1)
+        cp_group, cp_rank = mesh.group("cp"), mesh.coord("cp")
+        models = []
+        for group in (cp_group, None):
+            torch.manual_seed(0)
+            models.append(Model(cfg, cp_group=group))
+            with torch.no_grad():  # decays that keep the state over tens of tokens (see save_tiny)
+                for layer in models[-1].layers.values():
+                    if layer.linear:
+                        layer.linear_attn.A_log.copy_(torch.linspace(0.02, 1.0, cfg.linear_num_value_heads).log())
+        model, full = models
+        ids = torch.randint(0, cfg.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(3))
+        labels = torch.roll(ids, -1, 1)
+        ref = full.forward_train(ids, labels).loss_sum
+        ref.backward()
+        positions_BS = cp_positions(seq_len, cp_rank, cp)[None].expand(2, -1)
+        loss = model.forward_train(*(split_for_cp(x, cp_rank, cp) for x in (ids, labels)), positions_BS).loss_sum
+        loss.backward()
+        dist.all_reduce(loss := loss.detach(), group=cp_group)
+        errors[f"cp{cp} loss"] = rel_err(loss, ref.detach())
+        with torch.no_grad():
+            errors[f"cp{cp} logits (whole sequences)"] = rel_err(model(ids), full(ids))
+        full_params = dict(full.named_parameters())
+        for name, p in model.named_parameters():
+            dist.all_reduce(grad := p.grad.clone(), group=cp_group)
+            errors[f"cp{cp} grad {name}"] = rel_err(grad, full_params[name].grad)
+    dist.destroy_process_group()
+    return errors
+
+
+def test_linear_attention_layers_under_cp2_and_cp4_equal_one_process():
+    """The check config's layers, linear, full, linear, at cp2 and cp4: 96-token sequences in delta-rule chunks of
+    4, so a cp chunk holds 3 (cp4) or 6 (cp2) of them. Bound 1e-5 relative: the cp path composes the
+    entering states from chunk summaries (S_in = M S + C per chunk) instead of running the recurrence through,
+    the same sums in another order; fp32 rounds at 6e-8 per op and the errors measured ~1e-7 to 1e-6 (the
+    gradients of A_log and dt_bias, sums of cancelling terms, the largest)."""
+    config = {**check_setup()["config"], "num_hidden_layers": 3, "layer_types": [LIN, FULL, LIN]}
+    errors = run_ranks(4, cp_worker, config, (2, 4), 96, 4)
+    worst = max(((e, name) for rank in errors for name, e in rank.items()))
+    print(f"worst: {worst}")
+    assert worst[0] <= 1e-5, worst

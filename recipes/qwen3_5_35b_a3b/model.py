@@ -244,13 +244,17 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(U, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(W * U, H, bias=False)
 
-    def forward(self, x_BSH):
-        """x holds whole sequences, or under cp this rank's split_for_cp part of each (core/linear_attention.py
-        then exchanges the conv tails and the chunks' state summaries over the cp group, nothing per token)."""
+    chunk_size = 64  # the delta rule's chunk (fla's; the result does not depend on it beyond rounding)
+
+    def forward(self, x_BSH, cp_split: bool = False):
+        """x holds whole sequences, or with cp_split (and a cp group) this rank's split_for_cp part of each
+        (core/linear_attention.py then exchanges the conv tails and the chunks' state summaries over the cp group,
+        nothing per token)."""
         B, S, _ = x_BSH.shape
+        cp_group = self.cp_group if cp_split else None
         A, W, K, U = self.A, self.W, self.K, self.U
         qkv_BSC = causal_conv1d(self.in_proj_qkv(x_BSH), self.conv1d.weight.squeeze(1), activation="silu",
-                                cp_group=self.cp_group)
+                                cp_group=cp_group)
         q_BSAK, k_BSAK, v_BSWU = qkv_BSC.split([A * K, A * K, W * U], dim=-1)
         beta_BSW = torch.sigmoid(self.in_proj_b(x_BSH))
         g_BSW = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BSH).float() + self.dt_bias)
@@ -258,7 +262,7 @@ class GatedDeltaNet(nn.Module):
         # a*W/A .. (a+1)*W/A - 1
         o_BSWU, _ = gated_delta_rule(q_BSAK.reshape(B, S, A, K), k_BSAK.reshape(B, S, A, K), v_BSWU.reshape(B, S, W, U),
                                      g_BSW, beta_BSW, scale=K ** -0.5, use_qk_l2norm_in_kernel=True,
-                                     cp_group=self.cp_group)
+                                     chunk_size=self.chunk_size, cp_group=cp_group)
         o_BSWU = self.norm(o_BSWU.to(x_BSH.dtype), self.in_proj_z(x_BSH).view(B, S, W, U))
         return self.out_proj(o_BSWU.reshape(B, S, W * U))
 
@@ -390,7 +394,7 @@ class DecoderLayer(nn.Module):
 
     def _attention_block(self, x_BSH):
         if self.linear:
-            return self.linear_attn(self.input_layernorm(x_BSH))
+            return self.linear_attn(self.input_layernorm(x_BSH), cp_split=self.rope[2] is not None)
         return self.self_attn(self.input_layernorm(x_BSH), *self.rope)
 
     def _attention_and_norm(self, x_BSH):
