@@ -96,9 +96,10 @@ def saved_bytes(model, input_ids_BS) -> int:
 _CALIBRATION = {}
 
 
-def activation_calibration(mod, recompute: str, batch: int = 2, seq: int = 32) -> tuple:
+def activation_calibration(mod, recompute: str, batch: int = 2, seq: int = 64) -> tuple:
     """(tiny config, saved bytes per token and layer, saved bytes per token and vocab entry of the head), measured
-    on the recipe's tiny config on CPU in fp32: the whole model minus a model without layers gives the layers."""
+    on the recipe's tiny config on CPU in fp32: the whole model minus a model without layers gives the layers.
+    seq 64: a multiple of chunked linear attention's chunk (a shorter sequence is padded to it)."""
     key = (mod.__name__, recompute)
     if key not in _CALIBRATION:
         tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
