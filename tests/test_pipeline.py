@@ -173,15 +173,17 @@ def test_split_layers_by_cost():
     found against every contiguous split written out here; equal costs split by count."""
     import itertools
 
-    costs = [1, 1, 1, 4, 1, 1, 1, 4, 1, 1]  # a hybrid: every 4th layer costs 4
-    unit = sum(costs) / len(costs)
-
-    def largest(stages):
+    def largest(costs, stages):
+        unit = sum(costs) / len(costs)
         return max(sum(costs[i] for i in s) + (unit if k in (0, len(stages) - 1) else 0) for k, s in enumerate(stages))
 
-    best = min(largest([list(range(a, b)) for a, b in zip((0, *cuts), (*cuts, 10))])
-               for cuts in itertools.combinations_with_replacement(range(11), 3)
-               if all(b > a for a, b in zip(cuts, cuts[1:])))  # middle stages non-empty
-    split = split_layers(10, 2, costs)
-    assert sum(split, []) == list(range(10)) and all(split[1:-1]) and largest(split) == best == 6
+    # a hybrid (every 4th layer costs 4), and costs where leaving out the embedding's or the head's share misplaces
+    # a cut
+    for costs, want in (([1, 1, 1, 4, 1, 1, 1, 4, 1, 1], 6), ([1, 4, 1, 2, 1, 2, 2, 2], 5.875)):
+        n = len(costs)
+        best = min(largest(costs, [list(range(a, b)) for a, b in zip((0, *cuts), (*cuts, n))])
+                   for cuts in itertools.combinations_with_replacement(range(n + 1), 3)
+                   if all(b > a for a, b in zip(cuts, cuts[1:])))  # middle stages non-empty
+        split = split_layers(n, 2, costs)
+        assert sum(split, []) == list(range(n)) and all(split[1:-1]) and largest(costs, split) == best == want
     assert split_layers(10, 2, [{"attention": 2, "dense": 3}] * 10 + [{"head": 9}]) == split_layers(10, 2)
