@@ -18,7 +18,9 @@ gathered over the sequence; two small things cross ranks per layer:
   matmuls, no sequential hops between ranks). Backward flows through the same gather (reduce-scatter of the
   summaries' gradients).
 
-Bytes per layer: `cp_linear_attention_bytes_received_per_layer` (independent of the sequence length; it grows
+Cost: the kernel runs with value width V + K (with K = V about twice its FLOPs,
+core/kernels/gated_delta.py:chunk_gated_delta_flops_per_token with cp > 1) plus 2cp [K, K] x [K, V] matmuls per
+head. Bytes per layer: `cp_linear_attention_bytes_received_per_layer` (independent of the sequence length; it grows
 with cp - 1, like an all-gather of 2 summaries per rank).
 
 Legend: B batch, S local sequence (the rank's two chunks side by side, 2 * h), h tokens of one chunk, Hk key

@@ -25,12 +25,11 @@ head. use_qk_l2norm_in_kernel=True L2-normalises q and k over K (x * rsqrt(sum x
 flag and transformers' torch_chunk_gated_delta_rule do; the model passes it (Gated DeltaNet always normalises).
 
 Backends: on CUDA with bf16/fp16 inputs and fla-core installed, fla's chunk_gated_delta_rule (chunk 64, its own
-Triton backward); elsewhere (CPU, fp32, no fla) the reference below, autograd through it. fla runs under
-torch.compiler.disable: dynamo does not trace into fla's autotuned Triton launchers (it graph-breaks there at best),
-and a disabled region is run eagerly with its own autograd.Function intact, so torch.compile of a layer compiles the
-code around the kernel and calls fla in between. A torch.library.custom_op would keep one graph but needs fla's
-internal forward/backward entry points, whose names and signatures change between fla releases; the public
-function is stable.
+Triton kernels); elsewhere (CPU, fp32, no fla) the reference below, autograd through it. fla is wrapped in two
+torch.library custom ops (forward; backward = fla's forward recomputed under autograd): the recipes compile layers
+with fullgraph=True, where a torch.compiler.disable region (how fla 0.6 marks its own entry point) is an error, and
+dynamo cannot trace fla's autotuned Triton launchers; an opaque op with a fake (shape) implementation keeps one
+graph. Only fla's public function is called, so any fla release with the [B, T, H, *] API works.
 
 Legend: B batch, S sequence, Hk key/query heads, Hv value heads (H after grouping), K key dim, V value dim,
 N chunks, C chunk size.
@@ -129,18 +128,73 @@ def fla_usable(x: torch.Tensor) -> bool:
     return _fla_chunk_gated_delta_rule is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
-@torch.compiler.disable
+def _fla(q, k, v, g, beta, h0, scale, use_qk_l2norm_in_kernel):
+    return _fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+# fla as two opaque custom ops, so torch.compile(fullgraph=True) of a layer keeps one graph around them. The forward
+# runs fla without autograd; the backward op recomputes fla's forward under autograd and takes its gradients (one
+# extra kernel forward, ~1/3 of fla's forward + backward): only fla's public function is used, which is stable
+# across fla releases (its internal forward/backward entry points are not).
+@torch.library.custom_op("moe_delta::fla_gated_delta_rule", mutates_args=())
+def _fla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            h0: torch.Tensor, scale: float, use_qk_l2norm_in_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        o, ht = _fla(q, k, v, g, beta, h0, scale, use_qk_l2norm_in_kernel)
+    return o.to(v.dtype), ht.float()  # the dtypes the fake implementation promises
+
+
+@torch.library.custom_op("moe_delta::fla_gated_delta_rule_backward", mutates_args=())
+def _fla_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     h0: torch.Tensor, do: torch.Tensor, dht: torch.Tensor, scale: float,
+                     use_qk_l2norm_in_kernel: bool) -> list[torch.Tensor]:
+    # a custom op's kernel runs with autograd (and autocast) dispatch excluded; the recompute needs autograd back
+    # (autocast stays off, as in the forward op)
+    autocast_only = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU).add(torch._C.DispatchKey.AutocastCUDA)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), autocast_only), \
+            torch.enable_grad():
+        inputs = [x.detach().requires_grad_() for x in (q, k, v, g, beta, h0)]
+        o, ht = _fla(*inputs, scale, use_qk_l2norm_in_kernel)
+        grads = torch.autograd.grad([o, ht], inputs, [do, dht], allow_unused=True)
+    return [torch.zeros_like(x) if d is None else d.to(x.dtype) for d, x in zip(grads, inputs)]
+
+
+@_fla_op.register_fake
+def _(q, k, v, g, beta, h0, scale, use_qk_l2norm_in_kernel):
+    return torch.empty_like(v), torch.empty_like(h0)
+
+
+@_fla_backward_op.register_fake
+def _(q, k, v, g, beta, h0, do, dht, scale, use_qk_l2norm_in_kernel):
+    return [torch.empty_like(x) for x in (q, k, v, g, beta, h0)]
+
+
+def _fla_setup(ctx, inputs, output):
+    *tensors, ctx.scale, ctx.use_qk_l2norm_in_kernel = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _fla_backward(ctx, do, dht):
+    grads = _fla_backward_op(*ctx.saved_tensors, do, dht, ctx.scale, ctx.use_qk_l2norm_in_kernel)
+    return (*grads, None, None)
+
+
+torch.library.register_autograd("moe_delta::fla_gated_delta_rule", _fla_backward, setup_context=_fla_setup)
+
+
 def _fla_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale, initial_state_BHKV, output_final_state,
                           use_qk_l2norm_in_kernel):
-    Hk, Hv = q_BSHK.shape[2], v_BSHV.shape[2]
-    if Hv != Hk:  # fla's gated delta rule expects one key head per value head in the releases we target
+    B, _, Hk, K = q_BSHK.shape
+    Hv, V = v_BSHV.shape[2:]
+    if Hv != Hk:  # older fla releases have no grouped value heads (0.6 has): one key head per value head
         q_BSHK, k_BSHK = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q_BSHK, k_BSHK))
     dtype = v_BSHV.dtype
-    o, final = _fla_chunk_gated_delta_rule(
-        q_BSHK.to(dtype), k_BSHK.to(dtype), v_BSHV, g_BSH.float(), beta_BSH.to(dtype), scale=scale,
-        initial_state=None if initial_state_BHKV is None else initial_state_BHKV.float(),
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    return o, final
+    h0_BHKV = (v_BSHV.new_zeros(B, Hv, K, V, dtype=torch.float32) if initial_state_BHKV is None
+               else initial_state_BHKV.float())  # always a tensor: custom ops take no optional outputs
+    o, final = _fla_op(q_BSHK.to(dtype), k_BSHK.to(dtype), v_BSHV, g_BSH.float(), beta_BSH.to(dtype), h0_BHKV,
+                       float(scale), use_qk_l2norm_in_kernel)
+    return o, (final if output_final_state else None)
 
 
 def chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | None = None,
