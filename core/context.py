@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from core.precision import upcast
+
 # --------------------------------------------------------------------------------------- sequence split
 
 
@@ -244,9 +246,9 @@ def attention_reference(q_BNSD, k_BGKD, v_BGKE, mask_BSK=None, scale=None, sinks
     # GQA without copies: query head h uses kv head h // n (transformers' repeat_kv order)
     q_BGnSD = q_BNSD.view(B, G, N // G, S, D)
     logits_BGnSK = (q_BGnSD @ k_BGKD[:, :, None].transpose(-1, -2)) * scale
-    logits_BGnSK = logits_BGnSK.float().masked_fill(~mask_BSK[:, None, None], float("-inf"))
+    logits_BGnSK = upcast(logits_BGnSK).masked_fill(~mask_BSK[:, None, None], float("-inf"))
     if sinks_N is not None:  # one more column per head: the sink logit, softmaxed with the keys, then dropped
-        sink_BGnS1 = sinks_N.float().view(1, G, N // G, 1, 1).expand(B, G, N // G, S, 1)
+        sink_BGnS1 = upcast(sinks_N).view(1, G, N // G, 1, 1).expand(B, G, N // G, S, 1)
         probs_BGnSK = torch.cat([logits_BGnSK, sink_BGnS1], -1).softmax(-1)[..., :-1]
     else:
         probs_BGnSK = logits_BGnSK.softmax(-1)
@@ -257,7 +259,7 @@ def attention_reference(q_BNSD, k_BGKD, v_BGKE, mask_BSK=None, scale=None, sinks
 def sink_rescale(out_BNSE, lse_BNS, sinks_N) -> torch.Tensor:
     """Attention with sinks from attention without: the sink logit joins the softmax denominator, so every
     probability, and the output, shrinks by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)."""
-    keep_BNS = torch.sigmoid(lse_BNS.float() - sinks_N.float()[:, None])
+    keep_BNS = torch.sigmoid(upcast(lse_BNS) - upcast(sinks_N)[:, None])
     return out_BNSE * keep_BNS[..., None].to(out_BNSE.dtype)
 
 

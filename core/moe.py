@@ -67,9 +67,11 @@ def grouped_mm_fused(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Te
 
 
 def _fused_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM takes these operands: on CPU any float dtype, on CUDA bf16 (other dtypes
-    fall back to a loop inside torch), and rows of 16-byte multiples (K and N * element size)."""
-    return GROUPED_MM is not None and (a.device.type == "cpu" or a.dtype == torch.bfloat16) and \
+    """Whether torch's grouped GEMM takes these operands: on CPU fp32, bf16 and fp16 (it refuses float64, which
+    the per-expert loop then runs: a float64 reference model), on CUDA bf16 (other dtypes fall back to a loop
+    inside torch), and rows of 16-byte multiples (K and N * element size)."""
+    return GROUPED_MM is not None and a.dtype != torch.float64 and \
+        (a.device.type == "cpu" or a.dtype == torch.bfloat16) and \
         all(t.shape[-1] * t.element_size() % 16 == 0 for t in (a, b))
 
 

@@ -253,3 +253,32 @@ def test_bench_cli_runs_on_cpu():
                         "--hidden", "16", "--iters", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
     assert "swiglu" in p.stdout and "cross_entropy" in p.stdout and "group_by_expert" in p.stdout
+
+
+def test_float64_is_computed_in_float64(monkeypatch):
+    """A float64 model's kernels (swiglu, GPT-OSS swiglu, the loss, the experts' grouped GEMMs, forward and
+    backward) run in float64, also where Triton would run (always the reference): outputs and gradients within
+    1e-13 of the formulas computed here in float64 (a few float64 roundings of O(1) values, 2^-53 = 1.1e-16 each,
+    summed over <= 32 terms), while one fp32 rounding anywhere would show as >= 1e-8."""
+    from core.moe import grouped_mm, grouped_weight_grad
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the wrappers' Triton dispatch (read per call) must pass float64 by
+    g = torch.Generator().manual_seed(0)
+    x, h, w = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((12, 16), (6, 8), (30, 8)))
+    labels = torch.randint(0, 30, (6,), generator=g)
+    limited = lambda x: (x[:, 1::2].clamp(-7, 7) + 1) * x[:, 0::2].clamp(max=7) * torch.sigmoid(1.702 * x[:, 0::2].clamp(max=7))
+    rows, w_EKN, counts = torch.randn(10, 16, generator=g, dtype=torch.float64), \
+        torch.randn(3, 16, 8, generator=g, dtype=torch.float64), torch.tensor([4, 0, 6])
+    per_expert = lambda rows, w: torch.cat([rows[:4] @ w[0], rows[4:] @ w[2]])
+    cases = [(swiglu.swiglu, lambda x: F.silu(x[:, :8]) * x[:, 8:], [x]),
+             (swiglu.gptoss_swiglu, limited, [x]),
+             (lambda h, w: cross_entropy.linear_cross_entropy(h, w, labels),
+              lambda h, w: F.cross_entropy(h @ w.T, labels, reduction="sum"), [h, w]),
+             (lambda rows, w: grouped_mm(rows, w, counts), per_expert, [rows, w_EKN])]
+    for fn, formula, inputs in cases:
+        (y, grads), (ref, ref_grads) = run_grad(fn, inputs), run_grad(formula, inputs)
+        assert y.dtype == torch.float64 and rel_err(y, ref) <= 1e-13, (fn, rel_err(y, ref))
+        assert all(rel_err(a, b) <= 1e-13 for a, b in zip(grads, ref_grads)), fn
+    dy = torch.randn(10, 8, generator=g, dtype=torch.float64)
+    dw = grouped_weight_grad(rows, dy, counts)
+    assert rel_err(dw, torch.stack([rows[:4].T @ dy[:4], torch.zeros(16, 8, dtype=torch.float64), rows[4:].T @ dy[4:]])) <= 1e-13

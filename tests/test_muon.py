@@ -241,9 +241,9 @@ def test_layouts_equal_one_process_and_resume(name, layouts, tmp_path):
         for job in ("dp2 from dp2xep2", "1 process from dp2xep2"):
             errors = layout_errors(tail, runs[job])
             print(job, errors)
-            assert all(e <= LAYOUT_TOLERANCE for what, (e, _) in errors.items() if what != "expert bias"), (job, errors)
+            assert all(e <= LAYOUT_TOLERANCE for what, (e, _, _) in errors.items() if what != "expert bias"), (job, errors)
         # the same layout: bit for bit
         full = [(losses[2:], norms[2:], weights) for losses, norms, weights in runs["dp2xep2"]]
         for reference, resumed in zip(full, runs["dp2xep2 resumed"]):
             errors = layout_errors(reference, [resumed], error=bitwise_error)
-            assert all(e == 0 for e, _ in errors.values()), errors
+            assert all(e == 0 for e, _, _ in errors.values()), errors

@@ -16,6 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from core.memory import Layout, check_fits
+from tests.test_launch import launch_env
 from tools import plan
 from tools.pipeline_timeline import formula_bubble, schedule_order, simulate
 
@@ -261,8 +262,7 @@ def test_launch_sh_on_a_gpu_node_without_a_layout_runs_the_plan(tmp_path):
     (bin_dir / "torchrun").write_text('#!/bin/sh\necho "torchrun: $*"\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "",
-           "DATA": str(ROOT / "data/stdlib"), "OUT": str(tmp_path / "run")}
+    env = launch_env(PATH=f"{bin_dir}:{os.environ['PATH']}", DATA=str(ROOT / "data/stdlib"), OUT=str(tmp_path / "run"))
     launch = lambda extra: subprocess.run(["bash", str(ROOT / "recipes/deepseek_v2_lite/launch.sh"), "--steps", "1"],
                                           env={**env, **extra}, capture_output=True, text=True, timeout=600)
     planned = launch({})

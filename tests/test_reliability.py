@@ -23,6 +23,7 @@ from core.reliability import StopRun
 from recipes.qwen3_30b_a3b import train
 from tests.conftest import TINY_TRAIN_CONFIG
 from tests.multiproc import run_ranks
+from tests.test_launch import launch_env
 from tests.test_train import run_train, train_args
 from tools.hf_parity import folder_tensors
 
@@ -47,8 +48,8 @@ def test_restarts_resume_exactly(tiny_train_setup, tmp_path):
     kill_step = random.randint(3, 8)
     flags = dict(steps=8, ckpt_every=2, grad_clip=1.0, pp=2)
     reference = run_ranks(2, run_train, train_args(config, data, tmp_path / "ref", **flags, export_hf=tmp_path / "ref_hf"))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-           "MOE_TRAIN_FAULT": f"kill-in-save@4:1:0,kill@{kill_step}:0:1,hang@8:1:2"}
+    env = launch_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",  # none of the caller's RANK, OUT, MOE_TRAIN_*, ...
+                     MOE_TRAIN_FAULT=f"kill-in-save@4:1:0,kill@{kill_step}:0:1,hang@8:1:2")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "3",
            "-m", "recipes.qwen3_30b_a3b.train",
            *train_args(config, data, tmp_path / "run", **flags, export_hf=tmp_path / "hf", step_timeout=5)]
@@ -226,7 +227,7 @@ def test_bad_input_is_one_line(tiny_train_setup, tmp_path):
 
     proc = subprocess.run([sys.executable, "-m", "recipes.qwen3_30b_a3b.train", "--config", str(config),
                            "--data", str(data), "--lr-schedule", "linear"], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+                          env=launch_env(PYTHONPATH=str(ROOT)), timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == "error: argument --lr-schedule: invalid choice: 'linear' (choose from 'cosine', 'wsd') (see --help)\n"
 

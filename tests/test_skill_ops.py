@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_launch import launch_variables
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ["qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b"]
 SMALL = ["--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--warmup-steps", "1", "--steps", "2"]
@@ -43,6 +45,8 @@ def tensorboard_scalars(run: Path) -> dict[str, dict[int, float]]:
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_mesh_check_and_compare_runs(recipe, tiny_train_setup, tmp_path, capsys, monkeypatch):
     _, data = tiny_train_setup
+    for name in launch_variables():  # the caller's shell must not steer launch.sh (OUT, NNODES, SLURM_*, ...)
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     # launch-multi-node: 2 local ranks through launch.sh, the printed mesh checked (and run A of the comparison)
     check_mesh = script("launch-multi-node", "check_mesh")

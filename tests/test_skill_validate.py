@@ -32,12 +32,13 @@ def table_rows(out: str, recipe: str) -> list[str]:
 
 
 def test_validate_prints_one_table(tmp_path, capsys):
-    """parity (4 rows), export, buffers on GPT-OSS; the training runs' output goes to the log, not the table."""
+    """parity (4 rows in fp32, 3 in float64), export, buffers on GPT-OSS; the training runs' output goes to the log,
+    not the table."""
     assert script("validate").main(["--recipe", "gpt_oss_20b", "--only", "parity,export,buffers",
                                     "--workdir", str(tmp_path / "work")]) == 0
     out = capsys.readouterr().out
     rows = table_rows(out, "gpt_oss_20b")
-    assert len(rows) == 6 and all("PASS" in row.split() for row in rows) and out.rstrip().endswith("ALL PASS"), out
+    assert len(rows) == 4 + 3 + 2 and all("PASS" in row.split() for row in rows) and out.rstrip().endswith("ALL PASS"), out
     assert "step " not in out and "trained steps 1-1" in (tmp_path / "work/runs.log").read_text()
 
 
@@ -83,7 +84,7 @@ def test_a_copied_variant_equals_its_base(tmp_path, monkeypatch, capsys):
     try:
         assert validate(["--recipe", "my_arch", "--only", "base,export,buffers"]) == 0
         rows = table_rows(capsys.readouterr().out, "my_arch")
-        assert len(rows) == 4 + 2 and all(" 0.00e+00 " in row and row.endswith("PASS") for row in rows), rows
+        assert len(rows) == 4 + 2 + 2 and all(" 0.00e+00 " in row and row.endswith("PASS") for row in rows), rows
         assert validate(["--recipe", "my_arch_eps", "--only", "base"]) == 1
         out = capsys.readouterr().out
         assert "FAIL" in table_rows(out, "my_arch_eps")[0].split() and "SOME CHECKS FAILED" in out, out
@@ -100,7 +101,7 @@ def test_a_copied_variant_equals_its_base(tmp_path, monkeypatch, capsys):
 def test_validate_runs_every_check(recipe, capsys):
     assert script("validate").main(["--recipe", recipe]) == 0
     out = capsys.readouterr().out
-    assert len(table_rows(out, recipe)) == 4 + 1 + 1 + 15 and out.rstrip().endswith("ALL PASS"), out
+    assert len(table_rows(out, recipe)) == 4 + 3 + 1 + 1 + 15 and out.rstrip().endswith("ALL PASS"), out
 
 
 def test_check_parity(capsys):

@@ -2,13 +2,19 @@
 
     python -m tools.hf_parity --recipe qwen3_30b_a3b                 # tiny random model from config_tiny.json
     python -m tools.hf_parity --recipe qwen3_30b_a3b --hf-dir DIR    # an existing checkpoint folder
+    python -m tools.hf_parity --recipe qwen3_30b_a3b --float64       # both in float64, ~1e-14 apart
 
 The reference is transformers' AutoModelForCausalLM, in fp32 on CPU. Gradients are compared under the
 checkpoint's own tensor names: ours through the recipe's save_hf_checkpoint, transformers' through its
 save_pretrained (which also splits its fused in-memory expert tensors back into per-expert keys).
+
+In float64 (`check_recipe(..., dtype=torch.float64)`, `--float64`) both models run in float64 end to end, and
+transformers' own fp32 islands (RMSNorm statistics, rope angles, router and attention softmax, which it computes
+in fp32 whatever the model's dtype) are widened to float64 by KeepFloat64, so that both sides round at ~1e-16.
 """
 
 import argparse
+import contextlib
 import copy
 import importlib
 import json
@@ -19,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from core.hf_io import CheckpointReader
 
@@ -61,6 +68,24 @@ def grads_by_checkpoint_name(model: torch.nn.Module, save) -> dict[str, torch.Te
         return folder_tensors(tmp)
 
 
+FLOAT64_TOLERANCE = 1e-10  # float64 logits and gradients, relative: both sides round at 2^-53 = 1.1e-16 per op;
+# through a few layers, softmaxes and sums of ~1e3 terms that grows to ~1e-14 (measured 1e-15 to 3e-14). One fp32
+# step anywhere (an upcast left at .float(), fp32 rope angles) shows as >= 1e-8, so 1e-10 sits 100x from each side
+
+
+class KeepFloat64(TorchFunctionMode):
+    """transformers computes norms, rope and softmaxes in fp32 even in a float64 model (x.to(torch.float32),
+    x.float(), softmax(dtype=torch.float32), arange(dtype=torch.float)): inside this mode every fp32 requested
+    by a torch call becomes float64, so a float64 model is float64 throughout (no fp32 rounding, ~1e-7, left)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        widen = lambda a: torch.float64 if a is torch.float32 else a
+        args, kwargs = tuple(map(widen, args)), {k: widen(v) for k, v in (kwargs or {}).items()}
+        if func is torch.Tensor.float:
+            func = torch.Tensor.double
+        return func(*args, **kwargs)
+
+
 def make_tiny_hf_model(config_json, out_dir, seed: int = 0) -> Path:
     """A random transformers model built from a config.json or a dict of its fields (nothing downloaded),
     saved with save_pretrained."""
@@ -74,27 +99,37 @@ def make_tiny_hf_model(config_json, out_dir, seed: int = 0) -> Path:
     return Path(out_dir)
 
 
-def check_recipe(recipe: str, hf_dir, batch: int = 2, seq_len: int = 24, seed: int = 0) -> list[Row]:
+def check_recipe(recipe: str, hf_dir, batch: int = 2, seq_len: int = 24, seed: int = 0,
+                 dtype: torch.dtype = torch.float32) -> list[Row]:
+    """Rows of logits, gradients (together and the worst tensor) and, in fp32, the export round trip; in float64
+    (dtype) every row is a relative error held to FLOAT64_TOLERANCE, transformers run inside KeepFloat64."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     mod = importlib.import_module(f"recipes.{recipe}.model")
+    float64 = dtype == torch.float64
+    tol, logits_metric = (FLOAT64_TOLERANCE, "rel") if float64 else (1e-4, "max_abs")
     torch.manual_seed(seed)
-    ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with KeepFloat64() if float64 else contextlib.nullcontext():
+        # float64: transformers' per-expert loop (torch's grouped GEMM refuses float64)
+        ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, **{"experts_implementation": "eager"} if float64 else {})
     ref.train()  # dropout is 0 in these configs; train() matches how the recipe is used
     cfg = mod.ModelConfig.from_hf(hf_dir)
     model = mod.Model(cfg)
     mod.load_hf_checkpoint(model, hf_dir)
+    model.to(dtype)
 
     ids = torch.randint(0, cfg.vocab_size, (batch, seq_len))
     labels = torch.randint(0, cfg.vocab_size, (batch, seq_len))
-    ref_logits = ref(input_ids=ids).logits
+    with KeepFloat64() if float64 else contextlib.nullcontext():
+        ref_logits = ref(input_ids=ids).logits
     logits = model(ids)
-    rows = [compare("logits", logits, ref_logits, 1e-4)]
+    rows = [compare("logits", logits, ref_logits, tol, logits_metric)]
 
     # gradient of the same loss on both models
-    F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten()).backward()
+    with KeepFloat64() if float64 else contextlib.nullcontext():
+        F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten()).backward()
     F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
     ref_grads = grads_by_checkpoint_name(ref, lambda m, d: m.save_pretrained(d))
     grads = grads_by_checkpoint_name(model, mod.save_hf_checkpoint)
@@ -103,9 +138,11 @@ def check_recipe(recipe: str, hf_dir, batch: int = 2, seq_len: int = 24, seed: i
                              f"only transformers' {sorted(set(ref_grads) - set(grads))[:5]}")
     names = sorted(grads)
     rows.append(compare("grad (all tensors)", torch.cat([grads[n].flatten() for n in names]),
-                        torch.cat([ref_grads[n].flatten() for n in names]), 1e-4, "rel"))
+                        torch.cat([ref_grads[n].flatten() for n in names]), tol, "rel"))
     worst = max(names, key=lambda n: compare(n, grads[n], ref_grads[n], 0).rel)
-    rows.append(compare(f"grad worst: {worst}", grads[worst], ref_grads[worst], 1e-4, "rel"))
+    rows.append(compare(f"grad worst: {worst}", grads[worst], ref_grads[worst], tol, "rel"))
+    if float64:
+        return rows
 
     # export round trip: transformers loads what save_hf_checkpoint wrote and gives the same logits
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,13 +170,15 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default="", help="config.json for the tiny random model (default: the recipe's config_tiny.json)")
     parser.add_argument("--seq-len", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--float64", action="store_true", help="both models in float64 (bound FLOAT64_TOLERANCE)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = args.hf_dir
         if not hf_dir:
             config = args.config or Path(__file__).resolve().parents[1] / "recipes" / args.recipe / "config_tiny.json"
             hf_dir = make_tiny_hf_model(config, Path(tmp) / "hf", args.seed)
-        rows = check_recipe(args.recipe, hf_dir, seq_len=args.seq_len, seed=args.seed)
+        rows = check_recipe(args.recipe, hf_dir, seq_len=args.seq_len, seed=args.seed,
+                            dtype=torch.float64 if args.float64 else torch.float32)
     print(f"Hugging Face parity: recipe {args.recipe}, checkpoint {args.hf_dir or 'tiny random'}")
     print(format_table(rows))
     ok = all(r.ok for r in rows)

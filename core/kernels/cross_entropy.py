@@ -13,7 +13,8 @@ logit twice (lse pass, gradient pass) and writes it once.
 
 The loss is summed over non-ignored tokens (the training script divides by a global token count), or
 averaged with reduction="mean". Triton runs for CUDA tensors, or anywhere under TRITON_INTERPRET=1;
-otherwise the PyTorch reference runs. On the Triton path a label outside [0, V) that is not ignore_index
+otherwise the PyTorch reference runs, and always for float64 (a reference model on CPU), whose loss is float64.
+On the Triton path a label outside [0, V) that is not ignore_index
 gives a NaN loss (checking it would need a host sync on GPU); the CPU paths raise ValueError.
 """
 
@@ -24,13 +25,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from core.precision import upcast
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 BLOCK_V_MAX = 4096  # vocab tile of the kernel (the tests lower it to cover several tiles)
 
 
 def linear_cross_entropy_ref(h_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch.Tensor,
                              ignore_index: int = -100, reduction: str = "sum") -> torch.Tensor:
-    return F.cross_entropy((h_TH @ w_VH.T).float(), labels_T, ignore_index=ignore_index, reduction=reduction)
+    logits_TV = upcast(h_TH @ w_VH.T)  # fp32, or float64 kept
+    return F.cross_entropy(logits_TV, labels_T, ignore_index=ignore_index, reduction=reduction)
 
 
 @triton.jit
@@ -93,9 +97,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def linear_cross_entropy(h_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch.Tensor, ignore_index: int = -100,
                          reduction: str = "sum", chunk_tokens: int = 2048) -> torch.Tensor:
-    """Cross-entropy of logits h @ w.T against labels, summed (or averaged) over labels != ignore_index, fp32 scalar.
+    """Cross-entropy of logits h @ w.T against labels, summed (or averaged) over labels != ignore_index, fp32 scalar
+    (float64 for float64 inputs).
 
-    h [T, H], w [V, H] (the LM head weight), labels [T] int64; h and w fp32/bf16/fp16 of one dtype."""
+    h [T, H], w [V, H] (the LM head weight), labels [T] int64; h and w fp32/bf16/fp16/float64 of one dtype."""
     if h_TH.dim() != 2 or w_VH.dim() != 2 or h_TH.shape[1] != w_VH.shape[1]:
         raise ValueError(f"linear_cross_entropy: expected h [T, H] and w [V, H], got {tuple(h_TH.shape)} and {tuple(w_VH.shape)}")
     if labels_T.shape != (h_TH.shape[0],) or labels_T.dtype != torch.int64 or labels_T.device != h_TH.device:
@@ -111,7 +116,7 @@ def linear_cross_entropy(h_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch
         bad = (labels_T != ignore_index) & ((labels_T < 0) | (labels_T >= w_VH.shape[0]))
         if bad.any():
             raise ValueError(f"linear_cross_entropy: labels {labels_T[bad][:5].tolist()} are outside [0, {w_VH.shape[0]})")
-    if not (h_TH.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not (h_TH.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") or h_TH.dtype == torch.float64:
         return linear_cross_entropy_ref(h_TH, w_VH, labels_T, ignore_index, reduction)
     loss = _LinearCrossEntropy.apply(h_TH.contiguous(), w_VH.contiguous(), labels_T.contiguous(), ignore_index, chunk_tokens,
                                      torch.is_grad_enabled())

@@ -7,7 +7,8 @@ Legend: R rows (leading dims flattened), I expert ffn width, J = 2*I (gate and u
   gptoss_swiglu(x_RJ)   GPT-OSS, interleaved: gate = x[:, 0::2], up = x[:, 1::2], gate clamped to <= 7,
                         up to [-7, 7]; out = (up + 1) * gate * sigmoid(1.702 * gate)
 
-The kernels compute in fp32 and store in the input dtype (fp32, bf16, fp16). Backward keeps only the
+The kernels compute in fp32 and store in the input dtype (fp32, bf16, fp16); float64 (a reference model on CPU)
+always takes the PyTorch reference, which computes in float64. Backward keeps only the
 inputs and recomputes the activation, so no [R, I] intermediate lives between forward and backward.
 Triton runs for CUDA tensors, or anywhere under TRITON_INTERPRET=1 (how the CPU tests exercise it);
 otherwise the PyTorch reference runs.
@@ -20,16 +21,18 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from core.precision import upcast
+
 ALPHA, LIMIT = 1.702, 7.0  # GPT-OSS swiglu_alpha, swiglu_limit (transformers' GptOssExperts)
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def swiglu_ref(gate_RI: torch.Tensor, up_RI: torch.Tensor) -> torch.Tensor:
-    return (F.silu(gate_RI.float()) * up_RI.float()).to(gate_RI.dtype)
+    return (F.silu(upcast(gate_RI)) * upcast(up_RI)).to(gate_RI.dtype)
 
 
 def gptoss_swiglu_ref(x_RJ: torch.Tensor, alpha: float = ALPHA, limit: float = LIMIT) -> torch.Tensor:
-    x = x_RJ.float()
+    x = upcast(x_RJ)
     gate, up = x[..., 0::2].clamp(max=limit), x[..., 1::2].clamp(-limit, limit)
     return ((up + 1) * gate * torch.sigmoid(alpha * gate)).to(x_RJ.dtype)
 
@@ -118,7 +121,7 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and t.dtype != torch.float64
 
 
 def _check(x: torch.Tensor, name: str, even: bool):

@@ -34,6 +34,7 @@ from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.swiglu import swiglu
 from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias
 from core.placement import Placement
+from core.precision import compute_dtype, upcast
 from core.training import check_args
 from core.weight_cache import cast_weight
 
@@ -163,7 +164,7 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         # statistics in fp32, output in the input dtype (bf16 on the bf16 path), as transformers does for a model
         # of that dtype
-        x32 = x.float()
+        x32 = upcast(x)  # fp32, or float64 kept (a float64 reference model)
         return self.weight.to(x.dtype) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
@@ -171,12 +172,12 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+def rope_frequencies(cfg: ModelConfig, dtype=torch.float32) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [R/2] of the rope dims and the factor cos/sin are scaled by: plain rope, or YaRN
     (frequencies ramped between interpolation by `factor` and extrapolation over the dims whose wavelength
-    lies between beta_fast and beta_slow rotations of the original context)."""
+    lies between beta_fast and beta_slow rotations of the original context). In fp32, or float64 for dtype float64."""
     R, base, rope = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling
-    pos_freqs = base ** (torch.arange(0, R, 2, dtype=torch.float) / R)
+    pos_freqs = base ** (torch.arange(0, R, 2, dtype=compute_dtype(dtype)) / R)
     if rope is None:
         return 1.0 / pos_freqs, 1.0
     factor, original = rope["factor"], rope["original_max_position_embeddings"]
@@ -191,7 +192,7 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     if rope.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, R - 1)
-    ramp = ((torch.arange(R // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    ramp = ((torch.arange(R // 2, dtype=pos_freqs.dtype) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
     extrapolate = 1 - ramp  # 1: keep the original frequency (high-frequency dims), 0: divide it by factor
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
     return inv_freq, float(attention_factor)
@@ -206,17 +207,18 @@ def softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
-def rope_cos_sin(position_ids_BS: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, S, R/2] (fp32) at the given (global) positions, times the YaRN attention factor."""
-    inv_freq, attention_factor = rope_frequencies(cfg)
-    freqs_BSr = position_ids_BS[..., None].float() * inv_freq.to(position_ids_BS.device)
+def rope_cos_sin(position_ids_BS: torch.Tensor, cfg: ModelConfig, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, S, R/2] (fp32; float64 for a float64 model) at the given (global) positions, times the YaRN
+    attention factor."""
+    inv_freq, attention_factor = rope_frequencies(cfg, dtype)
+    freqs_BSr = position_ids_BS[..., None].to(inv_freq.dtype) * inv_freq.to(position_ids_BS.device)
     return freqs_BSr.cos() * attention_factor, freqs_BSr.sin() * attention_factor
 
 
 def apply_rope(x, cos, sin):
     """Interleaved pairs (x[2i], x[2i+1]) rotated by angle i, in fp32 (transformers' complex form);
     x [..., S, R], cos/sin broadcastable to [..., S, R/2]."""
-    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    x1, x2 = upcast(x)[..., 0::2], upcast(x)[..., 1::2]
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2).to(x.dtype)
 
 
@@ -285,7 +287,7 @@ class Router(nn.Module):
         chosen experts' weights [T, k] (probabilities times routed_scaling_factor, not renormalised) and ids."""
         cfg = self.cfg
         with torch.autocast(x_TH.device.type, enabled=False):
-            probs_TE = F.linear(x_TH.float(), self.weight.float()).softmax(dim=-1)
+            probs_TE = F.linear(upcast(x_TH), upcast(self.weight)).softmax(dim=-1)
         scores_TE = probs_TE + self.expert_bias
         if cfg.topk_method == "group_limited_greedy":  # experts of the topk_group groups with the best expert only
             G = cfg.n_group
@@ -495,7 +497,7 @@ class Model(nn.Module):
         cp, cp_rank = (1, 0) if self.cp_group is None or not cp_split else \
             (dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group))
         mask_BSK = None if cp == 1 else cp_attention_mask(S * cp, cp_rank, cp, device=position_ids_BS.device)
-        cos, sin = rope_cos_sin(position_ids_BS, self.cfg)
+        cos, sin = rope_cos_sin(position_ids_BS, self.cfg, next(self.parameters()).dtype)
         for layer in self.layers.values():
             layer.rope = (cos, sin, mask_BSK)
 

@@ -35,6 +35,7 @@ from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.swiglu import gptoss_swiglu
 from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias
 from core.placement import Placement, gather_experts
+from core.precision import compute_dtype, upcast
 from core.training import check_args
 from core.weight_cache import cast_weight
 
@@ -144,15 +145,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # normalise and scale in fp32, then cast (GPT-OSS keeps its norms in fp32)
-        x32 = x.float()
-        return (self.weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+        x32 = upcast(x)  # fp32, or float64 kept (a float64 reference model)
+        return (upcast(self.weight) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(cfg: ModelConfig, dtype=torch.float32) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [D/2] and the factor on cos/sin: plain rope, or YaRN as transformers computes it
-    (frequencies blended between interpolated and extrapolated by a linear ramp over the correction range)."""
+    (frequencies blended between interpolated and extrapolated by a linear ramp over the correction range); in fp32,
+    or float64 for dtype float64."""
     D, base, rs = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
-    pos_freqs = base ** (torch.arange(0, D, 2, dtype=torch.float) / D)
+    pos_freqs = base ** (torch.arange(0, D, 2, dtype=compute_dtype(dtype)) / D)
     if not rs:
         return 1.0 / pos_freqs, 1.0
     factor, orig = rs["factor"], rs["original_max_position_embeddings"]
@@ -174,7 +176,7 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     low, high = max(low, 0), min(high, D - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(D // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(D // 2, dtype=pos_freqs.dtype) - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp
     inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
     return inv_freq, float(attention_factor)
@@ -182,8 +184,8 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 def rope_cos_sin(position_ids_BS: torch.Tensor, cfg: ModelConfig, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [B, 1, S, D/2] (times the YaRN attention factor) at the given (global) positions."""
-    inv_freq, scale = rope_inv_freq(cfg)
-    freqs_BSd = position_ids_BS[..., None].float() * inv_freq.to(position_ids_BS.device)
+    inv_freq, scale = rope_inv_freq(cfg, dtype)
+    freqs_BSd = position_ids_BS[..., None].to(inv_freq.dtype) * inv_freq.to(position_ids_BS.device)
     return (freqs_BSd.cos() * scale).to(dtype)[:, None], (freqs_BSd.sin() * scale).to(dtype)[:, None]
 
 
@@ -229,8 +231,8 @@ class Router(nn.Module):
     def forward(self, x_TH):
         """Top-k of the raw logits (plus the balancing bias), softmax over the k chosen logits (in fp32)."""
         logits_TE = F.linear(x_TH, self.weight, self.bias)
-        ids_Tk = (logits_TE.float() + self.expert_bias).topk(self.k, dim=-1).indices
-        weights_Tk = logits_TE.gather(1, ids_Tk).softmax(dim=-1, dtype=torch.float32)
+        ids_Tk = (upcast(logits_TE) + self.expert_bias).topk(self.k, dim=-1).indices
+        weights_Tk = logits_TE.gather(1, ids_Tk).softmax(dim=-1, dtype=compute_dtype(logits_TE.dtype))
         return logits_TE, weights_Tk.to(x_TH.dtype), ids_Tk
 
 
@@ -279,7 +281,7 @@ class MoE(nn.Module):
             dist.all_reduce(counts_E, group=self.cp_group)
         load_E = expert_counts(ids_Tk, self.num_experts)
         self.load_E = load_E if self.load_E is None else self.load_E + load_E
-        return weights_Tk, ids_Tk, aux_2E + torch.stack([probs_TE.float().sum(0), counts_E])
+        return weights_Tk, ids_Tk, aux_2E + torch.stack([upcast(probs_TE).sum(0), counts_E])
 
 
 RECOMPUTE = ("none", "attention", "layer")

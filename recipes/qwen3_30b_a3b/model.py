@@ -30,6 +30,7 @@ from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.swiglu import swiglu
 from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias
 from core.placement import Placement
+from core.precision import compute_dtype, upcast
 from core.training import check_args
 from core.weight_cache import cast_weight
 
@@ -125,14 +126,15 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         # statistics in fp32, output in the input dtype (bf16 on the bf16 path), as transformers does for a model
         # of that dtype
-        x32 = x.float()
+        x32 = upcast(x)  # fp32, or float64 kept (a float64 reference model)
         return self.weight.to(x.dtype) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rope_cos_sin(position_ids_BS: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [B, 1, S, D] for rotate-half rope at the given (global) positions."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=position_ids_BS.device) / head_dim))
-    freqs_BSd = position_ids_BS[..., None].float() * inv_freq
+    angle_dtype = compute_dtype(dtype)  # fp32 (bf16 too, as transformers does), float64 for a float64 model
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=angle_dtype, device=position_ids_BS.device) / head_dim))
+    freqs_BSd = position_ids_BS[..., None].to(angle_dtype) * inv_freq
     emb_BSD = torch.cat((freqs_BSd, freqs_BSd), dim=-1)
     return emb_BSD.cos().to(dtype)[:, None], emb_BSD.sin().to(dtype)[:, None]
 
@@ -192,7 +194,7 @@ class Router(nn.Module):
 
     def forward(self, x_TH):
         logits_TE = F.linear(x_TH, self.weight)
-        probs_TE = logits_TE.softmax(dim=-1, dtype=torch.float32)  # router in fp32
+        probs_TE = logits_TE.softmax(dim=-1, dtype=compute_dtype(logits_TE.dtype))  # router in fp32 (or float64)
         ids_Tk = (probs_TE + self.expert_bias).topk(self.k, dim=-1).indices
         weights_Tk = probs_TE.gather(1, ids_Tk)
         if self.norm_topk_prob:
@@ -238,7 +240,7 @@ class MoE(nn.Module):
             dist.all_reduce(counts_E, group=self.cp_group)
         load_E = expert_counts(ids_Tk, self.num_experts)
         self.load_E = load_E if self.load_E is None else self.load_E + load_E
-        return weights_Tk, ids_Tk, aux_2E + torch.stack([probs_TE.float().sum(0), counts_E])
+        return weights_Tk, ids_Tk, aux_2E + torch.stack([upcast(probs_TE).sum(0), counts_E])
 
 
 RECOMPUTE = ("none", "attention", "layer")
