@@ -36,6 +36,7 @@ from core.kernels.swiglu import swiglu
 from core.linear_attention import causal_conv1d, gated_delta_rule
 from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias
 from core.placement import Placement
+from core.precision import compute_dtype, upcast
 from core.training import check_args
 from core.weight_cache import cast_weight
 
@@ -153,8 +154,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # statistics and the scale in fp32, output in the input dtype (bf16 on the bf16 path), as transformers does
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).type_as(x)
+        x32 = upcast(x)  # fp32, or float64 kept (a float64 reference model)
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + upcast(self.weight))).type_as(x)
 
 
 class GatedRMSNorm(nn.Module):
@@ -166,16 +167,17 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x, z):
-        x32 = x.float()
+        x32 = upcast(x)
         normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.weight * normed * F.silu(z.float())).to(x.dtype)
+        return (self.weight * normed * F.silu(upcast(z))).to(x.dtype)
 
 
 def rope_cos_sin(position_ids_BS: torch.Tensor, rotary_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [B, 1, S, rotary_dim] for rotate-half rope at the given (global) positions. Text tokens have the
     same position on transformers' three mrope axes, so its interleaved mrope sections reduce to this."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device=position_ids_BS.device) / rotary_dim))
-    freqs_BSd = position_ids_BS[..., None].float() * inv_freq
+    angle_dtype = compute_dtype(dtype)  # fp32 (bf16 too, as transformers does), float64 for a float64 model
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=angle_dtype, device=position_ids_BS.device) / rotary_dim))
+    freqs_BSd = position_ids_BS[..., None].to(angle_dtype) * inv_freq
     emb_BSD = torch.cat((freqs_BSd, freqs_BSd), dim=-1)
     return emb_BSD.cos().to(dtype)[:, None], emb_BSD.sin().to(dtype)[:, None]
 
@@ -257,7 +259,7 @@ class GatedDeltaNet(nn.Module):
                                 cp_group=cp_group)
         q_BSAK, k_BSAK, v_BSWU = qkv_BSC.split([A * K, A * K, W * U], dim=-1)
         beta_BSW = torch.sigmoid(self.in_proj_b(x_BSH))
-        g_BSW = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BSH).float() + self.dt_bias)
+        g_BSW = -upcast(self.A_log).exp() * F.softplus(upcast(self.in_proj_a(x_BSH)) + self.dt_bias)  # fp32 at least
         # q and k L2-normalised in fp32 inside the kernel, as transformers does; key head a serves value heads
         # a*W/A .. (a+1)*W/A - 1
         o_BSWU, _ = gated_delta_rule(q_BSAK.reshape(B, S, A, K), k_BSAK.reshape(B, S, A, K), v_BSWU.reshape(B, S, W, U),
@@ -288,7 +290,7 @@ class Router(nn.Module):
 
     def forward(self, x_TH):
         logits_TE = F.linear(x_TH, self.weight)
-        probs_TE = logits_TE.softmax(dim=-1, dtype=torch.float32)  # router in fp32
+        probs_TE = logits_TE.softmax(dim=-1, dtype=compute_dtype(logits_TE.dtype))  # router in fp32 (or float64)
         ids_Tk = (probs_TE + self.expert_bias).topk(self.k, dim=-1).indices
         weights_Tk = probs_TE.gather(1, ids_Tk)
         weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)  # always renormalised (transformers)
@@ -339,7 +341,7 @@ class MoE(nn.Module):
             dist.all_reduce(counts_E, group=self.cp_group)
         load_E = expert_counts(ids_Tk, self.num_experts)
         self.load_E = load_E if self.load_E is None else self.load_E + load_E
-        return weights_Tk, ids_Tk, aux_2E + torch.stack([probs_TE.float().sum(0), counts_E])
+        return weights_Tk, ids_Tk, aux_2E + torch.stack([upcast(probs_TE).sum(0), counts_E])
 
 
 RECOMPUTE = ("none", "attention", "layer")
@@ -691,8 +693,8 @@ def compile_dense_parts(model: Model) -> None:
         for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.gate, layer.mlp.shared_expert):
             module.compile(fullgraph=True)
         mixer = layer.linear_attn if layer.linear else layer.self_attn
-        if mixer.cp_group is None:  # fla's kernels run under torch.compiler.disable: a linear layer's graph breaks there
-            mixer.compile(fullgraph=not layer.linear)
+        if mixer.cp_group is None:
+            mixer.compile(fullgraph=True)  # fla's kernels are custom ops: one graph (core/kernels/gated_delta.py)
 
 
 def enable_fp8(model: Model) -> None:
