@@ -67,14 +67,14 @@ def save_tiny(path, seed=0, **overrides) -> str:
 @pytest.mark.parametrize("name", CONFIGS)
 def test_logits_grads_and_export_match_transformers(tmp_path, name):
     overrides, seq_len = CONFIGS[name]
-    rows = check_recipe("qwen3_5_35b_a3b", save_tiny(tmp_path, **overrides), seq_len=seq_len)
+    path = save_tiny(tmp_path, **overrides)
+    rows = check_recipe("qwen3_5_35b_a3b", path, seq_len=seq_len)
+    # and in float64 (bound 1e-10), except top-1: renormalised, its routing weight is p / p = 1 and the router's
+    # exact gradient 0, so in float64 too both routers' gradients are rounding noise (~1e-19) with no reference
+    # finer than it; in fp32 tools/hf_parity.py bounds each tensor by transformers' own fp32-vs-float64 noise
+    if overrides.get("num_experts_per_tok") != 1:
+        rows += check_recipe("qwen3_5_35b_a3b", path, seq_len=seq_len, dtype=torch.float64)
     print(f"\n{name}\n" + format_table(rows))
-    if overrides.get("num_experts_per_tok") == 1:
-        # top-1 renormalised: the routing weight is p / p = 1, so the router's gradient is 0 in exact arithmetic
-        # and both models' router gradients are rounding noise (~1e-11), whose relative difference means nothing
-        worst = rows[2]
-        assert "mlp.gate.weight" not in worst.check or worst.max_abs <= 1e-9, "\n" + format_table(rows)
-        rows = [r for r in rows if r is not worst or "mlp.gate.weight" not in r.check]
     assert all(r.ok for r in rows), "\n" + format_table(rows)
 
 
