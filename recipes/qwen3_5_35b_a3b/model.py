@@ -265,7 +265,7 @@ class GatedDeltaNet(nn.Module):
         o_BSWU, _ = gated_delta_rule(q_BSAK.reshape(B, S, A, K), k_BSAK.reshape(B, S, A, K), v_BSWU.reshape(B, S, W, U),
                                      g_BSW, beta_BSW, scale=K ** -0.5, use_qk_l2norm_in_kernel=True,
                                      chunk_size=self.chunk_size, cp_group=cp_group)
-        o_BSWU = self.norm(o_BSWU.to(x_BSH.dtype), self.in_proj_z(x_BSH).view(B, S, W, U))
+        o_BSWU = self.norm(o_BSWU.to(x_BSH.dtype), self.in_proj_z(x_BSH).reshape(B, S, W, U))
         return self.out_proj(o_BSWU.reshape(B, S, W * U))
 
 
