@@ -60,14 +60,14 @@ class Layout:
                                                    if self.expert_placement else ""))
 
 
-def rank_parts(cfg, layout: Layout, pp_rank: int) -> dict:
-    """Model(...) keyword arguments of one pp rank (as train.py builds it), with the experts of the ep rank that
-    holds the most."""
+def rank_parts(cfg, layout: Layout, pp_rank: int, costs: list | None = None) -> dict:
+    """Model(...) keyword arguments of one pp rank (as train.py builds it: costs, the recipe's flops_by_layer at
+    layout.seq_len, split the layers), with the experts of the ep rank that holds the most."""
     placement = Placement.parse(layout.expert_placement, cfg.num_experts, layout.ep)
     most = max(placement.experts, key=len)
     layers = None
     if layout.pp > 1:
-        stage_layers = split_layers(cfg.num_hidden_layers, layout.pp)
+        stage_layers = split_layers(cfg.num_hidden_layers, layout.pp, costs)
         layers = stage_layers[pp_rank] + stage_layers[2 * layout.pp - 1 - pp_rank]
     return dict(layers=layers, expert_ids=most, embed=pp_rank == 0, head=pp_rank == 0)
 
@@ -96,9 +96,10 @@ def saved_bytes(model, input_ids_BS) -> int:
 _CALIBRATION = {}
 
 
-def activation_calibration(mod, recompute: str, batch: int = 2, seq: int = 32) -> tuple:
+def activation_calibration(mod, recompute: str, batch: int = 2, seq: int = 64) -> tuple:
     """(tiny config, saved bytes per token and layer, saved bytes per token and vocab entry of the head), measured
-    on the recipe's tiny config on CPU in fp32: the whole model minus a model without layers gives the layers."""
+    on the recipe's tiny config on CPU in fp32: the whole model minus a model without layers gives the layers.
+    seq 64: a multiple of chunked linear attention's chunk (a shorter sequence is padded to it)."""
     key = (mod.__name__, recompute)
     if key not in _CALIBRATION:
         tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
@@ -134,13 +135,13 @@ _MODELS, _PARAMS = {}, {}
 
 def rank_param_bytes(mod, cfg, layout: Layout, pp_rank: int) -> tuple[dict, list[int], bool]:
     """(param_bytes, layer ids, holds the head) of one pp rank, from the model built on meta (the model cached per
-    (pp, ep, placement, pp rank), the bytes per layout)."""
+    (pp, ep, placement, sequence length: the layer costs split the stages, pp rank), the bytes per layout)."""
     key = (mod.__name__, id(cfg), layout.pp, layout.dp, layout.cp, layout.ep, layout.expert_placement, layout.bf16,
-           layout.fp8, pp_rank)
+           layout.fp8, layout.seq_len, pp_rank)
     if key not in _PARAMS:
-        model_key = (mod.__name__, id(cfg), layout.pp, layout.ep, layout.expert_placement, pp_rank)
+        model_key = (mod.__name__, id(cfg), layout.pp, layout.ep, layout.expert_placement, layout.seq_len, pp_rank)
         if model_key not in _MODELS:
-            parts = rank_parts(cfg, layout, pp_rank)
+            parts = rank_parts(cfg, layout, pp_rank, mod.flops_by_layer(cfg, layout.seq_len))
             _MODELS[model_key] = (meta_model(mod, cfg, **parts), parts["head"], cfg)
         model, head, _ = _MODELS[model_key]
         _PARAMS[key] = (param_bytes(model, layout), [int(i) for i in model.layers], head)

@@ -48,10 +48,16 @@ import torch.distributed as dist
 from core.moe import AllToAll, DispatchPlan, weight_grads
 
 
-def split_layers(num_layers: int, pp: int) -> list[list[int]]:
+def split_layers(num_layers: int, pp: int, costs: list | None = None) -> list[list[int]]:
     """Layer ids of the 2*pp stages, balanced with the embedding and the head each counted as one layer, so the
-    first and last stages get fewer layers."""
+    first and last stages get fewer layers. costs: a recipe's flops_by_layer (one dict of FLOPs per token per
+    layer, then the head's; or one number per layer), for layers that differ (hybrid attention, dense first
+    layers): contiguous stages whose largest summed cost is smallest, the embedding and the head each counted as
+    one average layer (equal costs: the split by count)."""
     stages = 2 * pp
+    per_layer = None if costs is None else [sum(c.values()) if isinstance(c, dict) else c for c in costs[:num_layers]]
+    if per_layer is not None and len(set(per_layer)) > 1 and num_layers >= stages - 2:
+        return _split_by_cost(per_layer, stages)
     units = num_layers + 2
     sizes = [units // stages + (1 if 0 < s < stages - 1 and s - 1 < units % stages else 0) for s in range(stages)]
     sizes[0] -= 1
@@ -91,6 +97,34 @@ def _running_as(steps, micro_batch: int, stage: int, backward: bool):
         if next(steps, StopIteration) is StopIteration:
             return
         yield
+
+
+def _split_by_cost(costs: list, stages: int) -> list[list[int]]:
+    """The contiguous split of layers with these costs into `stages` (the first and the last may be empty, each
+    middle one holds a layer) whose largest stage cost, embedding and head counted as one mean layer each, is
+    smallest: dynamic programming over (stage, layers so far); ties go to the earliest cut."""
+    n, unit = len(costs), sum(costs) / len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    best = [[unit + prefix[i] for i in range(n + 1)]]  # best[s][i]: layers 0..i-1 on stages 0..s
+    cut = [[0] * (n + 1)]
+    for s in range(1, stages):
+        last = s == stages - 1
+        row, row_cut = [float("inf")] * (n + 1), [0] * (n + 1)
+        for i in range(n + 1):
+            for j in range(i + 1 if last else i):  # a middle stage holds layers j..i-1, at least one
+                load = max(best[-1][j], prefix[i] - prefix[j] + (unit if last else 0.0))
+                if load < row[i]:
+                    row[i], row_cut[i] = load, j
+        best.append(row)
+        cut.append(row_cut)
+    bounds, i = [n], n
+    for s in range(stages - 1, 0, -1):
+        i = cut[s][i]
+        bounds.append(i)
+    bounds = [0] + bounds[::-1]
+    return [list(range(bounds[s], bounds[s + 1])) for s in range(stages)]
 
 
 class _Tape:

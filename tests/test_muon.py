@@ -34,11 +34,12 @@ def torch_newton_schulz_in(dtype: torch.dtype):
 
 
 def is_muon_matrix(hf_name: str, t: torch.Tensor) -> bool:
-    """Moonlight's split, by transformers checkpoint name: weight matrices of attention, dense MLPs and experts go to
-    Muon; embeddings, the LM head, norms, biases, routers and sinks to AdamW."""
+    """Moonlight's split, by transformers checkpoint name: weight matrices of attention (linear attention's
+    projections too), dense MLPs and experts go to Muon; embeddings, the LM head, norms, biases, routers, gates of
+    one row (shared_expert_gate), depthwise conv kernels, sinks, A_log and dt_bias to AdamW."""
     if t.ndim < 2 or "embed_tokens" in hf_name or "lm_head" in hf_name or hf_name.endswith("bias"):
         return False
-    return not hf_name.endswith(("mlp.gate.weight", "mlp.router.weight"))
+    return not hf_name.endswith(("mlp.gate.weight", "mlp.router.weight", "shared_expert_gate.weight", "conv1d.weight"))
 
 
 def hf_matrices(recipe, model, tensors: dict) -> dict[str, torch.Tensor]:
@@ -153,7 +154,7 @@ def run_against_torch(name: str, workdir: Path, steps: int = 4) -> dict[str, tup
     return errors
 
 
-@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b"])
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b", "qwen3_5_35b_a3b"])
 def test_one_process_equals_torch_muon_and_adamw(name, tmp_path):
     """Bounds. Momentum and grad norm 1e-6: the same gradients, clipped by a norm summed in another order (~1e-7).
     AdamW 1e-5: tests/test_train.py:LAYOUT_TOLERANCE's reason (Adam's division turns the clip factor's ~1e-7 into

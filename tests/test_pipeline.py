@@ -225,3 +225,24 @@ def test_running_names_the_chunk(overlap):
             seen.add((ref_mb, ref_stage, backward))
     # every (micro-batch, stage) ran forward once and was recomputed in its backward
     assert seen == {(mb, s, b) for mb in range(num_micro) for s in range(2 * pp) for b in (False, True)}
+
+
+def test_split_layers_by_cost():
+    """Layers of unequal cost: the split whose largest stage (embedding and head one mean layer each) is smallest,
+    found against every contiguous split written out here; equal costs split by count."""
+    import itertools
+
+    def largest(costs, stages):
+        unit = sum(costs) / len(costs)
+        return max(sum(costs[i] for i in s) + (unit if k in (0, len(stages) - 1) else 0) for k, s in enumerate(stages))
+
+    # a hybrid (every 4th layer costs 4), and costs where leaving out the embedding's or the head's share misplaces
+    # a cut
+    for costs, want in (([1, 1, 1, 4, 1, 1, 1, 4, 1, 1], 6), ([1, 4, 1, 2, 1, 2, 2, 2], 5.875)):
+        n = len(costs)
+        best = min(largest(costs, [list(range(a, b)) for a, b in zip((0, *cuts), (*cuts, n))])
+                   for cuts in itertools.combinations_with_replacement(range(n + 1), 3)
+                   if all(b > a for a, b in zip(cuts, cuts[1:])))  # middle stages non-empty
+        split = split_layers(n, 2, costs)
+        assert sum(split, []) == list(range(n)) and all(split[1:-1]) and largest(costs, split) == best == want
+    assert split_layers(10, 2, [{"attention": 2, "dense": 3}] * 10 + [{"head": 9}]) == split_layers(10, 2)

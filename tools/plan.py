@@ -330,7 +330,7 @@ def rank_params(mod, cfg_path: str, layout: Layout, pp_rank: int) -> tuple[int, 
     if layout.pp > 1:
         from core.pipeline import split_layers
 
-        stages = split_layers(len(dense), layout.pp)
+        stages = split_layers(len(dense), layout.pp, mod.flops_by_layer(mod.ModelConfig.from_hf(cfg_path), layout.seq_len))
         ids = stages[pp_rank] + stages[2 * layout.pp - 1 - pp_rank]
     return sum(dense[i] for i in ids) + (outside if pp_rank == 0 else 0), sum(expert[i] for i in ids) // layout.ep
 
@@ -478,7 +478,7 @@ def predict(mod, cfg, cfg_path: str, layout: Layout, global_batch: int, machine:
     else:
         from core.pipeline import split_layers
 
-        stage_layers = split_layers(cfg.num_hidden_layers, layout.pp)
+        stage_layers = split_layers(cfg.num_hidden_layers, layout.pp, mod.flops_by_layer(cfg, layout.seq_len))
         stages = [stage_costs(mod, cfg, cfg_path, layout, ids, s == 0, s == 2 * layout.pp - 1, machine,
                               gpus_per_node, imbalance) for s, ids in enumerate(stage_layers)]
         orders = schedule_order(layout.pp, n_micro, overlap, delay_wgrad)

@@ -63,6 +63,7 @@ from .model import (
     PipelineStage,
     compile_dense_parts,
     enable_fp8,
+    flops_by_layer,
     flops_per_token,
     load_config,
     load_hf_checkpoint,
@@ -147,7 +148,7 @@ def main(argv=None):
         torch.backends.cudnn.benchmark = False
 
     # ---- mesh
-    stage_layers = split_layers(cfg.num_hidden_layers, args.pp) if args.pp > 1 else None
+    stage_layers = split_layers(cfg.num_hidden_layers, args.pp, flops_by_layer(cfg, args.seq_len)) if args.pp > 1 else None
     mesh = build_mesh(args.pp, args.dp, args.cp, args.ep, args.device, timeout_s=max(PG_TIMEOUT_S, args.step_timeout + 60))
     data_group = mesh.group("dp", "cp", "ep")  # ranks that hold different tokens of the batch
     device = mesh.device
@@ -465,7 +466,7 @@ def check_run(args: Args, world: int):
         "fp8": ("--fp8", args.fp8), "muon": ("--optimizer muon", args.optimizer == "muon")},
         f"recipes/{Path(__file__).parent.name}/model.py")
     if args.pp > 1:
-        split_layers(cfg.num_hidden_layers, args.pp)  # clear error if too few layers for 2*pp stages
+        split_layers(cfg.num_hidden_layers, args.pp, flops_by_layer(cfg, args.seq_len))  # clear error if too few layers
     pp, dp, cp, ep = resolve_layout(world, args.pp, args.dp, args.cp, args.ep)
     Placement.parse(args.expert_placement, cfg.num_experts, ep)  # a bad table
     data_world = dp * ep  # ranks reading different sequences (cp ranks share theirs)

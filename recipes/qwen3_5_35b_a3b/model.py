@@ -1,0 +1,823 @@
+"""Qwen3.5-MoE (Qwen3.5-35B-A3B, text model): a hybrid of Gated DeltaNet linear-attention layers and gated softmax
+attention layers (`layer_types`), every layer with a softmax top-k MoE plus a sigmoid-gated shared expert.
+
+Numerics follow transformers' `Qwen3_5MoeForCausalLM` (checked by tests/test_qwen3_5_parity.py). The
+multi-token-prediction head of the released checkpoint (`mtp.*`) is not built: transformers drops it on load too
+(`_keys_to_ignore_on_load_unexpected`), and so does load_hf_checkpoint, with the vision tower (`model.visual.*`).
+
+Legend: B batch, S sequence, T = B*S tokens, H hidden, N query heads, G key/value heads, D head dim, V vocab,
+E experts (held by this rank), k experts per token, R = T*k routed rows, I expert ffn width, J = 2*I (gate and up
+side by side), L layers. Gated DeltaNet: A key heads, W value heads (W a multiple of A), K key head dim, U value
+head dim, C = 2*A*K + W*U conv channels (q, k, v side by side), X conv kernel width.
+
+A Model may be partial: `layers` picks which decoder layers it holds (parameter names keep the global
+layer index, `layers.7.…`), `expert_ids` which routed experts (global ids; with `ep_group` given, this rank's
+experts of the `placement`, core/placement.py, and tokens reach them through core/moe.py's all-to-all), `embed`/`head` whether it
+holds the embedding and the final norm + LM head. Checkpoint I/O then touches only those tensors.
+"""
+
+import json
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from core.context import cp_attention, cp_attention_mask, cp_positions
+from core.fp8 import convert_linears, fp8_grouped_mm
+from core.hf_io import CheckpointReader, read_hf_config, write_hf_folder
+from core.kernels.cross_entropy import linear_cross_entropy
+from core.kernels.gated_delta import chunk_gated_delta_flops_per_token
+from core.kernels.swiglu import swiglu
+from core.linear_attention import causal_conv1d, gated_delta_rule
+from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias
+from core.placement import Placement
+from core.precision import compute_dtype, upcast
+from core.training import check_args
+from core.weight_cache import cast_weight
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 248320
+    hidden_size: int = 2048
+    num_hidden_layers: int = 40
+    layer_types: list[str] = field(default_factory=lambda: [LAYER_TYPES[(i + 1) % 4 == 0] for i in range(40)])
+    num_attention_heads: int = 16  # gated attention layers
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    partial_rotary_factor: float = 0.25  # rope on the first head_dim * factor dims of q and k
+    rope_theta: float = 1e7
+    attention_bias: bool = False
+    linear_num_key_heads: int = 16  # Gated DeltaNet layers
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    num_experts: int = 256
+    num_experts_per_tok: int = 8  # the top-k weights are always renormalised (transformers' router)
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    rms_norm_eps: float = 1e-6
+    router_aux_loss_coef: float = 0.001
+    initializer_range: float = 0.02
+    max_position_embeddings: int = 262144
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None  # kept only to write config.json back
+
+    @classmethod
+    def from_hf(cls, path) -> "ModelConfig":
+        """Read a Hugging Face Qwen3.5-MoE config.json (the file, or a checkpoint folder holding it): the text
+        model's (model_type qwen3_5_moe_text) or the released multimodal one (qwen3_5_moe), whose text_config is used."""
+        hf = read_hf_config(path)
+        if hf.get("model_type") == "qwen3_5_moe" and isinstance(hf.get("text_config"), dict):
+            hf = {"model_type": "qwen3_5_moe_text", **hf["text_config"]}
+        if hf.get("model_type") != "qwen3_5_moe_text":
+            raise ValueError(f"{path}: model_type is {hf.get('model_type')!r}, this recipe reads 'qwen3_5_moe_text' "
+                             f"configs (or 'qwen3_5_moe' with a text_config)")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported (Qwen3.5-MoE uses silu)")
+        if hf.get("tie_word_embeddings"):
+            raise ValueError(f"{path}: tie_word_embeddings=true is not supported by this recipe (Qwen3.5-MoE is untied)")
+        if hf.get("attn_output_gate") is False:
+            raise ValueError(f"{path}: attn_output_gate=false is not supported (transformers always gates the output)")
+        rope = hf.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"{path}: only default rope is supported, got {rope}")
+        names = {f.name for f in cls.__dataclass_fields__.values()}
+        kwargs = {k: v for k, v in hf.items() if k in names}
+        kwargs["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        kwargs["partial_rotary_factor"] = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+        kwargs["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        if not hf.get("layer_types"):  # transformers' default: every full_attention_interval-th layer is full
+            interval = hf.get("full_attention_interval", 4)
+            kwargs["layer_types"] = [LAYER_TYPES[(i + 1) % interval == 0] for i in range(hf["num_hidden_layers"])]
+        return cls(**kwargs)
+
+    def to_hf(self) -> dict:
+        """The config.json that transformers needs to load an exported folder (Qwen3_5MoeForCausalLM)."""
+        hf = asdict(self)
+        hf["rope_parameters"] = {"rope_theta": hf.pop("rope_theta"), "rope_type": "default",
+                                 "partial_rotary_factor": hf.pop("partial_rotary_factor")}
+        return {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "hidden_act": "silu",
+                "tie_word_embeddings": False, "attention_dropout": 0.0, "dtype": "float32", **hf}
+
+    def is_moe_layer(self, i: int) -> bool:  # every Qwen3.5-MoE layer has routed experts
+        return True
+
+    def is_linear(self, i: int) -> bool:
+        return self.layer_types[i] == "linear_attention"
+
+
+def load_config(path) -> ModelConfig:
+    """The model config, with the mistakes a hand-edited config.json can hold reported in one line (train.py)."""
+    try:
+        cfg = ModelConfig.from_hf(path)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path} lacks or mistypes a field ({type(e).__name__}: {e}); compare it with "
+                         f"{tiny_config_path()}") from None
+    check_args({
+        f"{path}: num_experts_per_tok ({cfg.num_experts_per_tok}) must be in 1..num_experts ({cfg.num_experts})":
+            1 <= cfg.num_experts_per_tok <= cfg.num_experts,
+        f"{path}: num_attention_heads ({cfg.num_attention_heads}) must be a multiple of num_key_value_heads "
+        f"({cfg.num_key_value_heads})": cfg.num_key_value_heads >= 1 and cfg.num_attention_heads % cfg.num_key_value_heads == 0,
+        f"{path}: linear_num_value_heads ({cfg.linear_num_value_heads}) must be a multiple of linear_num_key_heads "
+        f"({cfg.linear_num_key_heads})": cfg.linear_num_key_heads >= 1 and cfg.linear_num_value_heads % cfg.linear_num_key_heads == 0,
+        f"{path}: layer_types must list {cfg.num_hidden_layers} entries, each one of {', '.join(LAYER_TYPES)}":
+            len(cfg.layer_types) == cfg.num_hidden_layers and set(cfg.layer_types) <= set(LAYER_TYPES),
+        f"{path}: head_dim * partial_rotary_factor must be an even number >= 2":
+            int(cfg.head_dim * cfg.partial_rotary_factor) >= 2 and int(cfg.head_dim * cfg.partial_rotary_factor) % 2 == 0,
+        f"{path}: hidden_size, head dims, intermediate sizes, vocab_size, linear_conv_kernel_dim and num_hidden_layers "
+        f"must be >= 1": min(cfg.hidden_size, cfg.head_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                             cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.vocab_size,
+                             cfg.linear_conv_kernel_dim, cfg.num_hidden_layers) >= 1,
+    })
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm: x_normed * (1 + weight), weight starting at 0 (transformers' Qwen3_5MoeRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # statistics and the scale in fp32, output in the input dtype (bf16 on the bf16 path), as transformers does
+        x32 = upcast(x)  # fp32, or float64 kept (a float64 reference model)
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + upcast(self.weight))).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm (weight starting at 1) of each value head's output, times SiLU(z) (transformers' RMSNormGated)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x, z):
+        x32 = upcast(x)
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * normed * F.silu(upcast(z))).to(x.dtype)
+
+
+def rope_cos_sin(position_ids_BS: torch.Tensor, rotary_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, S, rotary_dim] for rotate-half rope at the given (global) positions. Text tokens have the
+    same position on transformers' three mrope axes, so its interleaved mrope sections reduce to this."""
+    angle_dtype = compute_dtype(dtype)  # fp32 (bf16 too, as transformers does), float64 for a float64 model
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=angle_dtype, device=position_ids_BS.device) / rotary_dim))
+    freqs_BSd = position_ids_BS[..., None].to(angle_dtype) * inv_freq
+    emb_BSD = torch.cat((freqs_BSd, freqs_BSd), dim=-1)
+    return emb_BSD.cos().to(dtype)[:, None], emb_BSD.sin().to(dtype)[:, None]
+
+
+def apply_rope(x_BNSD, cos, sin):
+    """Partial rope: the first cos.shape[-1] dims of each head rotate, the rest pass through."""
+    rot, rest = x_BNSD[..., :cos.shape[-1]], x_BNSD[..., cos.shape[-1]:]
+    x1, x2 = rot.chunk(2, dim=-1)
+    cos, sin = cos.to(x_BNSD.dtype), sin.to(x_BNSD.dtype)  # in the activations' dtype, as transformers does
+    return torch.cat((rot * cos + torch.cat((-x2, x1), dim=-1) * sin, rest), dim=-1)
+
+
+class Attention(nn.Module):
+    """Gated softmax attention: q_proj yields each head's query and an output gate side by side; per-head q/k
+    RMSNorm, partial rope, GQA; the output is multiplied by sigmoid(gate) before o_proj."""
+
+    def __init__(self, cfg: ModelConfig, cp_group=None):
+        super().__init__()
+        N, G, D, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.N, self.G, self.D, self.cp_group = N, G, D, cp_group
+        self.q_proj = nn.Linear(H, N * 2 * D, bias=cfg.attention_bias)  # per head: [query D | gate D]
+        self.k_proj = nn.Linear(H, G * D, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(H, G * D, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(N * D, H, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)  # per head, before rope
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+
+    def forward(self, x_BSH, cos, sin, mask_BSK=None):
+        """mask_BSK None: plain causal over these S tokens (SDPA's causal fast path). Otherwise x holds this rank's
+        split_for_cp part of each sequence: K and V of the whole sequence (K = S * cp) are gathered over the cp
+        group and this rank's queries attend to them under mask_BSK (a core.context.CPMask: flex_attention on CUDA)."""
+        B, S, _ = x_BSH.shape
+        q_BSND, gate_BSND = self.q_proj(x_BSH).view(B, S, self.N, 2 * self.D).chunk(2, dim=-1)
+        q_BNSD = self.q_norm(q_BSND).transpose(1, 2)
+        k_BGSD = self.k_norm(self.k_proj(x_BSH).view(B, S, self.G, self.D)).transpose(1, 2)
+        v_BGSD = self.v_proj(x_BSH).view(B, S, self.G, self.D).transpose(1, 2)
+        q_BNSD, k_BGSD = apply_rope(q_BNSD, cos, sin), apply_rope(k_BGSD, cos, sin)
+        if mask_BSK is None:
+            o_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, is_causal=True, enable_gqa=self.N != self.G)
+        else:
+            o_BNSD = cp_attention(q_BNSD, k_BGSD, v_BGSD, mask_BSK, self.cp_group)
+        o_BSX = o_BNSD.transpose(1, 2).reshape(B, S, self.N * self.D) * torch.sigmoid(gate_BSND.reshape(B, S, -1))
+        return self.o_proj(o_BSX)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet linear attention (transformers' Qwen3_5MoeGatedDeltaNet): projections to q, k, v (one
+    matrix), z (output gate), b (write strength) and a (decay); a causal depthwise conv over q, k, v with SiLU;
+    L2-normalised q and k; decay g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); the chunked gated
+    delta rule (core/kernels/gated_delta.py) with each key head serving W/A consecutive value heads; an RMSNorm
+    of each value head gated by SiLU(z); out_proj."""
+
+    def __init__(self, cfg: ModelConfig, cp_group=None):
+        super().__init__()
+        A, W, K, U, H = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                         cfg.linear_value_head_dim, cfg.hidden_size)
+        self.A, self.W, self.K, self.U, self.cp_group = A, W, K, U, cp_group
+        C = 2 * A * K + W * U
+        self.in_proj_qkv = nn.Linear(H, C, bias=False)
+        self.in_proj_z = nn.Linear(H, W * U, bias=False)
+        self.in_proj_b = nn.Linear(H, W, bias=False)
+        self.in_proj_a = nn.Linear(H, W, bias=False)
+        self.conv1d = nn.Conv1d(C, C, cfg.linear_conv_kernel_dim, groups=C, bias=False)  # weight [C, 1, X]
+        self.dt_bias = nn.Parameter(torch.ones(W))
+        self.A_log = nn.Parameter(torch.zeros(W))  # Model.init_weights: log(uniform(0.01, 16)) as transformers
+        self.norm = GatedRMSNorm(U, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(W * U, H, bias=False)
+
+    chunk_size = 64  # the delta rule's chunk (fla's; the result does not depend on it beyond rounding)
+
+    def forward(self, x_BSH, cp_split: bool = False):
+        """x holds whole sequences, or with cp_split (and a cp group) this rank's split_for_cp part of each
+        (core/linear_attention.py then exchanges the conv tails and the chunks' state summaries over the cp group,
+        nothing per token)."""
+        B, S, _ = x_BSH.shape
+        cp_group = self.cp_group if cp_split else None
+        A, W, K, U = self.A, self.W, self.K, self.U
+        qkv_BSC = causal_conv1d(self.in_proj_qkv(x_BSH), self.conv1d.weight.squeeze(1), activation="silu",
+                                cp_group=cp_group)
+        q_BSAK, k_BSAK, v_BSWU = qkv_BSC.split([A * K, A * K, W * U], dim=-1)
+        beta_BSW = torch.sigmoid(self.in_proj_b(x_BSH))
+        g_BSW = -upcast(self.A_log).exp() * F.softplus(upcast(self.in_proj_a(x_BSH)) + self.dt_bias)  # fp32 at least
+        # q and k L2-normalised in fp32 inside the kernel, as transformers does; key head a serves value heads
+        # a*W/A .. (a+1)*W/A - 1
+        o_BSWU, _ = gated_delta_rule(q_BSAK.reshape(B, S, A, K), k_BSAK.reshape(B, S, A, K), v_BSWU.reshape(B, S, W, U),
+                                     g_BSW, beta_BSW, scale=K ** -0.5, use_qk_l2norm_in_kernel=True,
+                                     chunk_size=self.chunk_size, cp_group=cp_group)
+        o_BSWU = self.norm(o_BSWU.to(x_BSH.dtype), self.in_proj_z(x_BSH).reshape(B, S, W, U))
+        return self.out_proj(o_BSWU.reshape(B, S, W * U))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, width: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        # aux-loss-free balancing (core.moe.update_expert_bias): shifts which experts are chosen, not their weights
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+        self.k = cfg.num_experts_per_tok
+
+    def forward(self, x_TH):
+        logits_TE = F.linear(x_TH, self.weight)
+        probs_TE = logits_TE.softmax(dim=-1, dtype=compute_dtype(logits_TE.dtype))  # router in fp32 (or float64)
+        ids_Tk = (probs_TE + self.expert_bias).topk(self.k, dim=-1).indices
+        weights_Tk = probs_TE.gather(1, ids_Tk)
+        weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)  # always renormalised (transformers)
+        return logits_TE, weights_Tk.to(x_TH.dtype), ids_Tk
+
+
+class Experts(nn.Module):
+    """Routed experts stacked for grouped GEMMs: gate_up_proj [E, H, J], down_proj [E, I, H]; local expert j is
+    global expert expert_ids[j]."""
+
+    def __init__(self, cfg: ModelConfig, expert_ids: list[int]):
+        super().__init__()
+        self.expert_ids = list(expert_ids)
+        E = len(self.expert_ids)
+        self.gate_up_proj = nn.Parameter(torch.empty(E, cfg.hidden_size, 2 * cfg.moe_intermediate_size))
+        self.down_proj = nn.Parameter(torch.empty(E, cfg.moe_intermediate_size, cfg.hidden_size))
+        self.fp8 = False  # set by enable_fp8
+
+    def forward(self, rows_RH, counts_E):
+        mm = fp8_grouped_mm if self.fp8 else expert_matmul  # expert_matmul: weight gradient may be delayed
+        h_RJ = mm(rows_RH, self.gate_up_proj, counts_E)
+        return mm(swiglu(h_RJ), self.down_proj, counts_E)  # fused silu(gate) * up (Triton on GPU)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, expert_ids: list[int], ep_group, cp_group):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg, expert_ids)
+        self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.num_experts, self.k, self.ep_group, self.cp_group = cfg.num_experts, cfg.num_experts_per_tok, ep_group, cp_group
+        self.load_E = None  # (token, slot) pairs routed per expert since Model.take_expert_load
+
+    def shared(self, x_TH):
+        """The shared expert, scaled per token by sigmoid(shared_expert_gate(x))."""
+        return torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
+
+    def route(self, x_TH, aux_2E):
+        """Router, plus this layer's share of the load-balancing loss statistics added to aux_2E: row 0 the summed
+        router probabilities per expert (differentiable), row 1 the top-k counts per expert of the whole
+        micro-batch (summed over the cp ranks, which hold the other tokens; no gradient). See Model.aux_loss.
+        load_E counts the routed slots that are kept (ids >= 0, core/moe.py's router contract). No host sync."""
+        logits_TE, weights_Tk, ids_Tk = self.gate(x_TH)
+        probs_TE = logits_TE.softmax(dim=-1)
+        counts_E = expert_counts(probs_TE.topk(self.k, dim=-1).indices, self.num_experts).float()
+        if self.cp_group is not None:
+            dist.all_reduce(counts_E, group=self.cp_group)
+        load_E = expert_counts(ids_Tk, self.num_experts)
+        self.load_E = load_E if self.load_E is None else self.load_E + load_E
+        return weights_Tk, ids_Tk, aux_2E + torch.stack([upcast(probs_TE).sum(0), counts_E])
+
+
+RECOMPUTE = ("none", "attention", "layer")
+
+
+def _run(fn, *args, recompute: bool):
+    """fn(*args); with recompute, the tensors fn saves for backward are dropped and fn runs again in backward
+    (torch.utils.checkpoint, non-reentrant: it nests in core/pipeline.py's autograd segments, replays the autocast
+    state, and the delayed expert weight gradients capture the recomputed tensors). Nothing in fn draws random
+    numbers, so no RNG state is kept."""
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+    return fn(*args)
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer as the three compute steps that core/pipeline.py interleaves (its contract): (1)
+    `attention` (norms, token mixer, router, shared expert), (3) `routed_experts`, (5) `finish` (residual add);
+    the dispatch and combine all-to-alls (2) and (4) run between them in core/moe.py. The token mixer is a
+    GatedDeltaNet (`linear_attn`) or a gated Attention (`self_attn`) by cfg.layer_types. `state` is [hidden x_BSH,
+    aux_2E]. `rope` holds (cos, sin, attention mask) of the current micro-batch shape, set by Model.set_positions
+    (linear layers ignore it).
+
+    recompute (RECOMPUTE): "attention" keeps only the input of each token-mixer block (input norm, projections,
+    conv, norms, rope, attention or delta rule, output projection) and recomputes the rest in backward; "layer"
+    keeps only the inputs of step (1) without the router, of the shared expert and of step (3) (the expert GEMMs
+    and SwiGLU). The all-to-alls and the router (whose expert counts are statistics) never run twice."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, expert_ids: list[int], ep_group, cp_group=None,
+                 recompute: str = "none", placement: Placement | None = None):
+        super().__init__()
+        self.recompute = recompute
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.linear = cfg.is_linear(layer_id)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg, cp_group)
+        else:
+            self.self_attn = Attention(cfg, cp_group)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.moe = True
+        self.mlp = MoE(cfg, expert_ids, ep_group, cp_group)
+        self.num_experts, self.ep_group, self.placement = cfg.num_experts, ep_group, placement
+        self.rope = None
+
+    def attention(self, state):  # (1)
+        x_BSH, aux_2E = state
+        layer = self.recompute == "layer"
+        h_BSH, x_TH = _run(self._attention_and_norm, x_BSH, recompute=layer)
+        weights_Tk, ids_Tk, aux_2E = self.mlp.route(x_TH, aux_2E)
+        h_BSH = h_BSH + _run(self.mlp.shared, x_TH, recompute=layer).view_as(h_BSH)
+        return [h_BSH, aux_2E], x_TH, ids_Tk, weights_Tk
+
+    def _attention_block(self, x_BSH):
+        if self.linear:
+            return self.linear_attn(self.input_layernorm(x_BSH), cp_split=self.rope[2] is not None)
+        return self.self_attn(self.input_layernorm(x_BSH), *self.rope)
+
+    def _attention_and_norm(self, x_BSH):
+        h_BSH = x_BSH + _run(self._attention_block, x_BSH, recompute=self.recompute == "attention")
+        return h_BSH, self.post_attention_layernorm(h_BSH).flatten(0, 1)
+
+    def routed_experts(self, rows_RH, counts_L):  # (3)
+        return _run(self.mlp.experts, rows_RH, counts_L, recompute=self.recompute == "layer")
+
+    def finish(self, state, out_TH):  # (5)
+        h_BSH, aux_2E = state
+        return [h_BSH + out_TH.view_as(h_BSH), aux_2E]
+
+    def forward(self, state):
+        """The five steps back to back (the pipeline schedule runs them interleaved instead)."""
+        state, x_TH, ids_Tk, weights_Tk = self.attention(state)
+        out_TH, _ = moe_forward(x_TH, ids_Tk, weights_Tk, self.num_experts, self.ep_group, self.routed_experts,
+                                self.placement)
+        return self.finish(state, out_TH)
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+
+@dataclass
+class TrainOutput:
+    loss_sum: torch.Tensor  # summed cross-entropy over this rank's non-ignored labels
+    aux_loss: torch.Tensor  # load-balancing loss (unscaled), as transformers' load_balancing_loss_func; with cp,
+    # this rank's part of the micro-batch's loss (the cp ranks' parts sum to it, see Model.aux_loss)
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, layers=None, expert_ids: list[int] | None = None, embed: bool = True,
+                 head: bool = True, ep_group=None, cp_group=None, recompute: str = "none",
+                 placement: Placement | None = None):
+        """layers: the decoder layers held (None: all); expert_ids: the routed experts held, global ids (None:
+        all); with ep_group, this rank's experts of `placement` instead (None: Placement.even)."""
+        super().__init__()
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute {recompute!r} is not one of {', '.join(RECOMPUTE)}")
+        self.cfg, self.cp_group = cfg, cp_group
+        # drawn before any module exists (their constructors draw too): the same on every rank and layout
+        self.base_seed = int(torch.randint(0, 2**62, (), device="cpu"))
+        layer_ids = range(cfg.num_hidden_layers) if layers is None else layers
+        if ep_group is not None:
+            placement = placement or Placement.even(cfg.num_experts, dist.get_world_size(ep_group))
+            placement.check(cfg.num_experts, dist.get_world_size(ep_group))
+            expert_ids = placement.experts[dist.get_rank(ep_group)]
+        expert_ids = range(cfg.num_experts) if expert_ids is None else expert_ids
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, expert_ids, ep_group, cp_group, recompute, placement)
+                                     for i in layer_ids})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Normal(0, initializer_range) for every matrix, zeros for the zero-centred norms (RMSNorm), ones for the
+        gated norms and dt_bias, log(uniform(0.01, 16)) for A_log, zeros for biases (transformers' init).
+        Each tensor (each expert of a stacked tensor) draws from a generator seeded by the default generator and
+        its name (an expert's: with its global id), so a partial model (pipeline stage, any expert placement) gets
+        exactly its part of the full model's weights. Seed the default generator the same on every rank. Every buffer starts at zero (expert_bias): a
+        buffer that needs another start value gets its rule here, since a model built on the meta device (the
+        --hf-checkpoint path) has nothing else to fill it (tests/test_recipes.py checks every buffer)."""
+        for buf in self.buffers():
+            buf.zero_()
+        for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
+            owner = self.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(owner, RMSNorm):
+                p.zero_()
+            elif isinstance(owner, GatedRMSNorm) or name.endswith("dt_bias"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            elif name.endswith("A_log"):
+                gen = torch.Generator(p.device).manual_seed(self.base_seed ^ zlib.crc32(name.encode()))
+                p.uniform_(0.01, 16.0, generator=gen).log_()
+            else:
+                ids = self.get_submodule(name.rsplit(".", 1)[0]).expert_ids if ".experts." in name else None
+                for j, block in enumerate(p if ids is not None else [p]):
+                    key = name if ids is None else f"{name}.{ids[j]}"
+                    gen = torch.Generator(p.device).manual_seed(self.base_seed ^ zlib.crc32(key.encode()))
+                    block.normal_(0.0, self.cfg.initializer_range, generator=gen)
+
+    def set_positions(self, position_ids_BS, cp_split: bool = True) -> None:
+        """Rope at these global positions, and the attention mask, for every layer, for micro-batches of this shape.
+
+        With a cp group and cp_split, a micro-batch holds this rank's split_for_cp part of each sequence (S =
+        seq_len / cp): keys and values are gathered over the cp group and masked causally by global position
+        (CPMask, S x S * cp). No document mask for packed sequences: Qwen3.5 in transformers attends across documents,
+        and its delta rule carries its state across them.
+        cp_split=False: whole sequences, computed by every cp rank alone (generation, evaluation)."""
+        B, S = position_ids_BS.shape
+        cp, cp_rank = (1, 0) if self.cp_group is None or not cp_split else \
+            (dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group))
+        mask_BSK = None if cp == 1 else cp_attention_mask(S * cp, cp_rank, cp, device=position_ids_BS.device)
+        dtype = next(self.parameters()).dtype
+        rotary_dim = int(self.cfg.head_dim * self.cfg.partial_rotary_factor)
+        cos, sin = rope_cos_sin(position_ids_BS, rotary_dim, self.cfg.rope_theta, dtype)
+        for layer in self.layers.values():
+            layer.rope = (cos, sin, mask_BSK)
+
+    def default_positions(self, B: int, S: int, device, cp_split: bool = True):
+        """Positions 0..S-1, or with cp this rank's global positions of sequences of S * cp tokens."""
+        if self.cp_group is None or not cp_split:
+            return torch.arange(S, device=device).expand(B, S)
+        cp, cp_rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
+        return cp_positions(S * cp, cp_rank, cp, device).expand(B, S)
+
+    def trunk(self, input_ids_BS, position_ids_BS=None, cp_split: bool = True):
+        """Embedding + decoder layers + final norm: the hidden state [B, S, H] and the aux statistics [2, E]."""
+        B, S = input_ids_BS.shape
+        if position_ids_BS is None:
+            position_ids_BS = self.default_positions(B, S, input_ids_BS.device, cp_split)
+        self.set_positions(position_ids_BS, cp_split)
+        state = [self.embed(input_ids_BS), torch.zeros(2, self.cfg.num_experts, device=input_ids_BS.device)]
+        for layer in self.layers.values():
+            state = layer(state)
+        return self.norm(state[0]), state[1]
+
+    def embed(self, input_ids_BS):
+        """The embedding [B, S, H] in the compute dtype. Under bf16 autocast (which leaves the lookup in fp32) that
+        is bf16, and with it the residual stream, every norm's output and all that crosses ranks (hidden states
+        between pipeline stages, dispatched and combined rows); fp32 stays where numerics need it: norm statistics,
+        router softmax, loss, aux-loss statistics."""
+        h_BSH, device = self.embed_tokens(input_ids_BS), input_ids_BS.device.type
+        return h_BSH.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else h_BSH
+
+    def forward(self, input_ids_BS, position_ids_BS=None):
+        """Logits [B, S, V] of the whole model, for whole sequences (each cp rank computes them all)."""
+        return self.lm_head(self.trunk(input_ids_BS, position_ids_BS, cp_split=False)[0])
+
+    def forward_train(self, input_ids_BS, labels_BS, position_ids_BS=None) -> TrainOutput:
+        h_BSH, aux_2E = self.trunk(input_ids_BS, position_ids_BS)
+        return TrainOutput(self.cross_entropy_sum(h_BSH, labels_BS), self.aux_loss(aux_2E, labels_BS.numel()))
+
+    def cross_entropy_sum(self, h_BSH, labels_BS):
+        """LM head + cross-entropy without the [T, V] logits (Triton on GPU), summed over labels != -100."""
+        h_TH, w_VH = h_BSH.flatten(0, 1), self.lm_head.weight
+        if torch.is_autocast_enabled(h_TH.device.type):  # autocast does not reach into the fused kernel
+            dtype = torch.get_autocast_dtype(h_TH.device.type)
+            h_TH, w_VH = h_TH.to(dtype), cast_weight(w_VH, dtype)  # the weight cast once per step
+        return linear_cross_entropy(h_TH, w_VH, labels_BS.flatten(), ignore_index=-100, reduction="sum")
+
+    def aux_loss(self, aux_2E, tokens: int):
+        """transformers' load_balancing_loss_func over all MoE layers' tokens together: E * sum_e f_e * P_e, with
+        f_e = top-k slots routed to e / N and P_e = summed router probability of e / N, N = MoE layers x tokens of
+        the micro-batch. aux_2E holds the sums (MoE.route). With cp, the counts cover the whole micro-batch and
+        the probabilities this rank's tokens only: the cp ranks' parts add up to the loss, and each part's
+        gradient is exactly the loss's gradient on that rank's tokens. Computed at the end, it also works across
+        pipeline stages, which carry aux_2E along with the hidden state."""
+        cfg = self.cfg
+        layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        if layers == 0:
+            return aux_2E.new_zeros(())
+        cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
+        return cfg.num_experts * (aux_2E[0] * aux_2E[1]).sum() / (layers * tokens * cp) ** 2
+
+    def take_stats(self) -> dict[str, tuple[torch.Tensor, str]]:
+        """This rank's statistics since the last call, for the log line, TensorBoard and metrics.jsonl: name ->
+        (tensor, "sum" | "max": how core/metrics.py:reduce_stats combines the ranks, which hold other tokens (dp,
+        cp, ep) or other layers (pp)). Every rank returns the same names and shapes (rows of layers held by other
+        pipeline stages are 0, or -inf for "max"). expert_load [MoE layers, E] is required (the expert bias and
+        the load heatmap use it); a new router adds its own entries. Scalars and 1-D tensors are logged."""
+        return {"expert_load": (self.take_expert_load(), "sum")}
+
+    @torch.no_grad()
+    def update_expert_bias(self, load_LE: torch.Tensor, rate: float) -> None:
+        """Aux-loss-free balancing step of every router this rank holds, from the global expert load [MoE layers, E]
+        (identical on every rank, so the biases stay identical too)."""
+        moe_ids = [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
+        for layer_id, load_E in zip(moe_ids, load_LE):
+            if str(layer_id) in self.layers:
+                update_expert_bias(self.layers[str(layer_id)].mlp.gate.expert_bias, load_E, rate)
+
+    def take_expert_load(self) -> torch.Tensor:
+        """(token, slot) pairs per expert routed by this rank since the last call, [MoE layers of the whole
+        model, E] with zero rows for layers held by other pipeline stages."""
+        moe_ids = [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
+        device = next(self.parameters()).device
+        load_LE = torch.zeros(len(moe_ids), self.cfg.num_experts, device=device)
+        for row, i in enumerate(moe_ids):
+            mlp = self.layers[str(i)].mlp if str(i) in self.layers else None
+            if mlp is not None and mlp.load_E is not None:
+                load_LE[row], mlp.load_E = mlp.load_E, None
+        return load_LE
+
+    def muon_matrices(self, name: str, t: torch.Tensor) -> dict[str, tuple[torch.Tensor, list[int]]]:
+        """The weight matrices of the transformers checkpoint layout in parameter `name`, which --optimizer muon
+        orthogonalises one by one (core/muon.py): {kind: ([S, A, B] view of t, routed experts: the global id of each
+        of the S matrices, else None)}; t is the parameter or a tensor of its shape (its gradient). Routed experts: one matrix per
+        expert, gate and up apart; attention, Gated DeltaNet and shared-expert projections: one each (in_proj_qkv
+        and q_proj, query and gate, whole, as stored). {} for what AdamW trains: the embedding, the LM head, norms,
+        the router and the shared-expert gate (one row each), the conv weights ([C, 1, X]), A_log and dt_bias."""
+        if ".mlp.experts." in name:
+            ids = self.get_submodule(name.rsplit(".", 1)[0]).expert_ids
+            if name.endswith("gate_up_proj"):  # [E, H, J]: gate = [..., :I], up = [..., I:] (core/kernels/swiglu.py)
+                gate, up = t.chunk(2, dim=-1)
+                return {"gate": (gate, ids), "up": (up, ids)}
+            return {"down": (t, ids)}
+        other = name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "shared_expert_gate.weight"))
+        return {"": (t.unsqueeze(0), None)} if t.ndim == 2 and not other else {}
+
+
+class PipelineStage:
+    """One pipeline stage over this rank's Model, as core/pipeline.py drives it: the embedding on the first
+    stage, a run of decoder layers, and the final norm, LM head and loss on the last. Before each step train.py
+    sets `input_ids` / `labels` (per micro-batch) and `loss_fn(cross_entropy_sum, aux_loss) -> loss`; the last
+    stage adds the micro-batches' (cross-entropy sum, aux loss) to `stats`."""
+
+    def __init__(self, model: Model, layer_ids, first: bool, last: bool):
+        self.model, self.first, self.last = model, first, last
+        self.layers = [model.layers[str(i)] for i in layer_ids]
+        self.input_ids = self.labels = self.loss_fn = None
+        self.stats = 0
+
+    @staticmethod
+    def p2p_specs(cfg: ModelConfig, micro_batch: int, seq_len: int, hidden_dtype) -> list:
+        """(shape, dtype) of each tensor of `state` that crosses pp ranks: the hidden state [micro_batch, seq_len
+        (this rank's part under cp), H] in the compute dtype (bf16 on the bf16 path, Model.embed) and the aux
+        statistics [2, E] in fp32."""
+        return [((micro_batch, seq_len, cfg.hidden_size), hidden_dtype), ((2, cfg.num_experts), torch.float32)]
+
+    def pre(self, inputs, mb):
+        if not self.first:
+            return inputs
+        ids_BS = self.input_ids[mb]
+        return [self.model.embed(ids_BS), torch.zeros(2, self.model.cfg.num_experts, device=ids_BS.device)]
+
+    def post(self, state, mb):
+        if not self.last:
+            return state
+        labels_BS = self.labels[mb]
+        ce = self.model.cross_entropy_sum(self.model.norm(state[0]), labels_BS)
+        aux = self.model.aux_loss(state[1], labels_BS.numel())
+        self.stats = self.stats + torch.stack([ce.detach(), aux.detach()])
+        return [self.loss_fn(ce, aux)]
+
+
+def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str, float]]:
+    """Training FLOPs per token (forward + backward = 3x forward) by operation class: one dict per decoder layer,
+    {attention: gated-attention layers QK^T and AV, 6 * S * N * D (2 * S/2 * N * D each on average, x3); Gated
+    DeltaNet layers 3 x core/kernels/gated_delta.py:chunk_gated_delta_flops_per_token (no term in S: the state
+    has a fixed size; under cp the kernel also carries the state-transition columns); dense: the token mixer's
+    projections and conv, router, shared expert and its gate, 6 x their parameters; experts: the k routed experts,
+    6 x k x 3HI}, then {head: 6 x V x H} (embedding lookup excluded). tools/plan.py times each class;
+    flops_per_token is their sum."""
+    H, N, G, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    A, W, K, U = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    gated_attn = H * (2 * N + 2 * G) * D + N * D * H
+    delta_net = H * (2 * A * K + 2 * W * U + 2 * W) + (2 * A * K + W * U) * cfg.linear_conv_kernel_dim + W * U * H
+    moe_dense = H * cfg.num_experts + 3 * H * cfg.shared_expert_intermediate_size + H
+    out = []
+    for i in range(cfg.num_hidden_layers):
+        linear = cfg.is_linear(i)
+        delta = 3 * chunk_gated_delta_flops_per_token(K, U, W, cp=cp)
+        out.append({"attention": delta if linear else 6 * seq_len * N * D,
+                    "dense": 6 * ((delta_net if linear else gated_attn) + moe_dense),
+                    "experts": 6 * cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size})
+    return out + [{"head": 6 * cfg.vocab_size * H}]
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward): 6 x active matmul parameters (the k routed
+    experts and the shared one, not all E; LM head included, embedding lookup excluded), plus causal attention
+    scores and values of the gated-attention layers, and the delta rule of the Gated DeltaNet layers."""
+    return sum(sum(part.values()) for part in flops_by_layer(cfg, seq_len))
+
+
+def cp_gather_width(cfg: ModelConfig) -> float:
+    """Numbers per token and layer that attention all-gathers over cp, averaged over the layers (tools/plan.py
+    times one gather per layer from it): K and V of the G key-value heads in the gated-attention layers; the Gated
+    DeltaNet layers gather no per-token activations (only conv tails and per-chunk state summaries, counted 0)."""
+    full = sum(not cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
+    return 2 * cfg.num_key_value_heads * cfg.head_dim * full / cfg.num_hidden_layers
+
+
+# ------------------------------------------------------------------ speed switches (train.py --compile, --fp8)
+
+
+def compile_dense_parts(model: Model) -> None:
+    """torch.compile(fullgraph=True) the dense parts of every decoder layer, in place (parameter names unchanged):
+    the norms, the attention block (projections, q/k norms, rope, SDPA) or the Gated DeltaNet block, the router and
+    the shared expert. Modules, not
+    DecoderLayer.forward, are compiled, so any schedule that calls them (whole layer, or pipeline steps) runs the
+    compiled code. Left eager: the routed experts and the dispatch/combine around them (row counts depend on the
+    routing, and the all-to-alls), the residual adds (one elementwise op each), and token mixers with a cp group
+    (they exchange K/V or state summaries). One layer's graphs serve all layers of its kind (same shapes); a new
+    (B, S) recompiles once."""
+    for layer in model.layers.values():
+        for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.gate, layer.mlp.shared_expert):
+            module.compile(fullgraph=True)
+        mixer = layer.linear_attn if layer.linear else layer.self_attn
+        if mixer.cp_group is None:
+            mixer.compile(fullgraph=True)  # fla's kernels are custom ops: one graph (core/kernels/gated_delta.py)
+
+
+def enable_fp8(model: Model) -> None:
+    """FP8 GEMMs (core/fp8.py) for the token mixers' projections, the shared expert and the routed experts, in
+    place. The embedding, router (fp32 softmax), shared_expert_gate (one row) and LM head stay in high precision.
+    Call core.fp8.CACHE.invalidate() after every optimizer step (the FP8 weight copies are made once per step)."""
+    for layer in model.layers.values():
+        convert_linears(layer.linear_attn if layer.linear else layer.self_attn)
+        convert_linears(layer.mlp.shared_expert)
+        layer.mlp.experts.fp8 = True
+
+
+# ------------------------------------------------------------------------------------ checkpoint I/O
+# Our names are transformers' Qwen3_5MoeForCausalLM names without the "model." prefix, except the experts:
+# transformers writes one key per expert (experts.{e}.gate_proj.weight [I, H], ...) while we stack them. The
+# released checkpoint (Qwen3_5MoeForConditionalGeneration) holds the text model under "model.language_model."
+# with fused experts ([E, J, H] gate_up_proj, [E, H, I] down_proj), next to the vision tower ("model.visual.")
+# and the MTP head ("mtp."), which are not read.
+
+
+def _hf_name(name: str, prefix: str = "model.") -> str:
+    return name if name.startswith("lm_head.") else prefix + name
+
+
+@torch.no_grad()
+def load_hf_checkpoint(model: Model, path) -> list[str]:
+    """Fill `model` (possibly partial) from a Hugging Face safetensors folder (a Qwen3_5MoeForCausalLM export, or
+    the released multimodal checkpoint); returns the tensor names read."""
+    reader = CheckpointReader(path)
+    prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in reader.weight_map) else "model."
+    for name, p in model.named_parameters():
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            continue
+        p.copy_(reader.get(_hf_name(name, prefix), p.shape))
+    I, H = model.cfg.moe_intermediate_size, model.cfg.hidden_size
+    for lname, layer in model.layers.items():
+        experts, key = layer.mlp.experts, f"{prefix}layers.{lname}.mlp.experts"
+        if f"{key}.gate_up_proj" in reader:  # fused layout [E, J, H] / [E, H, I] (released; transformers in memory)
+            E, ids = model.cfg.num_experts, experts.expert_ids  # only this model's experts
+            experts.gate_up_proj.copy_(reader.get_rows(f"{key}.gate_up_proj", (E, 2 * I, H), ids).transpose(1, 2))
+            experts.down_proj.copy_(reader.get_rows(f"{key}.down_proj", (E, H, I), ids).transpose(1, 2))
+            continue
+        for j, e in enumerate(experts.expert_ids):
+            experts.gate_up_proj[j, :, :I] = reader.get(f"{key}.{e}.gate_proj.weight", (I, H)).T
+            experts.gate_up_proj[j, :, I:] = reader.get(f"{key}.{e}.up_proj.weight", (I, H)).T
+            experts.down_proj[j] = reader.get(f"{key}.{e}.down_proj.weight", (H, I)).T
+    return reader.names_read
+
+
+@torch.no_grad()
+def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
+    """This model's tensors under the names transformers writes (per-expert keys)."""
+    out = {}
+    I = model.cfg.moe_intermediate_size
+    for name, p in model.named_parameters():
+        if name.endswith("experts.gate_up_proj"):
+            prefix, ids = "model." + name.removesuffix(".gate_up_proj"), model.get_submodule(name.rsplit(".", 1)[0]).expert_ids
+            for j, e in enumerate(ids):
+                out[f"{prefix}.{e}.gate_proj.weight"] = p[j, :, :I].T
+                out[f"{prefix}.{e}.up_proj.weight"] = p[j, :, I:].T
+        elif name.endswith("experts.down_proj"):
+            prefix, ids = "model." + name.removesuffix(".down_proj"), model.get_submodule(name.rsplit(".", 1)[0]).expert_ids
+            for j, e in enumerate(ids):
+                out[f"{prefix}.{e}.down_proj.weight"] = p[j].T
+        else:
+            out[_hf_name(name)] = p
+    return out
+
+
+def save_hf_checkpoint(model: Model, path, dtype: torch.dtype | None = None, dense: bool = True, experts: bool = True) -> None:
+    """Write `model` as a folder that transformers' Qwen3_5MoeForCausalLM.from_pretrained loads. In a distributed
+    run every rank calls it (see core.hf_io.write_hf_folder) and writes what it owns: `dense` / `experts` say
+    whether this rank is the first replica of its dense / routed-expert tensors."""
+    tensors = {k: (v.to(dtype) if dtype else v) for k, v in hf_state_dict(model).items()
+               if (experts if ".mlp.experts." in k else dense)}
+    config = model.cfg.to_hf()
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
+    write_hf_folder(path, tensors, config)
+
+
+def tiny_config_path() -> Path:
+    return Path(__file__).with_name("config_tiny.json")
+
+
+def real_config_path() -> Path:
+    return Path(__file__).with_name("config.json")
+
+
+# ------------------------------------------------------------------------------------------- recipe checks
+# What the shared correctness checks need to know about this recipe. tests/test_recipes.py runs them for every
+# folder under recipes/ (a copy of this folder is checked with no test file added) and
+# skills/validate-correctness/scripts/validate.py --recipe <folder> prints them as one table: parity with
+# transformers (or equality with BASE_RECIPE), every parallel layout against one process, resume, recompute, bf16,
+# export round trip, buffers. No name here starts with "test" (pytest would collect it where a test imports it).
+#   TRANSFORMERS_CLASS  the transformers class this model equals (logits, gradients, checkpoint names); None once
+#                       the model departs from it, and then BASE_RECIPE must name the recipe it was copied from.
+#   BASE_RECIPE         None, or the recipe folder this one is a variant of: trained on check_setup()["base_config"]
+#                       (the new feature switched off) both give the same losses, grad norms and weights.
+#   check_setup()       "config": the small model every check builds and trains (config.json fields; vocab_size
+#                       >= 256, the test data's); "seq_len": tokens per sequence, a multiple of 4 (cp2 cuts it into
+#                       4 chunks) and long enough for the attention's blocks and windows (64 or 128 if it needs);
+#                       "base_config": config.json fields both this recipe and BASE_RECIPE read, or None.
+TRANSFORMERS_CLASS = "Qwen3_5MoeForCausalLM"
+BASE_RECIPE = None
+
+
+def check_setup() -> dict:
+    """6 layers, linear, linear, full, linear, linear, full (with pp=2 each of the 4 stages holds some, and both
+    kinds sit on several stages), 4 experts top-2 plus the shared expert, gated attention 4/2 heads with head_dim
+    16 != hidden/heads and rope on half of it, Gated DeltaNet with 4 value heads over 2 key heads."""
+    config = {"model_type": "qwen3_5_moe_text", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 6,
+              "layer_types": [LAYER_TYPES[(i + 1) % 3 == 0] for i in range(6)],
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+              "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+              "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "router_aux_loss_coef": 0.01}
+    return {"config": config, "seq_len": 32, "base_config": None}
+
+
+if __name__ == "__main__":  # print the parameter count of the released config without allocating it
+    with torch.device("meta"):
+        m = Model(ModelConfig.from_hf(real_config_path()))
+    total = sum(p.numel() for p in m.parameters())
+    print(json.dumps({"parameters": total, "billions": round(total / 1e9, 3), "gflops_per_token_4k": round(flops_per_token(m.cfg, 4096) / 1e9, 2)}))
