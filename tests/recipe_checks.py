@@ -606,13 +606,18 @@ def assert_partial_model_reads_only_its_tensors(recipe, path, num_tensors: int) 
         assert torch.equal(value, ref), key
 
 
-def assert_aux_loss_matches(ref, model, ids, grad_pairs) -> None:
-    """transformers' aux_loss (output_router_logits) equals forward_train's, and the gradients of each
-    (ours, transformers') parameter pair in grad_pairs() agree to 1e-5 relative."""
+def assert_aux_loss_matches(hf_class, recipe_model: ModuleType, path, vocab_size: int, grad_pairs) -> None:
+    """The HF folder `path` loaded by transformers' hf_class and by the recipe's model.py: transformers' aux_loss
+    (output_router_logits) equals forward_train's, and the gradients of each (ours, transformers') parameter pair
+    in grad_pairs(model, ref) agree to 1e-5 relative."""
+    ref = hf_class.from_pretrained(path, dtype=torch.float32)
+    model = recipe_model.Model(recipe_model.ModelConfig.from_hf(path))
+    recipe_model.load_hf_checkpoint(model, path)
+    ids = torch.randint(0, vocab_size, (2, 20))
     ref_aux = ref(input_ids=ids, output_router_logits=True).aux_loss
     aux = model.forward_train(ids, ids).aux_loss
     torch.testing.assert_close(aux, ref_aux, rtol=1e-6, atol=0)
     ref_aux.backward()
     aux.backward()
-    for ours, theirs in grad_pairs():
+    for ours, theirs in grad_pairs(model, ref):
         assert ((ours.grad - theirs.grad).norm() / theirs.grad.norm()).item() <= 1e-5
