@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from core.context import merge_from_cp, split_for_cp
 from core.kernels.gated_delta import chunk_gated_delta_flops_per_token as flops_per_token
-from core.kernels.gated_delta import chunk_gated_delta_rule, chunk_gated_delta_rule_reference
+from core.kernels.gated_delta import chunk_gated_delta_rule, chunk_gated_delta_rule_reference, document_starts
 from core.linear_attention import causal_conv1d, cp_linear_attention_bytes_received_per_layer, gated_delta_rule
 from tests.multiproc import run_ranks
 
@@ -104,6 +104,46 @@ def test_zero_initial_state_no_final_state_and_bad_input():
         chunk_gated_delta_rule(q, k, v, g, beta, initial_state_BHKV=torch.zeros(2, 4, 6, 8))
 
 
+def doc_ids_of(lengths_per_row):
+    """int [B, S] document ids from each row's document lengths (ids increase along the row)."""
+    return torch.tensor([sum(([d] * n for d, n in enumerate(row)), []) for row in lengths_per_row])
+
+
+# S = 37, kernel chunk 4 or 16: documents of length 1, several per chunk, one ending exactly at a chunk end (row 0:
+# 4 + 12 = 16), one spanning three chunks
+DOC_LENGTHS = [[4, 12, 1, 3, 17], [9, 1, 1, 26]]
+
+
+def loop_per_document(doc_ids_BS, q, k, v, g, beta, scale, S0_BHKV):
+    """The token loop run on each document alone: the row's initial state enters its first document, 0 the others;
+    the final state is the last document's."""
+    outs, finals = [], []
+    for b in range(doc_ids_BS.shape[0]):
+        row, S_1HKV = [], S0_BHKV[b:b + 1]
+        for d in doc_ids_BS[b].unique_consecutive():
+            t = (doc_ids_BS[b] == d).nonzero().flatten()
+            part = [x[b:b + 1, t[0]:t[-1] + 1] for x in (q, k, v, g, beta)]
+            o, S_1HKV = loop_gated_delta(*part, scale, S_1HKV if not row else torch.zeros_like(S_1HKV))
+            row.append(o)
+        outs.append(torch.cat(row, 1))
+        finals.append(S_1HKV)
+    return torch.cat(outs, 0), torch.cat(finals, 0)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 16])
+def test_document_resets_equal_each_document_alone_fp64(chunk_size):
+    inputs = make_inputs()
+    doc_ids_BS = doc_ids_of(DOC_LENGTHS)
+    reset_BS = document_starts(doc_ids_BS)
+    got = values_and_grads(lambda q, k, v, g, b, S0: chunk_gated_delta_rule(
+        q, k, v, g, b, 0.7, S0, True, chunk_size, reset_BS=reset_BS), inputs)
+    want = values_and_grads(lambda *x: loop_per_document(doc_ids_BS, *x[:5], 0.7, x[5]), inputs)
+    for name, a, b in zip(NAMES, got, want):  # fp64, bound as in test_chunked_rule_equals_token_loop_fp64
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=name)
+    with pytest.raises(ValueError, match="reset_BS"):
+        chunk_gated_delta_rule(*inputs[:5], reset_BS=doc_ids_BS)
+
+
 @pytest.mark.parametrize("W", [3, 4])
 def test_causal_conv1d_equals_direct_sum(W):
     gen = torch.Generator().manual_seed(0)
@@ -114,6 +154,14 @@ def test_causal_conv1d_equals_direct_sum(W):
     torch.testing.assert_close(causal_conv1d(x_BSC, w_CW, None, "silu"), F.silu(want - b_C), rtol=0, atol=1e-13)
     with pytest.raises(ValueError, match="activation"):
         causal_conv1d(x_BSC, w_CW, activation="gelu")
+    # documents [0 0 0 1 2 2 2 2 2 3 3] in row 0, [0 1 1 1 1 1 1 1 1 1 1] in row 1: taps into an earlier document
+    # read 0
+    doc_ids_BS = doc_ids_of([[3, 1, 5, 2], [1, 10]])
+    want = torch.stack([b_C + sum(w_CW[:, i] * padded[:, t + i] * (doc_ids_BS[:, t] == doc_ids_BS[:, t + i - W + 1])
+                                  [:, None] for i in range(W) if t + i - W + 1 >= 0) for t in range(11)], 1)
+    torch.testing.assert_close(causal_conv1d(x_BSC, w_CW, b_C, doc_ids_BK=doc_ids_BS), want, rtol=0, atol=1e-13)
+    with pytest.raises(ValueError, match="doc_ids_BK"):
+        causal_conv1d(x_BSC, w_CW, b_C, doc_ids_BK=doc_ids_BS[:, :5])
 
 
 def test_fla_wrapper_ops_autograd_and_fullgraph_compile(monkeypatch):
@@ -122,10 +170,17 @@ def test_fla_wrapper_ops_autograd_and_fullgraph_compile(monkeypatch):
     (aot_eager: graph capture, fake tensors and the autograd split, without code generation)."""
     from core.kernels import gated_delta
 
-    def fla_standin(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+    def fla_standin(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                    use_qk_l2norm_in_kernel):
         assert q.shape[2] == v.shape[2] and initial_state is not None and output_final_state  # what the ops pass
-        return chunk_gated_delta_rule_reference(q, k, v, g, beta, scale, initial_state, True, 16,
-                                                use_qk_l2norm_in_kernel)
+        if cu_seqlens is None:
+            return chunk_gated_delta_rule_reference(q, k, v, g, beta, scale, initial_state, True, 16,
+                                                    use_qk_l2norm_in_kernel)
+        assert q.shape[0] == 1 and len(initial_state) == len(cu_seqlens) - 1  # fla's varlen: one row, N states
+        runs = [chunk_gated_delta_rule_reference(*(x[:, a:e] for x in (q, k, v, g, beta)), scale,
+                                                 initial_state[n:n + 1], True, 16, use_qk_l2norm_in_kernel)
+                for n, (a, e) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))]
+        return torch.cat([o for o, _ in runs], 1), torch.cat([f for _, f in runs], 0)
 
     monkeypatch.setattr(gated_delta, "_fla_chunk_gated_delta_rule", fla_standin)
     inputs = make_inputs(S=21, dtype=torch.float32)
@@ -139,6 +194,14 @@ def test_fla_wrapper_ops_autograd_and_fullgraph_compile(monkeypatch):
         got = values_and_grads(fn, inputs)
         for name, a, b in zip(NAMES, got, want):  # the same fp32 ops in the same order: equal to rounding
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+    # documents through fla's varlen form: rows flattened, one sequence per document, states per sequence
+    reset_BS = document_starts(doc_ids_of([[5, 1, 15], [21]]))
+    got = values_and_grads(lambda q, k, v, g, b, S0: gated_delta._fla_gated_delta_rule(
+        q, k, v, g, b, 0.5, S0, True, True, reset_BS), inputs)
+    want = values_and_grads(lambda q, k, v, g, b, S0: chunk_gated_delta_rule_reference(
+        q, k, v, g, b, 0.5, S0, True, 16, True, reset_BS), inputs)
+    for name, a, b in zip(NAMES, got, want):  # fp32, per-document chunks against masked chunks: 1e-5 (see above)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
 
 
 # ------------------------------------------------------------------------------------ context parallelism
