@@ -211,12 +211,34 @@ def test_fla_wrapper_ops_autograd_and_fullgraph_compile(monkeypatch):
 CP_HK, CP_HV, CP_K, CP_V, CP_W, CP_CHUNK, CP_KERNEL_CHUNK = 1, 2, 4, 3, 4, 10, 4
 
 
-def cp_block(x_BSC, w_CW, b_C, g_BSH, beta_BSH, S0_BHKV, cp_group):
-    y = causal_conv1d(x_BSC, w_CW, b_C, "silu", cp_group)
+def cp_block(x_BSC, w_CW, b_C, g_BSH, beta_BSH, S0_BHKV, cp_group, doc_ids_BK=None):
+    y = causal_conv1d(x_BSC, w_CW, b_C, "silu", cp_group, doc_ids_BK)
     B, S = y.shape[:2]
     q, k, v = y.split([CP_HK * CP_K, CP_HK * CP_K, CP_HV * CP_V], -1)
     return gated_delta_rule(q.reshape(B, S, CP_HK, CP_K), k.reshape(B, S, CP_HK, CP_K), v.reshape(B, S, CP_HV, CP_V),
-                            g_BSH, beta_BSH, None, S0_BHKV, True, CP_KERNEL_CHUNK, True, cp_group)
+                            g_BSH, beta_BSH, None, S0_BHKV, True, CP_KERNEL_CHUNK, True, cp_group, doc_ids_BK)
+
+
+# Documents over the whole sequence (cp chunks of 10 tokens): cp 2 (40 tokens) row 0 has a document starting at a
+# cp chunk start (10), one of 1 token right after a cp chunk start (conv taps must not read the tail), documents
+# crossing cp chunks; cp 4 (80 tokens) has a document spanning three cp chunks.
+CP_DOCS = {2: [[10, 1, 2, 14, 13], [3, 25, 12]], 4: [[7, 30, 1, 1, 21, 20], [40, 2, 38]]}
+
+
+def cp_block_per_document(doc_ids_BK, x, w, b, g, beta, S0):
+    """cp_block (one process) on each document alone: the row's S0 enters its first document, 0 the others."""
+    outs, finals = [], []
+    for r in range(doc_ids_BK.shape[0]):
+        row, S_1HKV = [], S0[r:r + 1]
+        for d in doc_ids_BK[r].unique_consecutive():
+            t = (doc_ids_BK[r] == d).nonzero().flatten()
+            part = [z[r:r + 1, t[0]:t[-1] + 1] for z in (x, g, beta)]
+            o, S_1HKV = cp_block(part[0], w, b, part[1], part[2], S_1HKV if not row else torch.zeros_like(S_1HKV),
+                                 None)
+            row.append(o)
+        outs.append(torch.cat(row, 1))
+        finals.append(S_1HKV)
+    return torch.cat(outs, 0), torch.cat(finals, 0)
 
 
 def cp_case(cp: int, seed: int = 0, dtype=torch.float64):
@@ -231,12 +253,13 @@ def cp_case(cp: int, seed: int = 0, dtype=torch.float64):
     return [t.to(dtype) for t in inputs], [t.to(dtype) for t in cotangents]
 
 
-def _cp_run(cp: int, seed: int, group, rank: int, dtype=torch.float64) -> list:
-    """This rank's outputs and input gradients for case (cp, seed) on group (rank: its rank in the group)."""
+def _cp_run(cp: int, seed: int, group, rank: int, dtype=torch.float64, docs: bool = False) -> list:
+    """This rank's outputs and input gradients for case (cp, seed) on group (rank: its rank in the group); docs:
+    with CP_DOCS[cp]'s document ids (of the whole sequence)."""
     inputs, (do, dS) = cp_case(cp, seed, dtype)
     local = [split_for_cp(t, rank, cp) if i in (0, 3, 4) else t for i, t in enumerate(inputs)]  # per-token ones
     local = [t.clone().requires_grad_() for t in local]
-    o, S = cp_block(*local, group)
+    o, S = cp_block(*local, group, doc_ids_of(CP_DOCS[cp]) if docs else None)
     # the final state is replicated: rank 0 alone carries its cotangent (a replica's loss counts once)
     torch.autograd.backward([o, S], [split_for_cp(do, rank, cp), dS if rank == 0 else torch.zeros_like(dS)])
     return [o.detach(), S.detach()] + [t.grad for t in local]
@@ -244,29 +267,47 @@ def _cp_run(cp: int, seed: int, group, rank: int, dtype=torch.float64) -> list:
 
 def _cp_worker():
     """4 ranks (one spawn for both layouts): cp 2 on ranks {0, 1} (seed 0) and {2, 3} (seed 1), then cp 4 (seed 2),
-    then cp 4 in fp32 (seed 3)."""
+    then cp 4 in fp32 (seed 3); then with documents: cp 2 (seeds 4, 5) and cp 4 (seed 6)."""
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     cp2 = _cp_run(2, rank // 2, pairs[rank // 2], rank % 2)
     cp4 = _cp_run(4, 2, dist.group.WORLD, rank)
     cp4_fp32 = _cp_run(4, 3, dist.group.WORLD, rank, torch.float32)
+    cp2_docs = _cp_run(2, 4 + rank // 2, pairs[rank // 2], rank % 2, docs=True)
+    cp4_docs = _cp_run(4, 6, dist.group.WORLD, rank, docs=True)
     dist.destroy_process_group()
-    return {"cp2": cp2, "cp4": cp4, "cp4_fp32": cp4_fp32}
+    return {"cp2": cp2, "cp4": cp4, "cp4_fp32": cp4_fp32, "cp2_docs": cp2_docs, "cp4_docs": cp4_docs}
+
+
+def one_process(cp, seed, dtype, docs, per_document=False):
+    """The whole-sequence block's outputs and every input gradient for case (cp, seed) in one process (per_document:
+    each document of CP_DOCS[cp] run alone)."""
+    inputs, (do, dS) = cp_case(cp, seed, dtype)
+    inputs = [t.clone().requires_grad_() for t in inputs]
+    doc_ids_BK = doc_ids_of(CP_DOCS[cp]) if docs else None
+    o, S = cp_block_per_document(doc_ids_BK, *inputs) if per_document else cp_block(*inputs, None, doc_ids_BK)
+    torch.autograd.backward([o, S], [do, dS])
+    return [o.detach(), S.detach()] + [t.grad for t in inputs]
 
 
 def test_cp2_and_cp4_equal_one_process():
-    """Each cp chunk is 10 tokens, 3 kernel chunks of 4 (the last padded), conv width 4; every input's gradient."""
+    """Each cp chunk is 10 tokens, 3 kernel chunks of 4 (the last padded), conv width 4; every input's gradient;
+    with and without documents (one process with documents also equals each document run alone)."""
     ranks = run_ranks(4, _cp_worker)
-    cases = [(2, 0, torch.float64, [r["cp2"] for r in ranks[:2]]), (2, 1, torch.float64, [r["cp2"] for r in ranks[2:]]),
-             (4, 2, torch.float64, [r["cp4"] for r in ranks]), (4, 3, torch.float32, [r["cp4_fp32"] for r in ranks])]
+    cases = [(2, 0, torch.float64, False, [r["cp2"] for r in ranks[:2]]),
+             (2, 1, torch.float64, False, [r["cp2"] for r in ranks[2:]]),
+             (4, 2, torch.float64, False, [r["cp4"] for r in ranks]),
+             (4, 3, torch.float32, False, [r["cp4_fp32"] for r in ranks]),
+             (2, 4, torch.float64, True, [r["cp2_docs"] for r in ranks[:2]]),
+             (2, 5, torch.float64, True, [r["cp2_docs"] for r in ranks[2:]]),
+             (4, 6, torch.float64, True, [r["cp4_docs"] for r in ranks])]
     names = ["o", "final state", "dx", "dw", "db", "dg", "dbeta", "dS0"]
-    for cp, seed, dtype, per_rank in cases:
-        inputs, (do, dS) = cp_case(cp, seed, dtype)
-        inputs = [t.clone().requires_grad_() for t in inputs]
-        o, S = cp_block(*inputs, None)
-        torch.autograd.backward([o, S], [do, dS])
-        want = [o.detach(), S.detach()] + [t.grad for t in inputs]
+    for cp, seed, dtype, docs, per_rank in cases:
+        want = one_process(cp, seed, dtype, docs)
+        if docs:  # fp64, the same sums regrouped: bound as below
+            for name, a, b in zip(names, want, one_process(cp, seed, dtype, docs, per_document=True)):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=f"cp{cp} seed {seed} alone: {name}")
         per_token = (0, 2, 5, 6)  # o, dx, dg, dbeta: split over the ranks; weights, S0: gradients summed
         got = [merge_from_cp([r[i] for r in per_rank]) if i in per_token else
                per_rank[0][i] if i == 1 else sum(r[i] for r in per_rank) for i in range(len(names))]
@@ -277,7 +318,7 @@ def test_cp2_and_cp4_equal_one_process():
         # tolerance, 1e-5 of it, holds with that margin.
         for name, a, b in zip(names, got, want):
             atol = 1e-10 if dtype == torch.float64 else 1e-5 * b.abs().max().item()
-            torch.testing.assert_close(a, b, rtol=0, atol=atol, msg=f"cp{cp} seed {seed} {dtype}: {name}")
+            torch.testing.assert_close(a, b, rtol=0, atol=atol, msg=f"cp{cp} seed {seed} {dtype} docs {docs}: {name}")
 
 
 def test_cp_bytes_and_flops_formulas():
