@@ -215,7 +215,7 @@ def run_checks(name: str, data, workdir, groups=GROUPS) -> list[Result]:
         results += export_results(recipe, data, workdir, hf_in)
     if "buffers" in groups:
         results += buffer_results(recipe, hf_in)
-    if "documents" in groups:
+    if "documents" in groups and "document_mask" in recipe.model.Model.features:  # (a model may decline it)
         results += document_results(recipe)
     if "layouts" in groups:
         results += layout_results(recipe, data, workdir)
@@ -476,10 +476,12 @@ def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
         single64 = run_train(args("single64", hf_checkpoint=workdir / "hf_init", export_hf=workdir / "hf_single64"),
                              recipe.train.main)
     # conversations: whole documents with loss masks, --document-mask on by default for them (core/data.py)
+    documents = "document_mask" in recipe.model.Model.features  # (Model.features: what the model declines is skipped)
     chats = write_counting_chats(workdir / "chats", recipe.seq_len)
     chat_args = lambda out, **extra: check_args(recipe, config, chats, workdir / out, **extra)
-    single_docs = run_train(chat_args("docs_single"), recipe.train.main)
-    unmasked = run_train(chat_args("docs_unmasked", no_document_mask=True), recipe.train.main)
+    if documents:
+        single_docs = run_train(chat_args("docs_single"), recipe.train.main)
+        unmasked = run_train(chat_args("docs_unmasked", no_document_mask=True), recipe.train.main)
     with one_thread():
         single_bf16 = run_train(args("single_bf16", dtype="bf16"), recipe.train.main)
     jobs = {2: {"pp2 recompute": ("train", args("pp2r", pp=2, recompute="layer")),
@@ -493,11 +495,14 @@ def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
             4: {"grads cp2xep2": ("grads", (config, 2, 2, recipe.seq_len))}}
     recompute = "recompute" in recipe.model.Model.features  # (Model.features: what the model declines is skipped)
     if not recompute:
-        del jobs[2]["pp2 recompute"], jobs[2]["cp2 recompute"], jobs[2]["docs pp2 recompute"]
+        del jobs[2]["pp2 recompute"], jobs[2]["cp2 recompute"]
+    if not (recompute and documents):
+        del jobs[2]["docs pp2 recompute"]
     for name, layout in LAYOUTS.items():
         export = {"export_hf": workdir / "hf_pp2xep2"} if name == "pp2xep2" else {}
         jobs[math.prod(layout.values())][name] = ("train", args(name, **layout, **export))
-        jobs[math.prod(layout.values())]["docs " + name] = ("train", chat_args("docs_" + name, **layout))
+        if documents:
+            jobs[math.prod(layout.values())]["docs " + name] = ("train", chat_args("docs_" + name, **layout))
     num_experts = recipe.model.ModelConfig.from_hf(config).num_experts
     placements = {name: table(num_experts) for name, table in PLACED.items()}
     for name, table in placements.items():
@@ -524,15 +529,16 @@ def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
         bias = worst_error([bias, (worst["expert bias"][0], f"{name} {worst['expert bias'][1]}")])
     if "expert_bias" in recipe.model.Model.features:
         results.append(Result("expert bias in every layout = 1 process", bias[0], 0.0, bias[1]))
-    results.append(Result("documents: the document mask changes the 1-process losses", rel_err(
-        torch.tensor(single_docs[0]), torch.tensor(unmasked[0])), LAYOUT_TOLERANCE, above=True))
-    for name, layout in LAYOUTS.items():  # conversations: document masks, loss masks, whole-document packing
+    if documents:
+        results.append(Result("documents: the document mask changes the 1-process losses", rel_err(
+            torch.tensor(single_docs[0]), torch.tensor(unmasked[0])), LAYOUT_TOLERANCE, above=True))
+    for name, layout in LAYOUTS.items() if documents else ():  # conversations: document masks, loss masks, whole-document packing
         # (the fixed bound: the conversation rows have no float64 run of their own; measured <= 3e-6)
         worst = layout_errors(single_docs, runs["docs " + name], ep=layout.get("ep", 1))
         error, where, bound = worst_bounded((e, f"{what} {w}", b) for what, (e, w, b) in worst.items())
         results.append(Result(f"documents + loss masks {name} = 1 process: losses, grad norms, weights, expert bias",
                               error, bound, where))
-    if recompute:
+    if recompute and documents:
         results.append(same_runs_result("documents pp2 --recompute layer = pp2", runs["docs pp2"],
                                         runs["docs pp2 recompute"]))
     for name in ("grads cp2", "grads cp2xep2"):
@@ -600,13 +606,18 @@ def assert_partial_model_reads_only_its_tensors(recipe, path, num_tensors: int) 
         assert torch.equal(value, ref), key
 
 
-def assert_aux_loss_matches(ref, model, ids, grad_pairs) -> None:
-    """transformers' aux_loss (output_router_logits) equals forward_train's, and the gradients of each
-    (ours, transformers') parameter pair in grad_pairs() agree to 1e-5 relative."""
+def assert_aux_loss_matches(hf_class, recipe_model: ModuleType, path, vocab_size: int, grad_pairs) -> None:
+    """The HF folder `path` loaded by transformers' hf_class and by the recipe's model.py: transformers' aux_loss
+    (output_router_logits) equals forward_train's, and the gradients of each (ours, transformers') parameter pair
+    in grad_pairs(model, ref) agree to 1e-5 relative."""
+    ref = hf_class.from_pretrained(path, dtype=torch.float32)
+    model = recipe_model.Model(recipe_model.ModelConfig.from_hf(path))
+    recipe_model.load_hf_checkpoint(model, path)
+    ids = torch.randint(0, vocab_size, (2, 20))
     ref_aux = ref(input_ids=ids, output_router_logits=True).aux_loss
     aux = model.forward_train(ids, ids).aux_loss
     torch.testing.assert_close(aux, ref_aux, rtol=1e-6, atol=0)
     ref_aux.backward()
     aux.backward()
-    for ours, theirs in grad_pairs():
+    for ours, theirs in grad_pairs(model, ref):
         assert ((ours.grad - theirs.grad).norm() / theirs.grad.norm()).item() <= 1e-5

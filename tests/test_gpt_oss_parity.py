@@ -58,10 +58,7 @@ def test_logits_grads_and_export_match_transformers(tmp_path, monkeypatch, name)
 
 def test_aux_loss_and_its_gradient_match_transformers(tmp_path):
     path = save_tiny(tmp_path, num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"])
-    ref = GptOssForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model = Model(ModelConfig.from_hf(path))
-    load_hf_checkpoint(model, path)
-    assert_aux_loss_matches(ref, model, torch.randint(0, BASE["vocab_size"], (2, 20)), lambda: [
+    assert_aux_loss_matches(GptOssForCausalLM, gpt_oss, path, BASE["vocab_size"], lambda model, ref: [
         (getattr(model.layers[str(i)].mlp.router, name), getattr(ref.model.layers[i].mlp.router, name))
         for i in range(3) for name in ("weight", "bias")])
 

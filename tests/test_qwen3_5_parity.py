@@ -80,10 +80,7 @@ def test_logits_grads_and_export_match_transformers(tmp_path, name):
 
 def test_aux_loss_and_its_gradient_match_transformers(tmp_path):
     path = save_tiny(tmp_path)
-    ref = Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model = Model(ModelConfig.from_hf(path))
-    load_hf_checkpoint(model, path)
-    assert_aux_loss_matches(ref, model, torch.randint(0, BASE["vocab_size"], (2, 20)), lambda: [
+    assert_aux_loss_matches(Qwen3_5MoeForCausalLM, qwen35, path, BASE["vocab_size"], lambda model, ref: [
         (model.layers[str(i)].mlp.gate.weight, ref.model.layers[i].mlp.gate.weight) for i in range(3)])
 
 

@@ -481,8 +481,13 @@ def check_run(args: Args, world: int):
     eval_dir, eval_every = eval_settings(args)
     for what, path in (("dataset", args.data), ("validation data", eval_dir if eval_every > 0 or args.eval_only else "")):
         if path:
-            meta = TokenLoader(path, args.seq_len, args.global_batch, 0, data_world, args.seed).meta
-            vocab = meta["vocab_size"]
+            data_loader = TokenLoader(path, args.seq_len, args.global_batch, 0, data_world, args.seed)
+            meta, vocab = data_loader.meta, data_loader.meta["vocab_size"]
+            if what == "dataset":  # on by default for a dataset of whole documents (conversations)
+                check_features(Model.features, {"document_mask": (
+                    "--document-mask" if args.document_mask else "a dataset of whole documents (--document-mask is "
+                    "its default: pass --no-document-mask)", data_loader.documents if args.document_mask is None
+                    else args.document_mask)}, f"recipes/{Path(__file__).parent.name}/model.py")
             if args.sample_chat and what == "dataset" and meta["tokenizer"]["kind"] != "hf":
                 raise ValueError(f"--sample-chat needs a Hugging Face tokenizer with a chat template, but {path} was "
                                  f"made with a {meta['tokenizer']['kind']} tokenizer; prepare it with --hf-tokenizer")

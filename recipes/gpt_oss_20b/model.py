@@ -390,8 +390,8 @@ class Model(nn.Module):
     # optional training features this model has; train.py's check_run refuses a flag asking for another (one
     # error: line before any rank starts) and tests/recipe_checks.py skips its checks: expert_bias
     # (--expert-bias-rate, after_step), aux_loss (--aux-loss-coef), recompute (--recompute), fp8 (--fp8), muon
-    # (--optimizer muon: muon_matrices)
-    features = frozenset({"expert_bias", "aux_loss", "recompute", "fp8", "muon"})
+    # (--optimizer muon: muon_matrices), document_mask (--document-mask)
+    features = frozenset({"expert_bias", "aux_loss", "recompute", "fp8", "muon", "document_mask"})
 
     def __init__(self, cfg: ModelConfig, layers=None, expert_ids: list[int] | None = None, embed: bool = True,
                  head: bool = True, ep_group=None, cp_group=None, recompute: str = "none",

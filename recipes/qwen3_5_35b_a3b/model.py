@@ -14,6 +14,15 @@ A Model may be partial: `layers` picks which decoder layers it holds (parameter 
 layer index, `layers.7.…`), `expert_ids` which routed experts (global ids; with `ep_group` given, this rank's
 experts of the `placement`, core/placement.py, and tokens reach them through core/moe.py's all-to-all), `embed`/`head` whether it
 holds the embedding and the final norm + LM head. Checkpoint I/O then touches only those tensors.
+
+Seams (skills/add-new-architecture/SKILL.md's table, in this file's order): a config field `ModelConfig`,
+`load_config`; attention `Attention.forward` (through core.context.attention), the linear attention
+`GatedDeltaNet.forward` (through core.linear_attention) and their masks `Model.set_positions`; the router `Router`,
+`MoE.route`; expert kinds `ModelConfig.num_choices` (the router's choices) vs `num_experts` (the dispatched ones),
+`DecoderLayer.finish`; state crossing pipeline stages: the `state` list of `DecoderLayer`,
+`PipelineStage.p2p_specs`; the running micro-batch `DecoderLayer.current_rope` (core.pipeline.running); optional
+flags `Model.features`; statistics `Model.take_stats`; after each step `Model.after_step`; the shared checks'
+config `check_setup` (end of file).
 """
 
 import json
@@ -27,14 +36,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from core.context import cp_attention, cp_attention_mask, cp_positions
+from core.context import attention, cp_attention_mask, cp_positions
 from core.fp8 import convert_linears, fp8_grouped_mm
-from core.hf_io import CheckpointReader, read_hf_config, write_hf_folder
+from core.hf_io import CheckpointReader, read_hf_config, variant_config, write_hf_folder
 from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.gated_delta import chunk_gated_delta_flops_per_token
 from core.kernels.swiglu import swiglu
 from core.linear_attention import causal_conv1d, gated_delta_rule
 from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias
+from core.pipeline import running
 from core.placement import Placement
 from core.precision import compute_dtype, upcast
 from core.training import check_args
@@ -78,9 +88,10 @@ class ModelConfig:
         hf = read_hf_config(path)
         if hf.get("model_type") == "qwen3_5_moe" and isinstance(hf.get("text_config"), dict):
             hf = {"model_type": "qwen3_5_moe_text", **hf["text_config"]}
-        if hf.get("model_type") != "qwen3_5_moe_text":
+        if hf.get("model_type") not in ("qwen3_5_moe_text", Path(__file__).parent.name):  # (the second: a variant's)
             raise ValueError(f"{path}: model_type is {hf.get('model_type')!r}, this recipe reads 'qwen3_5_moe_text' "
-                             f"configs (or 'qwen3_5_moe' with a text_config)")
+                             f"configs (or 'qwen3_5_moe' with a text_config)"
+                             + (f" ({hf['how_to_load']})" if "how_to_load" in hf else ""))
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported (Qwen3.5-MoE uses silu)")
         if hf.get("tie_word_embeddings"):
@@ -114,6 +125,15 @@ class ModelConfig:
     def is_linear(self, i: int) -> bool:
         return self.layer_types[i] == "linear_attention"
 
+    @property
+    def num_choices(self) -> int:
+        """The router's choice space: the ids it scores and picks, 0..num_choices-1 (its weight rows, expert
+        bias, load and aux statistics). num_experts (config.json's field) counts the routed experts core
+        dispatches, ids 0..num_experts-1, held by the ep ranks. They are the same here; a router that also picks
+        choices computed on the token's own rank (zero-computation experts, ids num_experts..num_choices-1)
+        returns more, and hands those slots to core as -1 (core/moe.py: router contract)."""
+        return self.num_experts
+
 
 def load_config(path) -> ModelConfig:
     """The model config, with the mistakes a hand-edited config.json can hold reported in one line (train.py)."""
@@ -124,7 +144,7 @@ def load_config(path) -> ModelConfig:
                          f"{tiny_config_path()}") from None
     check_args({
         f"{path}: num_experts_per_tok ({cfg.num_experts_per_tok}) must be in 1..num_experts ({cfg.num_experts})":
-            1 <= cfg.num_experts_per_tok <= cfg.num_experts,
+            1 <= cfg.num_experts_per_tok <= cfg.num_choices,
         f"{path}: num_attention_heads ({cfg.num_attention_heads}) must be a multiple of num_key_value_heads "
         f"({cfg.num_key_value_heads})": cfg.num_key_value_heads >= 1 and cfg.num_attention_heads % cfg.num_key_value_heads == 0,
         f"{path}: linear_num_value_heads ({cfg.linear_num_value_heads}) must be a multiple of linear_num_key_heads "
@@ -206,7 +226,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
 
     def forward(self, x_BSH, cos, sin, mask_BSK=None):
-        """mask_BSK None: plain causal over these S tokens (SDPA's causal fast path). Otherwise x holds this rank's
+        """mask_BSK None: plain causal over these S tokens (SDPA's causal kernel). Otherwise x holds this rank's
         split_for_cp part of each sequence: K and V of the whole sequence (K = S * cp) are gathered over the cp
         group and this rank's queries attend to them under mask_BSK (a core.context.CPMask: flex_attention on CUDA)."""
         B, S, _ = x_BSH.shape
@@ -215,10 +235,7 @@ class Attention(nn.Module):
         k_BGSD = self.k_norm(self.k_proj(x_BSH).view(B, S, self.G, self.D)).transpose(1, 2)
         v_BGSD = self.v_proj(x_BSH).view(B, S, self.G, self.D).transpose(1, 2)
         q_BNSD, k_BGSD = apply_rope(q_BNSD, cos, sin), apply_rope(k_BGSD, cos, sin)
-        if mask_BSK is None:
-            o_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, is_causal=True, enable_gqa=self.N != self.G)
-        else:
-            o_BNSD = cp_attention(q_BNSD, k_BGSD, v_BGSD, mask_BSK, self.cp_group)
+        o_BNSD = attention(q_BNSD, k_BGSD, v_BGSD, mask_BSK, self.cp_group)  # which kernel: its docstring table
         o_BSX = o_BNSD.transpose(1, 2).reshape(B, S, self.N * self.D) * torch.sigmoid(gate_BSND.reshape(B, S, -1))
         return self.o_proj(o_BSX)
 
@@ -283,9 +300,9 @@ class MLP(nn.Module):
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.weight = nn.Parameter(torch.empty(cfg.num_choices, cfg.hidden_size))
         # aux-loss-free balancing (core.moe.update_expert_bias): shifts which experts are chosen, not their weights
-        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_choices))
         self.k = cfg.num_experts_per_tok
 
     def forward(self, x_TH):
@@ -323,6 +340,7 @@ class MoE(nn.Module):
         self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.num_experts, self.k, self.ep_group, self.cp_group = cfg.num_experts, cfg.num_experts_per_tok, ep_group, cp_group
+        self.num_choices = cfg.num_choices  # the router's ids; num_experts: the dispatched ones (ModelConfig.num_choices)
         self.load_E = None  # (token, slot) pairs routed per expert since Model.take_expert_load
 
     def shared(self, x_TH):
@@ -336,10 +354,10 @@ class MoE(nn.Module):
         load_E counts the routed slots that are kept (ids >= 0, core/moe.py's router contract). No host sync."""
         logits_TE, weights_Tk, ids_Tk = self.gate(x_TH)
         probs_TE = logits_TE.softmax(dim=-1)
-        counts_E = expert_counts(probs_TE.topk(self.k, dim=-1).indices, self.num_experts).float()
+        counts_E = expert_counts(probs_TE.topk(self.k, dim=-1).indices, self.num_choices).float()
         if self.cp_group is not None:
             dist.all_reduce(counts_E, group=self.cp_group)
-        load_E = expert_counts(ids_Tk, self.num_experts)
+        load_E = expert_counts(ids_Tk, self.num_choices)
         self.load_E = load_E if self.load_E is None else self.load_E + load_E
         return weights_Tk, ids_Tk, aux_2E + torch.stack([upcast(probs_TE).sum(0), counts_E])
 
@@ -362,8 +380,9 @@ class DecoderLayer(nn.Module):
     `attention` (norms, token mixer, router, shared expert), (3) `routed_experts`, (5) `finish` (residual add);
     the dispatch and combine all-to-alls (2) and (4) run between them in core/moe.py. The token mixer is a
     GatedDeltaNet (`linear_attn`) or a gated Attention (`self_attn`) by cfg.layer_types. `state` is [hidden x_BSH,
-    aux_2E]. `rope` holds (cos, sin, attention mask) of the current micro-batch shape, set by Model.set_positions
-    (linear layers ignore it).
+    aux_2E]. `rope` holds (cos, sin, attention mask, whether the micro-batch is cp-split, document ids) of each
+    micro-batch of the step, set by Model.set_positions (one entry: the same for every micro-batch);
+    `current_rope` picks the running one (linear layers read only the cp flag).
 
     recompute (RECOMPUTE): "attention" keeps only the input of each token-mixer block (input norm, projections,
     conv, norms, rope, attention or delta rule, output projection) and recomputes the rest in backward; "layer"
@@ -394,10 +413,16 @@ class DecoderLayer(nn.Module):
         h_BSH = h_BSH + _run(self.mlp.shared, x_TH, recompute=layer).view_as(h_BSH)
         return [h_BSH, aux_2E], x_TH, ids_Tk, weights_Tk
 
+    def current_rope(self):
+        """(cos, sin, mask, cp_split, doc_ids) of the micro-batch computing now (core.pipeline.running: under the
+        pipeline's overlap and in a recompute inside a backward too)."""
+        return self.rope[0] if len(self.rope) == 1 else self.rope[running.micro_batch]
+
     def _attention_block(self, x_BSH):
+        cos, sin, mask_BSK, cp_split, _ = self.current_rope()
         if self.linear:
-            return self.linear_attn(self.input_layernorm(x_BSH), cp_split=self.rope[2] is not None)
-        return self.self_attn(self.input_layernorm(x_BSH), *self.rope)
+            return self.linear_attn(self.input_layernorm(x_BSH), cp_split=cp_split)
+        return self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask_BSK)
 
     def _attention_and_norm(self, x_BSH):
         h_BSH = x_BSH + _run(self._attention_block, x_BSH, recompute=self.recompute == "attention")
@@ -429,6 +454,12 @@ class TrainOutput:
 
 
 class Model(nn.Module):
+    # optional training features this model has; train.py's check_run refuses a flag asking for another (one
+    # error: line before any rank starts) and tests/recipe_checks.py skips its checks: expert_bias
+    # (--expert-bias-rate, after_step), aux_loss (--aux-loss-coef), recompute (--recompute), fp8 (--fp8), muon
+    # (--optimizer muon: muon_matrices), document_mask (--document-mask: not yet, see set_positions)
+    features = frozenset({"expert_bias", "aux_loss", "recompute", "fp8", "muon"})
+
     def __init__(self, cfg: ModelConfig, layers=None, expert_ids: list[int] | None = None, embed: bool = True,
                  head: bool = True, ep_group=None, cp_group=None, recompute: str = "none",
                  placement: Placement | None = None):
@@ -484,23 +515,33 @@ class Model(nn.Module):
                     gen = torch.Generator(p.device).manual_seed(self.base_seed ^ zlib.crc32(key.encode()))
                     block.normal_(0.0, self.cfg.initializer_range, generator=gen)
 
-    def set_positions(self, position_ids_BS, cp_split: bool = True) -> None:
-        """Rope at these global positions, and the attention mask, for every layer, for micro-batches of this shape.
+    def set_positions(self, position_ids_BS, cp_split: bool = True, doc_ids_BK=None) -> None:
+        """Rope at these positions, and the attention mask, for every layer: one micro-batch's tensors for every
+        micro-batch, or lists of them, one per micro-batch of the step, of which each layer takes the running
+        one (DecoderLayer.current_rope).
 
         With a cp group and cp_split, a micro-batch holds this rank's split_for_cp part of each sequence (S =
         seq_len / cp): keys and values are gathered over the cp group and masked causally by global position
-        (CPMask, S x S * cp). No document mask for packed sequences: Qwen3.5 in transformers attends across documents,
-        and its delta rule carries its state across them.
+        (CPMask, S x S * cp). doc_ids_BK (train.py --document-mask): the document of each token of the WHOLE
+        sequences [B, S * cp]; not supported yet (Model.features): the delta rule would carry its state across
+        documents, so a document mask on the attention layers alone would not make documents independent.
         cp_split=False: whole sequences, computed by every cp rank alone (generation, evaluation)."""
-        B, S = position_ids_BS.shape
+        many = isinstance(position_ids_BS, list)
+        pairs = zip(position_ids_BS, doc_ids_BK or [None] * len(position_ids_BS)) if many else [(position_ids_BS, doc_ids_BK)]
         cp, cp_rank = (1, 0) if self.cp_group is None or not cp_split else \
             (dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group))
-        mask_BSK = None if cp == 1 else cp_attention_mask(S * cp, cp_rank, cp, device=position_ids_BS.device)
-        dtype = next(self.parameters()).dtype
+        dtype, ropes = next(self.parameters()).dtype, []
         rotary_dim = int(self.cfg.head_dim * self.cfg.partial_rotary_factor)
-        cos, sin = rope_cos_sin(position_ids_BS, rotary_dim, self.cfg.rope_theta, dtype)
+        for positions_BS, docs_BK in pairs:
+            if docs_BK is not None and "document_mask" not in self.features:
+                raise ValueError("document masks are not supported by the Qwen3.5 recipe yet (its Gated DeltaNet state "
+                                 "would cross documents); train with --no-document-mask")
+            S = positions_BS.shape[1]
+            mask_BSK = None if cp == 1 and docs_BK is None else \
+                cp_attention_mask(S * cp, cp_rank, cp, doc_ids_BK=docs_BK, device=positions_BS.device)
+            ropes.append((*rope_cos_sin(positions_BS, rotary_dim, self.cfg.rope_theta, dtype), mask_BSK, cp > 1, docs_BK))
         for layer in self.layers.values():
-            layer.rope = (cos, sin, mask_BSK)
+            layer.rope = ropes
 
     def default_positions(self, B: int, S: int, device, cp_split: bool = True):
         """Positions 0..S-1, or with cp this rank's global positions of sequences of S * cp tokens."""
@@ -509,13 +550,13 @@ class Model(nn.Module):
         cp, cp_rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
         return cp_positions(S * cp, cp_rank, cp, device).expand(B, S)
 
-    def trunk(self, input_ids_BS, position_ids_BS=None, cp_split: bool = True):
+    def trunk(self, input_ids_BS, position_ids_BS=None, cp_split: bool = True, doc_ids_BK=None):
         """Embedding + decoder layers + final norm: the hidden state [B, S, H] and the aux statistics [2, E]."""
         B, S = input_ids_BS.shape
         if position_ids_BS is None:
             position_ids_BS = self.default_positions(B, S, input_ids_BS.device, cp_split)
-        self.set_positions(position_ids_BS, cp_split)
-        state = [self.embed(input_ids_BS), torch.zeros(2, self.cfg.num_experts, device=input_ids_BS.device)]
+        self.set_positions(position_ids_BS, cp_split, doc_ids_BK)
+        state = [self.embed(input_ids_BS), torch.zeros(2, self.cfg.num_choices, device=input_ids_BS.device)]
         for layer in self.layers.values():
             state = layer(state)
         return self.norm(state[0]), state[1]
@@ -532,8 +573,9 @@ class Model(nn.Module):
         """Logits [B, S, V] of the whole model, for whole sequences (each cp rank computes them all)."""
         return self.lm_head(self.trunk(input_ids_BS, position_ids_BS, cp_split=False)[0])
 
-    def forward_train(self, input_ids_BS, labels_BS, position_ids_BS=None) -> TrainOutput:
-        h_BSH, aux_2E = self.trunk(input_ids_BS, position_ids_BS)
+    def forward_train(self, input_ids_BS, labels_BS, position_ids_BS=None, doc_ids_BK=None) -> TrainOutput:
+        """doc_ids_BK: see set_positions (the whole sequences' documents under cp)."""
+        h_BSH, aux_2E = self.trunk(input_ids_BS, position_ids_BS, doc_ids_BK=doc_ids_BK)
         return TrainOutput(self.cross_entropy_sum(h_BSH, labels_BS), self.aux_loss(aux_2E, labels_BS.numel()))
 
     def cross_entropy_sum(self, h_BSH, labels_BS):
@@ -556,15 +598,26 @@ class Model(nn.Module):
         if layers == 0:
             return aux_2E.new_zeros(())
         cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
-        return cfg.num_experts * (aux_2E[0] * aux_2E[1]).sum() / (layers * tokens * cp) ** 2
+        return cfg.num_choices * (aux_2E[0] * aux_2E[1]).sum() / (layers * tokens * cp) ** 2
 
     def take_stats(self) -> dict[str, tuple[torch.Tensor, str]]:
         """This rank's statistics since the last call, for the log line, TensorBoard and metrics.jsonl: name ->
-        (tensor, "sum" | "max": how core/metrics.py:reduce_stats combines the ranks, which hold other tokens (dp,
-        cp, ep) or other layers (pp)). Every rank returns the same names and shapes (rows of layers held by other
-        pipeline stages are 0, or -inf for "max"). expert_load [MoE layers, E] is required (the expert bias and
-        the load heatmap use it); a new router adds its own entries. Scalars and 1-D tensors are logged."""
+        (tensor, "sum" | "max" | "gather": how core/metrics.py:reduce_stats combines the ranks, which hold other
+        tokens (dp, cp, ep) or other layers (pp)). Every rank returns the same names and shapes (rows of layers held
+        by other pipeline stages are 0, or -inf for "max"). expert_load [MoE layers, num_choices] is required (the
+        expert bias and the load heatmap use it); a new router adds its own entries. Scalars and 1-D tensors are
+        logged. "gather" concatenates the ranks' rows instead (per-token records for an after_step file; not
+        logged). Optional expert_live [MoE layers, num_choices] ("max"; 1 where the router can choose the expert
+        now): the load max/mean and the collapse warning then count only those; absent: every choice is live."""
         return {"expert_load": (self.take_expert_load(), "sum")}
+
+    def after_step(self, done) -> None:
+        """The post-step seam: train.py calls it on every rank after each optimizer step (a skipped step too) with a
+        core.training.StepDone: step, stats (take_stats reduced over all ranks), optimizer (reinit_ for re-initialised
+        rows), out (the run's folder), args, skipped, mesh. What every rank does here must be the same (the stats
+        are), so replicas stay identical. Here: the aux-loss-free expert-bias update (--expert-bias-rate)."""
+        if done.args.expert_bias_rate > 0 and not done.skipped:
+            self.update_expert_bias(done.stats["expert_load"], done.args.expert_bias_rate)
 
     @torch.no_grad()
     def update_expert_bias(self, load_LE: torch.Tensor, rate: float) -> None:
@@ -580,7 +633,7 @@ class Model(nn.Module):
         model, E] with zero rows for layers held by other pipeline stages."""
         moe_ids = [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
         device = next(self.parameters()).device
-        load_LE = torch.zeros(len(moe_ids), self.cfg.num_experts, device=device)
+        load_LE = torch.zeros(len(moe_ids), self.cfg.num_choices, device=device)
         for row, i in enumerate(moe_ids):
             mlp = self.layers[str(i)].mlp if str(i) in self.layers else None
             if mlp is not None and mlp.load_E is not None:
@@ -621,13 +674,13 @@ class PipelineStage:
         """(shape, dtype) of each tensor of `state` that crosses pp ranks: the hidden state [micro_batch, seq_len
         (this rank's part under cp), H] in the compute dtype (bf16 on the bf16 path, Model.embed) and the aux
         statistics [2, E] in fp32."""
-        return [((micro_batch, seq_len, cfg.hidden_size), hidden_dtype), ((2, cfg.num_experts), torch.float32)]
+        return [((micro_batch, seq_len, cfg.hidden_size), hidden_dtype), ((2, cfg.num_choices), torch.float32)]
 
     def pre(self, inputs, mb):
         if not self.first:
             return inputs
         ids_BS = self.input_ids[mb]
-        return [self.model.embed(ids_BS), torch.zeros(2, self.model.cfg.num_experts, device=ids_BS.device)]
+        return [self.model.embed(ids_BS), torch.zeros(2, self.model.cfg.num_choices, device=ids_BS.device)]
 
     def post(self, state, mb):
         if not self.last:
@@ -651,7 +704,7 @@ def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str
     A, W, K, U = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     gated_attn = H * (2 * N + 2 * G) * D + N * D * H
     delta_net = H * (2 * A * K + 2 * W * U + 2 * W) + (2 * A * K + W * U) * cfg.linear_conv_kernel_dim + W * U * H
-    moe_dense = H * cfg.num_experts + 3 * H * cfg.shared_expert_intermediate_size + H
+    moe_dense = H * cfg.num_choices + 3 * H * cfg.shared_expert_intermediate_size + H
     out = []
     for i in range(cfg.num_hidden_layers):
         linear = cfg.is_linear(i)
@@ -680,7 +733,7 @@ def cp_gather_width(cfg: ModelConfig) -> float:
 # ------------------------------------------------------------------ speed switches (train.py --compile, --fp8)
 
 
-def compile_dense_parts(model: Model) -> None:
+def compile_dense_parts(model: Model, document_mask: bool = False) -> None:
     """torch.compile(fullgraph=True) the dense parts of every decoder layer, in place (parameter names unchanged):
     the norms, the attention block (projections, q/k norms, rope, SDPA) or the Gated DeltaNet block, the router and
     the shared expert. Modules, not
@@ -693,7 +746,7 @@ def compile_dense_parts(model: Model) -> None:
         for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.gate, layer.mlp.shared_expert):
             module.compile(fullgraph=True)
         mixer = layer.linear_attn if layer.linear else layer.self_attn
-        if mixer.cp_group is None:
+        if mixer.cp_group is None and (layer.linear or not document_mask):  # else a CPMask (flex on CUDA)
             mixer.compile(fullgraph=True)  # fla's kernels are custom ops: one graph (core/kernels/gated_delta.py)
 
 
@@ -773,6 +826,8 @@ def save_hf_checkpoint(model: Model, path, dtype: torch.dtype | None = None, den
     config = model.cfg.to_hf()
     if dtype is not None:
         config["dtype"] = str(dtype).removeprefix("torch.")
+    if TRANSFORMERS_CLASS is None:  # a variant: its export must not pass for the base model (names the variant)
+        config = variant_config(config, Path(__file__).parent.name)
     write_hf_folder(path, tensors, config)
 
 

@@ -6,11 +6,16 @@ loop (log, checkpoint) -> export.
 
 This file is the same in every shipped recipe (tests/test_layers.py compares them); what differs between
 architectures lives in model.py: the config and its checks (`load_config`), the layers, the pipeline hand-off
-(`PipelineStage.p2p_specs`), the balance loss (`Model.aux_loss`), the step statistics (`Model.take_stats`).
+(`PipelineStage.p2p_specs`), the balance loss (`Model.aux_loss`), the step statistics (`Model.take_stats`), the
+optional features it supports (`Model.features`: a flag for another is refused) and what it does after each
+step (`Model.after_step`: the expert bias, a router's own changes, per-step files).
 
 The loss of a step is the cross-entropy summed over every non-ignored label of the global batch, divided by
 their number (counted across all ranks before the forward), plus aux_loss_coef x the mean per-micro-batch
-balance loss of the model. Each micro-batch's backward adds its share, and gradients are *summed* over the ranks
+balance loss of the model. With loss masks (datasets of conversations, tools/prepare_data.py --chat) the labels
+of untrained tokens (prompts, padding) are ignored, so the loss is the mean over the trained tokens of the global
+batch, whatever the layout; the balance loss still counts every token, trained or not, since every token is
+routed and loads the experts. Each micro-batch's backward adds its share, and gradients are *summed* over the ranks
 replicating a parameter (dense: dp x cp x ep, routed experts: dp x cp, since each ep rank holds other experts
 and already received its ep group's tokens for them), so any layout equals one process running the same global
 batch and micro-batch split. The cp ranks of a group read the same sequences and each keeps its 2 of their
@@ -31,14 +36,14 @@ import torch.distributed as dist
 from core import fp8
 from core.checkpoint import complete_checkpoints, load_checkpoint, resume_candidates, save_checkpoint
 from core.context import cp_positions, split_for_cp
-from core.data import TokenLoader, load_tokenizer
+from core.data import TokenLoader, load_tokenizer, positions_in_documents
 from core.memory import check_train_args
 from core.mesh import build_mesh, destroy_mesh, resolve_layout
-from core.metrics import MetricsLogger, peak_flops, peak_memory_gib, reduce_stats, timed
+from core.metrics import MetricsLogger, load_max_over_mean, peak_flops, peak_memory_gib, reduce_stats, timed
 from core.moe import traffic
 from core.muon import MuonAdamW
 from core.optimizer import ReplicaSet, ShardedAdamW
-from core.pipeline import DualPipeV, split_layers
+from core.pipeline import DualPipeV, running, split_layers
 from core.placement import Placement
 from core.profiling import StepProfiler, parse_steps
 from core.reliability import (
@@ -51,7 +56,7 @@ from core.reliability import (
     run_main,
     step_is_finite,
 )
-from core.training import check_args, lr_factor, parse_args
+from core.training import StepDone, check_args, check_features, lr_factor, parse_args
 
 from .model import (
     Model,
@@ -87,6 +92,8 @@ class Args:
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     compile: bool | None = None  # torch.compile the dense parts of each layer; default on for CUDA, off for CPU
     # (there, compiling the C++ kernels takes longer than a whole tiny run and gains nothing at its sizes)
+    document_mask: bool | None = None  # attention only within each document, positions restarting at each; default on
+    # for datasets of whole documents (tools/prepare_data.py --chat), off for raw text (then documents end at eos)
     recompute: Literal["none", "attention", "layer"] = "none"  # activations recomputed in backward instead of kept (model.py)
     fp8: bool = False  # FP8 GEMMs (Hopper) for attention, dense MLP and expert weights; on CPU the same numerics
     steps: int = 300
@@ -122,6 +129,7 @@ class Args:
     export_hf: str = ""  # write the trained model here as a Hugging Face folder
     sample_tokens: int = 0  # print a sample of this many tokens at the end
     sample_prompt: str = "def "
+    sample_chat: str = ""  # also sample the assistant's answer to this question through the tokenizer's chat template
     profile_steps: str = ""  # "A-B": torch.profiler over steps A..B -> <out>/profile/rank<N>.json (core/profiling.py)
     dry_run: bool = False  # check flags, config, layout (against WORLD_SIZE), data and resume, then exit (launch.sh does)
 
@@ -154,6 +162,7 @@ def main(argv=None):
     eval_loader = None
     if eval_dir and (eval_every > 0 or args.eval_only):
         eval_loader = TokenLoader(eval_dir, args.seq_len, args.global_batch, mesh.data_rank, mesh.data_world, args.seed)
+    document_mask = loader.documents if args.document_mask is None else args.document_mask
 
     # ---- model: this rank's routed experts (--expert-placement), everything else whole (HF weights or random init)
     # with --pp, this rank's two stages of the V: stage r (holding the embedding on rank 0) and stage 2pp-1-r
@@ -175,7 +184,7 @@ def main(argv=None):
     if args.fp8:
         enable_fp8(model)
     if args.compile if args.compile is not None else device.type == "cuda":
-        compile_dense_parts(model)
+        compile_dense_parts(model, document_mask)
     pipeline = None
     if args.pp > 1:
         step_ranks = mesh.world // args.pp  # global rank distance between pipeline neighbours
@@ -240,9 +249,10 @@ def main(argv=None):
     # global positions of this rank's tokens for rope [micro_batch, seq_len / cp] (None: 0..seq_len-1)
     positions_BS = cp_positions(args.seq_len, mesh.coord("cp"), mesh.cp, device).expand(args.micro_batch, -1) \
         if mesh.cp > 1 else torch.arange(args.seq_len, device=device).expand(args.micro_batch, -1)
+    batch_inputs = dict(args=args, mesh=mesh, positions_BS=positions_BS, document_mask=document_mask)
     model.train()
     if args.eval_only:
-        val = evaluate(model, pipeline, eval_loader, args, mesh, positions_BS, use_bf16)
+        val = evaluate(model, pipeline, eval_loader, batch_inputs, use_bf16)
         if mesh.is_main:
             print(f"{resume_from or args.hf_checkpoint} on {eval_dir}: val loss {val['val_loss']:.4f} | "
                   f"val ppl {val['val_ppl']:.2f} | {val['val_tokens']:,} tokens | load max/mean per layer "
@@ -251,16 +261,15 @@ def main(argv=None):
         return [val], model
     watchdog = Watchdog(args.step_timeout, mesh.rank, mesh.world)
     profiler = StepProfiler(args.profile_steps, args.steps, args.out, mesh.rank, device)
-    bad_in_a_row, skipped, timeline, window_LE = 0, 0, [], 0  # window_LE: expert load since the last collapse check
+    # window_LE: expert load since the last collapse check, window_live_LE: experts live in all of it (None: all)
+    bad_in_a_row, skipped, timeline, window_LE, window_live_LE = 0, 0, [], 0, None
     for step in range(start_step + 1, args.steps + 1):
         start = time.perf_counter()
         watchdog.arm(step, "data")
         inject_fault("hang", step)  # MOE_TRAIN_FAULT (tests only; core/reliability.py)
         profiler.begin(step)
-        input_ids, labels = (t.to(device) for t in loader.next_batch())
-        if mesh.cp > 1:  # this rank's chunks r and 2cp-1-r of every sequence: [local_batch, seq_len / cp]
-            input_ids, labels = (split_for_cp(t, mesh.coord("cp"), mesh.cp) for t in (input_ids, labels))
-        num_labels = (labels != -100).sum().float()
+        input_ids, labels, positions, docs = rank_batch(loader, **batch_inputs)
+        num_labels = (labels != -100).sum().float()  # the trained tokens
         if data_group is not None:
             dist.all_reduce(num_labels, group=data_group)
         num_labels = num_labels.clamp(min=1)
@@ -273,13 +282,16 @@ def main(argv=None):
         if pipeline is None:  # micro-batches one after the other, in one autocast region (as the pipeline runs:
             # autocast casts each nn.Linear weight once per region, and backwards compute alike in both)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                for mb in range(n_micro):
+                for mb in range(n_micro):  # `running` tells the layers which micro-batch (core/pipeline.py)
                     rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
-                    out = model.forward_train(input_ids[rows], labels[rows], positions_BS)
+                    running.set(mb)
+                    out = model.forward_train(input_ids[rows], labels[rows], positions[mb], docs[mb])
+                    running.set(mb, backward=True)
                     micro_batch_loss(out.loss_sum, out.aux_loss).backward()
                     stats += torch.stack([out.loss_sum.detach(), out.aux_loss.detach()])
-        else:  # DualPipeV over the pp ranks (core/pipeline.py)
-            model.set_positions(positions_BS)
+                running.set(None)
+        else:  # DualPipeV over the pp ranks (core/pipeline.py); each layer picks its micro-batch's positions and mask
+            model.set_positions(positions, doc_ids_BK=docs) if document_mask else model.set_positions(positions_BS)
             for stage in pipeline.stages:
                 stage.input_ids, stage.labels = input_ids.split(args.micro_batch), labels.split(args.micro_batch)
                 stage.loss_fn, stage.stats = micro_batch_loss, stats
@@ -309,36 +321,46 @@ def main(argv=None):
         # statistics of the global batch: every rank holds other tokens (dp, cp, ep) or other layers (pp); the
         # model's own (Model.take_stats: the expert load and whatever its router counts) and the all-to-all rows
         watchdog.set_phase("statistics all-reduce")
-        model_stats = reduce_stats({**model.take_stats(), "a2a_rows": (torch.zeros(2, device=device) + traffic.take(), "sum")},
+        own_stats = model.take_stats()
+        model_stats = reduce_stats({**own_stats, "a2a_rows": (torch.zeros(2, device=device) + traffic.take(), "sum")},
                                    dist.group.WORLD if mesh.world > 1 else None)
-        load_LE, a2a_rows = model_stats.pop("expert_load"), model_stats.pop("a2a_rows")
-        if args.expert_bias_rate > 0 and not bad_ranks:  # global load, so the bias stays identical on every rank
-            model.update_expert_bias(load_LE, args.expert_bias_rate)
+        a2a_rows = model_stats.pop("a2a_rows")
+
+        # ---- post-step seam: the model sees the step's global statistics and the optimizer (Model.after_step;
+        # by default the expert-bias update), on every rank alike
+        watchdog.set_phase("Model.after_step")
+        model.after_step(StepDone(step, model_stats, optimizer, Path(args.out), args, bool(bad_ranks), mesh))
+        load_LE, live_LE = model_stats["expert_load"], model_stats.get("expert_live")
+        logged = {n: v for n, v in model_stats.items() if n not in ("expert_load", "expert_live")
+                  and own_stats[n][1] != "gather"}  # gathered records are the model's to write (after_step)
         if device.type == "cuda":
             torch.cuda.synchronize()
         profiler.end(step)  # (writes the traces after the window's last step)
-        load_per_layer = (load_LE.max(-1).values / load_LE.mean(-1)).tolist() if load_LE.numel() else []
+        load_per_layer = load_max_over_mean(load_LE, live_LE)  # over the experts the router could choose
         scalars = {"loss": (stats[0] / num_labels).item(), "aux_loss": (stats[1] / (n_micro * mesh.data_world)).item(),
                    "lr": lr, "grad_norm": grad_norm.item(), "peak_mem_gib": peak_memory_gib(device),
                    "skipped_steps": skipped, "opt_time": opt_time}
         if a2a_rows[1] > 0:  # rows sent to other ranks, deduplicated vs one per (token, expert)
             scalars["a2a_rows_vs_naive"] = (a2a_rows[0] / a2a_rows[1]).item()
         history.append(logger.log(step, time.perf_counter() - start, args.global_batch * args.seq_len, scalars,
-                                  {"expert_load_max_over_mean": load_per_layer, **model_stats}))
+                                  {"expert_load_max_over_mean": load_per_layer, "trained_tokens": int(num_labels),
+                                   **logged}))
         watchdog.step_done(history[-1]["step_time"])
         logger.log_load_heatmap(step, load_LE, args.load_heatmap_every)
         window_LE = window_LE + load_LE
+        if live_LE is not None:  # the experts live throughout the window
+            window_live_LE = live_LE.bool() & (True if window_live_LE is None else window_live_LE)
         if step % 25 == 0 or step == args.steps:  # over 25 steps: one batch's content would be noise
             moe_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
-            warning = collapse_warning(step, (window_LE.max(-1).values / window_LE.mean(-1)).tolist(), moe_ids)
+            warning = collapse_warning(step, window_LE, moe_ids, window_live_LE)
             if warning and mesh.is_main and step > args.warmup_steps:
                 print(warning, flush=True)
-            window_LE = 0
+            window_LE, window_live_LE = 0, None
 
         # ---- validation loss (every eval_every steps and after the last one)
         if eval_every > 0 and (step % eval_every == 0 or step == args.steps):
             watchdog.arm(step, "evaluation", slow=True)
-            history[-1].update(evaluate(model, pipeline, eval_loader, args, mesh, positions_BS, use_bf16))
+            history[-1].update(evaluate(model, pipeline, eval_loader, batch_inputs, use_bf16))
             if mesh.is_main:
                 print(f"step {step:>5}/{args.steps} | val loss {history[-1]['val_loss']:.4f} | val ppl "
                       f"{history[-1]['val_ppl']:.2f} | {history[-1]['val_tokens']:,} tokens | load max/mean per layer "
@@ -376,12 +398,16 @@ def main(argv=None):
                            experts=mesh.first_replica(experts=True))
         if mesh.is_main:
             print(f"exported Hugging Face folder {args.export_hf}", flush=True)
-    if args.sample_tokens > 0 and args.pp > 1 and mesh.is_main:
-        print("no sample: with --pp no rank holds the whole model (export it with --export-hf and sample that)")
-    elif args.sample_tokens > 0:
-        text = sample(model, loader.meta, args, device)
+    if args.sample_tokens > 0 and args.pp > 1:
         if mesh.is_main:
-            print(f"sample: {text!r}", flush=True)
+            print("no sample: with --pp no rank holds the whole model (export it with --export-hf and sample that)")
+    elif args.sample_tokens > 0 or args.sample_chat:
+        wanted = ([(args.sample_prompt, False)] if args.sample_tokens > 0 else []) + \
+            ([(args.sample_chat, True)] if args.sample_chat else [])  # (prompt, through the chat template)
+        for prompt, chat in wanted:
+            text = sample(model, loader.meta, args, device, prompt, chat)
+            if mesh.is_main:
+                print(f"sample{' (chat)' if chat else ''}: {text!r}", flush=True)
     if mesh.is_main and history:
         print(f"trained steps {history[0]['step']}-{history[-1]['step']} in {sum(h['step_time'] for h in history):.0f}s: "
               f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}", flush=True)
@@ -411,6 +437,8 @@ def check_arguments(args: Args) -> None:
         f"--step-timeout must be >= 0 (0: automatic), got {args.step_timeout}": args.step_timeout >= 0,
         f"--eval-batches must be >= 1, got {args.eval_batches}": args.eval_batches >= 1,
         f"--sample-tokens must be >= 0, got {args.sample_tokens}": args.sample_tokens >= 0,
+        "--sample-chat samples without the pipeline: use --pp 1 (or export with --export-hf and sample that)":
+            not (args.sample_chat and args.pp > 1),
         f"--export-hf {args.export_hf} is a file; name a folder": not os.path.isfile(args.export_hf),
     })
     try:
@@ -431,6 +459,12 @@ def check_run(args: Args, world: int):
         raise ValueError(f"--seq-len {args.seq_len} is not divisible by 2*cp = {2 * args.cp}: context parallelism "
                          f"cuts each sequence into 2*cp chunks; use a --seq-len that is a multiple of {2 * args.cp}")
     cfg = load_config(args.hf_checkpoint or args.config)
+    check_features(Model.features, {  # optional features: each model.py says which it has (Model.features)
+        "expert_bias": (f"--expert-bias-rate {args.expert_bias_rate}", args.expert_bias_rate > 0),
+        "aux_loss": (f"--aux-loss-coef {args.aux_loss_coef}", args.aux_loss_coef > 0),
+        "recompute": (f"--recompute {args.recompute}", args.recompute != "none"),
+        "fp8": ("--fp8", args.fp8), "muon": ("--optimizer muon", args.optimizer == "muon")},
+        f"recipes/{Path(__file__).parent.name}/model.py")
     if args.pp > 1:
         split_layers(cfg.num_hidden_layers, args.pp, flops_by_layer(cfg, args.seq_len))  # clear error if too few layers
     pp, dp, cp, ep = resolve_layout(world, args.pp, args.dp, args.cp, args.ep)
@@ -447,7 +481,16 @@ def check_run(args: Args, world: int):
     eval_dir, eval_every = eval_settings(args)
     for what, path in (("dataset", args.data), ("validation data", eval_dir if eval_every > 0 or args.eval_only else "")):
         if path:
-            vocab = TokenLoader(path, args.seq_len, args.global_batch, 0, data_world, args.seed).meta["vocab_size"]
+            data_loader = TokenLoader(path, args.seq_len, args.global_batch, 0, data_world, args.seed)
+            meta, vocab = data_loader.meta, data_loader.meta["vocab_size"]
+            if what == "dataset":  # on by default for a dataset of whole documents (conversations)
+                check_features(Model.features, {"document_mask": (
+                    "--document-mask" if args.document_mask else "a dataset of whole documents (--document-mask is "
+                    "its default: pass --no-document-mask)", data_loader.documents if args.document_mask is None
+                    else args.document_mask)}, f"recipes/{Path(__file__).parent.name}/model.py")
+            if args.sample_chat and what == "dataset" and meta["tokenizer"]["kind"] != "hf":
+                raise ValueError(f"--sample-chat needs a Hugging Face tokenizer with a chat template, but {path} was "
+                                 f"made with a {meta['tokenizer']['kind']} tokenizer; prepare it with --hf-tokenizer")
             if vocab > cfg.vocab_size:
                 raise ValueError(f"{what} {path} has vocab {vocab} but the model only {cfg.vocab_size}; tokenize with "
                                  f"the model's tokenizer or use a bigger config")
@@ -486,25 +529,44 @@ def report_bad_step(step, bad_ranks, bad_names, bad_in_a_row, args, mesh, ckpt_d
                       + " with a lower --lr or --grad-clip, or check the data around this step")
 
 
+def rank_batch(loader, args, mesh, positions_BS, document_mask: bool):
+    """This rank's part of the loader's next global batch: input ids and labels [local batch, seq_len / cp] (under
+    cp, chunks r and 2cp-1-r of every sequence), and per micro-batch the rope positions [micro_batch, seq_len / cp]
+    and the document ids of the whole sequences [micro_batch, seq_len] (the block-causal mask, which cp_attention_mask
+    splits itself) with document_mask; without, positions_BS (0..seq_len-1, or their cp part) and None."""
+    device, cp_rank = positions_BS.device, mesh.coord("cp")
+    n_micro = args.global_batch // mesh.data_world // args.micro_batch
+    input_ids, labels, *docs = (t.to(device) for t in loader.next_batch(documents=document_mask))
+    if mesh.cp > 1:  # this rank's chunks r and 2cp-1-r of every sequence: [local_batch, seq_len / cp]
+        input_ids, labels = (split_for_cp(t, cp_rank, mesh.cp) for t in (input_ids, labels))
+    if not document_mask:
+        return input_ids, labels, [positions_BS] * n_micro, [None] * n_micro
+    positions_BK = positions_in_documents(docs[0])  # rope restarts at every document
+    if mesh.cp > 1:
+        positions_BK = split_for_cp(positions_BK, cp_rank, mesh.cp)
+    return input_ids, labels, list(positions_BK.split(args.micro_batch)), list(docs[0].split(args.micro_batch))
+
+
 @torch.no_grad()
-def evaluate(model, pipeline, loader, args, mesh, positions_BS, use_bf16) -> dict:
-    """Validation loss (cross-entropy per label) and perplexity over the first --eval-batches global batches of
-    `loader` (the same windows every time), under any layout; every rank takes part (pp: the forward-only
-    schedule). Also the expert load max/mean per layer over those tokens; these routing counts stay out of the
-    training statistics and the expert bias."""
-    device, n_micro = positions_BS.device, args.global_batch // mesh.data_world // args.micro_batch
+def evaluate(model, pipeline, loader, batch_inputs: dict, use_bf16) -> dict:
+    """Validation loss (cross-entropy per label: per trained token under loss masks) and perplexity over the first
+    --eval-batches global batches of `loader` (the same windows every time), under any layout; every rank takes
+    part (pp: the forward-only schedule). Also the expert load max/mean per layer over those tokens; these routing
+    counts stay out of the training statistics and the expert bias. batch_inputs: rank_batch's arguments."""
+    args, mesh = batch_inputs["args"], batch_inputs["mesh"]
+    device, n_micro = batch_inputs["positions_BS"].device, args.global_batch // mesh.data_world // args.micro_batch
     totals = torch.zeros(2, device=device)  # summed cross-entropy, labels (pp: on pp rank 0, which holds the loss)
     loader.step = 0
     for _ in range(max(1, min(args.eval_batches, loader.num_samples // args.global_batch))):
-        input_ids, labels = (t.to(device) for t in loader.next_batch())
-        if mesh.cp > 1:
-            input_ids, labels = (split_for_cp(t, mesh.coord("cp"), mesh.cp) for t in (input_ids, labels))
+        input_ids, labels, positions, docs = rank_batch(loader, **batch_inputs)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
             if pipeline is None:
-                for ids, lab in zip(input_ids.split(args.micro_batch), labels.split(args.micro_batch)):
-                    totals[0] += model.forward_train(ids, lab, positions_BS).loss_sum.float()
+                for mb, (ids, lab) in enumerate(zip(input_ids.split(args.micro_batch), labels.split(args.micro_batch))):
+                    running.set(mb)
+                    totals[0] += model.forward_train(ids, lab, positions[mb], docs[mb]).loss_sum.float()
+                running.set(None)
             else:
-                model.set_positions(positions_BS)
+                model.set_positions(positions, doc_ids_BK=docs if batch_inputs["document_mask"] else None)
                 for stage in pipeline.stages:
                     stage.input_ids, stage.labels = input_ids.split(args.micro_batch), labels.split(args.micro_batch)
                     stage.loss_fn, stage.stats = (lambda ce, aux: ce), torch.zeros(2, device=device)
@@ -512,29 +574,37 @@ def evaluate(model, pipeline, loader, args, mesh, positions_BS, use_bf16) -> dic
                 totals[0] += pipeline.stages[1].stats[0]
         if pipeline is None or mesh.coord("pp") == 0:
             totals[1] += (labels != -100).sum()
-    load_LE = reduce_stats(model.take_stats(), dist.group.WORLD if mesh.world > 1 else None)["expert_load"]
+    stats = reduce_stats(model.take_stats(), dist.group.WORLD if mesh.world > 1 else None)
     traffic.take()
     if mesh.world > 1:
         dist.all_reduce(totals)
     loss = (totals[0] / totals[1].clamp(min=1)).item()
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(totals[1]),
-            "val_load_max_over_mean": (load_LE.max(-1).values / load_LE.mean(-1)).tolist() if load_LE.numel() else []}
+            "val_load_max_over_mean": load_max_over_mean(stats["expert_load"], stats.get("expert_live"))}
 
 
 @torch.no_grad()
-def sample(model, meta, args, device) -> str:
-    """Temperature-0.8 top-40 sampling without a KV cache (the tiny demo model only)."""
+def sample(model, meta, args, device, prompt: str, chat: bool = False) -> str:
+    """Temperature-0.8 top-40 sampling without a KV cache (the tiny demo model only) of --sample-tokens tokens
+    (64 if 0) after `prompt`; chat: `prompt` is a user's question rendered by the tokenizer's chat template, the
+    answer stops at the eos (which ends a turn) and only the answer is returned."""
     tokenizer = load_tokenizer(meta)
-    ids = torch.tensor([tokenizer.encode(args.sample_prompt)], device=device)
+    if chat and tokenizer.chat_prompt is None:
+        raise ValueError(f"--sample-chat needs a tokenizer with a chat template; {meta['tokenizer']['path']} has none "
+                         "(prepare the data with --hf-tokenizer of the instruct model, tools/prepare_data.py --chat)")
+    start = tokenizer.chat_prompt([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
+    ids = torch.tensor([start], device=device)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     model.eval()
-    for _ in range(args.sample_tokens):
+    for _ in range(args.sample_tokens or 64):
         logits_V = model(ids[:, -args.seq_len:])[0, -1].float() / 0.8
         top = logits_V.topk(40)
         next_id = top.indices[torch.multinomial(top.values.softmax(-1), 1, generator=gen)]
         ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+        if chat and int(next_id) == tokenizer.eos_id:
+            break
     model.train()
-    return tokenizer.decode(ids[0].tolist())
+    return tokenizer.decode(ids[0, len(start) if chat else 0:].tolist())
 
 
 if __name__ == "__main__":
