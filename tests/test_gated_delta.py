@@ -144,6 +144,22 @@ def test_document_resets_equal_each_document_alone_fp64(chunk_size):
         chunk_gated_delta_rule(*inputs[:5], reset_BS=doc_ids_BS)
 
 
+def test_document_resets_fp32_strong_decays():
+    """fp32, decays as a freshly initialised Gated DeltaNet has them (g down to -16 per token: within a 16-token
+    chunk log decays reach -250, past fp32's exp range, so nothing may exponentiate a sum across a reset)."""
+    inputs64 = make_inputs(S=100, K=16, V=16)
+    with torch.no_grad():
+        inputs64[3].copy_(-16 * torch.rand(inputs64[3].shape, generator=torch.Generator().manual_seed(2),
+                                            dtype=torch.float64))
+    doc_ids_BS = doc_ids_of([[30, 50, 20], [7, 1, 59, 33]])
+    want = values_and_grads(lambda *x: loop_per_document(doc_ids_BS, *x[:5], 0.25, x[5]), inputs64)
+    inputs32 = [x.detach().float().requires_grad_() for x in inputs64]
+    got = values_and_grads(lambda q, k, v, g, b, S0: chunk_gated_delta_rule(
+        q, k, v, g, b, 0.25, S0, True, 16, reset_BS=document_starts(doc_ids_BS)), inputs32)
+    for name, a, b in zip(NAMES, got, want):  # bound as in test_fp32_within_derived_bound_and_l2norm_flag
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-5 * max(1.0, b.abs().max().item()), msg=name)
+
+
 @pytest.mark.parametrize("W", [3, 4])
 def test_causal_conv1d_equals_direct_sum(W):
     gen = torch.Generator().manual_seed(0)

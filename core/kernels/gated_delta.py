@@ -115,20 +115,28 @@ def chunk_gated_delta_rule_reference(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, sc
     q_BHNCK, k_BHNCK, v_BHNCV = chunked(q) * scale, chunked(k), chunked(v_BSHV)
     g_BHNC, beta_BHNC = chunked(g_BSH), chunked(beta_BSH)
 
-    gam_BHNC = g_BHNC.cumsum(-1)
     causal_CC = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     gone_BHNCC = ~causal_CC
-    if reset_BS is not None:  # documents: a decay product spanning a reset is 0 (see the top)
+    if reset_BS is None:
+        gam_BHNC = g_BHNC.cumsum(-1)
+    else:  # documents: a decay product spanning a reset is 0 (see the top)
         seg_B1NC = F.pad(reset_BS, (0, N * C - S)).reshape(B, 1, N, C).cumsum(-1)
         gone_BHNCC = gone_BHNCC | (seg_B1NC[..., :, None] != seg_B1NC[..., None, :])
+        # gam restarts at each reset (a sum over the token's own document only): a cumsum over the whole chunk
+        # would make in-document differences gam_t - gam_j cancel large sums of earlier documents' decays (fp32:
+        # 1e-4 relative errors in the decays at g ~ -10 per token), where the document alone sums only its own
+        gam_BHNC = (~gone_BHNCC).to(dt) @ g_BHNC[..., None]
+        gam_BHNC = gam_BHNC.squeeze(-1)
         from_start_B1NC = seg_B1NC == 0  # no reset since the chunk start: the entering state reaches t
         to_end_B1NC = seg_B1NC == seg_B1NC[..., -1:]  # no reset after t in the chunk: t reaches the chunk end
     decay_BHNCC = (gam_BHNC[..., :, None] - gam_BHNC[..., None, :]).masked_fill(gone_BHNCC, float("-inf")).exp()
     decay_beta_BHNCC = decay_BHNCC * beta_BHNC[..., None, :]  # exp(gam_t - gam_j) beta_j, j <= t
 
-    Gam_BHNC, to_end_BHNC = gam_BHNC.exp(), (gam_BHNC[..., -1:] - gam_BHNC).exp()  # decay from start / to end
-    if reset_BS is not None:
-        Gam_BHNC, to_end_BHNC = Gam_BHNC * from_start_B1NC, to_end_BHNC * to_end_B1NC
+    Gam_BHNC, to_end_BHNC = gam_BHNC, gam_BHNC[..., -1:] - gam_BHNC  # log decay from the start / to the end
+    if reset_BS is not None:  # masked before exp: across a reset gam_C - gam_t may be > 0 (gam restarts)
+        Gam_BHNC = Gam_BHNC.masked_fill(~from_start_B1NC, float("-inf"))
+        to_end_BHNC = to_end_BHNC.masked_fill(~to_end_B1NC, float("-inf"))
+    Gam_BHNC, to_end_BHNC = Gam_BHNC.exp(), to_end_BHNC.exp()
 
     L_BHNCC = (k_BHNCK @ k_BHNCK.transpose(-1, -2) * decay_beta_BHNCC).tril(-1)
     eye_CC = torch.eye(C, dtype=dt, device=q.device)
