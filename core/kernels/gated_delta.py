@@ -25,7 +25,10 @@ decay wipes the state before t's update), so in the chunked form every decay pro
 with seg_t = the number of resets in the chunk up to and including t, D_tj = 0 unless seg_t = seg_j,
 Gam_t = 0 unless seg_t = 0 (no reset since the chunk start), and likewise towards the chunk end. That is a mask
 on the same matrices (no split of the row, no host sync, any number of documents per chunk); the given
-initial_state reaches only the tokens before a row's first reset. `document_starts(doc_ids)` makes reset_BS.
+initial_state reaches only the tokens before a row's first reset. gam then restarts at each reset (the sum of
+the token's own document's decays), so its differences cancel no other document's decays, and the masked log
+decays become -inf before exp (a difference across a reset may be > 0). `document_starts(doc_ids)` makes
+reset_BS. On fla, documents run as its varlen form (cu_seqlens; one host sync per call).
 
 Grouped value heads: q and k may have fewer heads than v (Qwen3.5: 16 key heads, 32 value heads); key head h
 serves value heads h*n .. h*n+n-1 (n = Hv / Hk), as transformers' repeat_interleave. g and beta are per value
