@@ -18,6 +18,13 @@ gathered over the sequence; two small things cross ranks per layer:
   matmuls, no sequential hops between ranks). Backward flows through the same gather (reduce-scatter of the
   summaries' gradients).
 
+Documents (doc_ids_BK, int [B, K], the ids of the WHOLE sequence as the attention masks take them: K = S, or
+S * cp under cp): the state entering a document's first token is 0 and the conv reads no input of an earlier
+document. Under cp a chunk's kernel pass gets the resets at its global positions (the chunk's first token too, when
+a document starts there); a reset inside chunk j zeroes M_j's columns from there on, so the same composition
+S_{j+1} = M_j S_j + C_j carries nothing across it. The conv's tails come from the same global ids: a tap of token
+t that reaches before t's document start contributes 0.
+
 Cost: the kernel runs with value width V + K (with K = V about twice its FLOPs,
 core/kernels/gated_delta.py:chunk_gated_delta_flops_per_token with cp > 1) plus 2cp [K, K] x [K, V] matmuls per
 head. Bytes per layer: `cp_linear_attention_bytes_received_per_layer` (independent of the sequence length; it grows
@@ -31,8 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from core.context import gather_sequence
-from core.kernels.gated_delta import chunk_gated_delta_rule
+from core.context import gather_sequence, split_for_cp
+from core.kernels.gated_delta import chunk_gated_delta_rule, document_starts
 
 
 def _two_chunks(x_BS_: torch.Tensor) -> torch.Tensor:
@@ -48,26 +55,49 @@ def _one_sequence(x_2B_: torch.Tensor) -> torch.Tensor:
     return torch.cat(x_2B_.chunk(2, 0), 1)
 
 
-def _conv(x_BTC: torch.Tensor, weight_CW: torch.Tensor, bias_C, activation) -> torch.Tensor:
-    """Depthwise conv over [B, T, Ch] already left-padded by W-1: [B, T - W + 1, Ch]."""
-    out_BCS = F.conv1d(x_BTC.transpose(1, 2).to(weight_CW.dtype), weight_CW.unsqueeze(1), bias_C,
-                       groups=weight_CW.shape[0])
+def _conv(x_BTC: torch.Tensor, weight_CW: torch.Tensor, bias_C, activation, ids_BT=None) -> torch.Tensor:
+    """Depthwise conv over [B, T, Ch] already left-padded by W-1: [B, T - W + 1, Ch]. ids_BT (the document id of
+    every padded position): a tap reading another document than its output token's contributes 0 (W shifted
+    products, each masked; the plain path is torch's F.conv1d)."""
+    W = weight_CW.shape[-1]
+    if ids_BT is None:
+        out_BSC = F.conv1d(x_BTC.transpose(1, 2).to(weight_CW.dtype), weight_CW.unsqueeze(1), bias_C,
+                           groups=weight_CW.shape[0]).transpose(1, 2)
+    else:
+        S = x_BTC.shape[1] - (W - 1)
+        x_BTC, ids_BS = x_BTC.to(weight_CW.dtype), ids_BT[:, W - 1:]
+        out_BSC = 0 if bias_C is None else bias_C
+        for i in range(W):  # tap i reads the input W-1-i tokens back
+            same_BS1 = (ids_BT[:, i:i + S] == ids_BS)[..., None]
+            out_BSC = out_BSC + weight_CW[:, i] * x_BTC[:, i:i + S] * same_BS1
     if activation == "silu":
-        out_BCS = F.silu(out_BCS)
-    return out_BCS.transpose(1, 2).to(x_BTC.dtype)
+        out_BSC = F.silu(out_BSC)
+    return out_BSC.to(x_BTC.dtype)
+
+
+def _check_doc_ids(doc_ids_BK, B: int, K: int):
+    if doc_ids_BK is not None and tuple(doc_ids_BK.shape) != (B, K):
+        raise ValueError(f"linear attention: doc_ids_BK {tuple(doc_ids_BK.shape)} must be [B, S * cp] = {(B, K)}, "
+                         "the document ids of the whole sequence before the cp split")
 
 
 def causal_conv1d(x_BSC: torch.Tensor, weight_CW: torch.Tensor, bias_C: torch.Tensor | None = None,
-                  activation: str | None = None, cp_group=None) -> torch.Tensor:
+                  activation: str | None = None, cp_group=None, doc_ids_BK=None) -> torch.Tensor:
     """Causal depthwise conv1d (torch's F.conv1d, groups = channels): out_t = act(bias + sum_i w_i x_{t-W+1+i}),
     inputs before the sequence start are 0. weight [Ch, W] (an nn.Conv1d's weight.squeeze(1)), activation None or
-    "silu". Under cp (x the rank's two chunks) each chunk starts after the tail of the chunk before it."""
+    "silu". Under cp (x the rank's two chunks) each chunk starts after the tail of the chunk before it.
+    doc_ids_BK: int [B, S * cp], the whole sequence's document ids; inputs of an earlier document count as 0."""
     if activation not in (None, "silu"):
         raise ValueError(f"causal_conv1d: activation {activation!r} is not supported; use None or 'silu'")
     W = weight_CW.shape[-1]
+    cp, r = (1, 0) if cp_group is None else (dist.get_world_size(cp_group), dist.get_rank(cp_group))
+    B, S = x_BSC.shape[:2]
+    _check_doc_ids(doc_ids_BK, B, S * cp)
+    if doc_ids_BK is not None:  # ids of each padded position; -1 (no document) before the sequence start
+        ids_BR = F.pad(doc_ids_BK, (W - 1, 0), value=-1)
     if cp_group is None or W == 1:
-        return _conv(F.pad(x_BSC, (0, 0, W - 1, 0)), weight_CW, bias_C, activation)
-    cp, r = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+        ids_BT = None if doc_ids_BK is None or W == 1 else ids_BR  # W == 1: the only tap is the token itself
+        return _conv(F.pad(x_BSC, (0, 0, W - 1, 0)), weight_CW, bias_C, activation, ids_BT)
     x_2BhC = _two_chunks(x_BSC)
     h = x_2BhC.shape[1]
     if W - 1 > h:
@@ -76,19 +106,27 @@ def causal_conv1d(x_BSC: torch.Tensor, weight_CW: torch.Tensor, bias_C: torch.Te
     tails_BRtC = gather_sequence(_one_sequence(x_2BhC[:, h - (W - 1):]), cp_group, dim=1)  # [B, 2cp (W-1), Ch]
     tails = [torch.zeros_like(tails_BRtC[:, :W - 1])] + list(tails_BRtC.split(W - 1, 1))  # tails[j]: before chunk j
     left_2BtC = torch.cat([tails[r], tails[2 * cp - 1 - r]], 0)
-    return _one_sequence(_conv(torch.cat([left_2BtC, x_2BhC], 1), weight_CW, bias_C, activation))
+    ids_2BT = None
+    if doc_ids_BK is not None:  # chunk j's padded positions are global j*h - (W-1) .. (j+1)*h - 1
+        ids_2BT = torch.cat([ids_BR[:, j * h:(j + 1) * h + W - 1] for j in (r, 2 * cp - 1 - r)], 0)
+    return _one_sequence(_conv(torch.cat([left_2BtC, x_2BhC], 1), weight_CW, bias_C, activation, ids_2BT))
 
 
 def gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | None = None, initial_state_BHKV=None,
                      output_final_state: bool = False, chunk_size: int = 64, use_qk_l2norm_in_kernel: bool = False,
-                     cp_group=None):
+                     cp_group=None, doc_ids_BK=None):
     """core/kernels/gated_delta.py:chunk_gated_delta_rule over a sequence split across cp_group (the arguments and
-    results are the same; the final state is the whole sequence's, on every rank). cp_group None: the kernel."""
+    results are the same; the final state is the whole sequence's, on every rank). cp_group None: the kernel.
+    doc_ids_BK: int [B, S * cp], the whole sequence's document ids; the state is 0 entering each document."""
+    cp, r = (1, 0) if cp_group is None else (dist.get_world_size(cp_group), dist.get_rank(cp_group))
+    B, S, _, K = q_BSHK.shape
+    _check_doc_ids(doc_ids_BK, B, S * cp)
+    reset_BS = None if doc_ids_BK is None else document_starts(doc_ids_BK)
     if cp_group is None:
         return chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale, initial_state_BHKV,
-                                      output_final_state, chunk_size, use_qk_l2norm_in_kernel)
-    cp, r = dist.get_world_size(cp_group), dist.get_rank(cp_group)
-    B, _, _, K = q_BSHK.shape
+                                      output_final_state, chunk_size, use_qk_l2norm_in_kernel, reset_BS)
+    if reset_BS is not None:  # the resets at the rank's global positions, as its two chunks
+        reset_BS = _two_chunks(split_for_cp(reset_BS, r, cp))
     Hv, V = v_BSHV.shape[2:]
     st = torch.promote_types(v_BSHV.dtype, torch.float32)  # the state's dtype (fp32; fp64 in fp64 tests)
     # columns V.. of the values are 0 and of the initial state the identity: they carry M and P (see the top)
@@ -97,7 +135,7 @@ def gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | Non
     init_2BHKX = torch.cat([eye_BHKK.new_zeros(2 * B, Hv, K, V), eye_BHKK], -1)
     o_2BhHX, final_2BHKX = chunk_gated_delta_rule(
         *(_two_chunks(x) for x in (q_BSHK, k_BSHK, v_BSHX, g_BSH, beta_BSH)), scale, init_2BHKX, True, chunk_size,
-        use_qk_l2norm_in_kernel)
+        use_qk_l2norm_in_kernel, reset_BS)
     summaries_RBHKX = gather_sequence(final_2BHKX.to(st).reshape(2, B, Hv, K, V + K), cp_group, dim=0)
     S_BHKV = (v_BSHV.new_zeros(B, Hv, K, V, dtype=st) if initial_state_BHKV is None
               else initial_state_BHKV.to(st))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from core.context import merge_from_cp, split_for_cp
 from core.kernels.gated_delta import chunk_gated_delta_flops_per_token as flops_per_token
-from core.kernels.gated_delta import chunk_gated_delta_rule, chunk_gated_delta_rule_reference
+from core.kernels.gated_delta import chunk_gated_delta_rule, chunk_gated_delta_rule_reference, document_starts
 from core.linear_attention import causal_conv1d, cp_linear_attention_bytes_received_per_layer, gated_delta_rule
 from tests.multiproc import run_ranks
 
@@ -104,6 +104,62 @@ def test_zero_initial_state_no_final_state_and_bad_input():
         chunk_gated_delta_rule(q, k, v, g, beta, initial_state_BHKV=torch.zeros(2, 4, 6, 8))
 
 
+def doc_ids_of(lengths_per_row):
+    """int [B, S] document ids from each row's document lengths (ids increase along the row)."""
+    return torch.tensor([sum(([d] * n for d, n in enumerate(row)), []) for row in lengths_per_row])
+
+
+# S = 37, kernel chunk 4 or 16: documents of length 1, several per chunk, one ending exactly at a chunk end (row 0:
+# 4 + 12 = 16), one spanning three chunks
+DOC_LENGTHS = [[4, 12, 1, 3, 17], [9, 1, 1, 26]]
+
+
+def loop_per_document(doc_ids_BS, q, k, v, g, beta, scale, S0_BHKV):
+    """The token loop run on each document alone: the row's initial state enters its first document, 0 the others;
+    the final state is the last document's."""
+    outs, finals = [], []
+    for b in range(doc_ids_BS.shape[0]):
+        row, S_1HKV = [], S0_BHKV[b:b + 1]
+        for d in doc_ids_BS[b].unique_consecutive():
+            t = (doc_ids_BS[b] == d).nonzero().flatten()
+            part = [x[b:b + 1, t[0]:t[-1] + 1] for x in (q, k, v, g, beta)]
+            o, S_1HKV = loop_gated_delta(*part, scale, S_1HKV if not row else torch.zeros_like(S_1HKV))
+            row.append(o)
+        outs.append(torch.cat(row, 1))
+        finals.append(S_1HKV)
+    return torch.cat(outs, 0), torch.cat(finals, 0)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 16])
+def test_document_resets_equal_each_document_alone_fp64(chunk_size):
+    inputs = make_inputs()
+    doc_ids_BS = doc_ids_of(DOC_LENGTHS)
+    reset_BS = document_starts(doc_ids_BS)
+    got = values_and_grads(lambda q, k, v, g, b, S0: chunk_gated_delta_rule(
+        q, k, v, g, b, 0.7, S0, True, chunk_size, reset_BS=reset_BS), inputs)
+    want = values_and_grads(lambda *x: loop_per_document(doc_ids_BS, *x[:5], 0.7, x[5]), inputs)
+    for name, a, b in zip(NAMES, got, want):  # fp64, bound as in test_chunked_rule_equals_token_loop_fp64
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=name)
+    with pytest.raises(ValueError, match="reset_BS"):
+        chunk_gated_delta_rule(*inputs[:5], reset_BS=doc_ids_BS)
+
+
+def test_document_resets_fp32_strong_decays():
+    """fp32, decays as a freshly initialised Gated DeltaNet has them (g down to -16 per token: within a 16-token
+    chunk log decays reach -250, past fp32's exp range, so nothing may exponentiate a sum across a reset)."""
+    inputs64 = make_inputs(S=100, K=16, V=16)
+    with torch.no_grad():
+        inputs64[3].copy_(-16 * torch.rand(inputs64[3].shape, generator=torch.Generator().manual_seed(2),
+                                            dtype=torch.float64))
+    doc_ids_BS = doc_ids_of([[30, 50, 20], [7, 1, 59, 33]])
+    want = values_and_grads(lambda *x: loop_per_document(doc_ids_BS, *x[:5], 0.25, x[5]), inputs64)
+    inputs32 = [x.detach().float().requires_grad_() for x in inputs64]
+    got = values_and_grads(lambda q, k, v, g, b, S0: chunk_gated_delta_rule(
+        q, k, v, g, b, 0.25, S0, True, 16, reset_BS=document_starts(doc_ids_BS)), inputs32)
+    for name, a, b in zip(NAMES, got, want):  # bound as in test_fp32_within_derived_bound_and_l2norm_flag
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-5 * max(1.0, b.abs().max().item()), msg=name)
+
+
 @pytest.mark.parametrize("W", [3, 4])
 def test_causal_conv1d_equals_direct_sum(W):
     gen = torch.Generator().manual_seed(0)
@@ -114,6 +170,14 @@ def test_causal_conv1d_equals_direct_sum(W):
     torch.testing.assert_close(causal_conv1d(x_BSC, w_CW, None, "silu"), F.silu(want - b_C), rtol=0, atol=1e-13)
     with pytest.raises(ValueError, match="activation"):
         causal_conv1d(x_BSC, w_CW, activation="gelu")
+    # documents [0 0 0 1 2 2 2 2 2 3 3] in row 0, [0 1 1 1 1 1 1 1 1 1 1] in row 1: taps into an earlier document
+    # read 0
+    doc_ids_BS = doc_ids_of([[3, 1, 5, 2], [1, 10]])
+    want = torch.stack([b_C + sum(w_CW[:, i] * padded[:, t + i] * (doc_ids_BS[:, t] == doc_ids_BS[:, t + i - W + 1])
+                                  [:, None] for i in range(W) if t + i - W + 1 >= 0) for t in range(11)], 1)
+    torch.testing.assert_close(causal_conv1d(x_BSC, w_CW, b_C, doc_ids_BK=doc_ids_BS), want, rtol=0, atol=1e-13)
+    with pytest.raises(ValueError, match="doc_ids_BK"):
+        causal_conv1d(x_BSC, w_CW, b_C, doc_ids_BK=doc_ids_BS[:, :5])
 
 
 def test_fla_wrapper_ops_autograd_and_fullgraph_compile(monkeypatch):
@@ -122,10 +186,17 @@ def test_fla_wrapper_ops_autograd_and_fullgraph_compile(monkeypatch):
     (aot_eager: graph capture, fake tensors and the autograd split, without code generation)."""
     from core.kernels import gated_delta
 
-    def fla_standin(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+    def fla_standin(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                    use_qk_l2norm_in_kernel):
         assert q.shape[2] == v.shape[2] and initial_state is not None and output_final_state  # what the ops pass
-        return chunk_gated_delta_rule_reference(q, k, v, g, beta, scale, initial_state, True, 16,
-                                                use_qk_l2norm_in_kernel)
+        if cu_seqlens is None:
+            return chunk_gated_delta_rule_reference(q, k, v, g, beta, scale, initial_state, True, 16,
+                                                    use_qk_l2norm_in_kernel)
+        assert q.shape[0] == 1 and len(initial_state) == len(cu_seqlens) - 1  # fla's varlen: one row, N states
+        runs = [chunk_gated_delta_rule_reference(*(x[:, a:e] for x in (q, k, v, g, beta)), scale,
+                                                 initial_state[n:n + 1], True, 16, use_qk_l2norm_in_kernel)
+                for n, (a, e) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))]
+        return torch.cat([o for o, _ in runs], 1), torch.cat([f for _, f in runs], 0)
 
     monkeypatch.setattr(gated_delta, "_fla_chunk_gated_delta_rule", fla_standin)
     inputs = make_inputs(S=21, dtype=torch.float32)
@@ -139,6 +210,14 @@ def test_fla_wrapper_ops_autograd_and_fullgraph_compile(monkeypatch):
         got = values_and_grads(fn, inputs)
         for name, a, b in zip(NAMES, got, want):  # the same fp32 ops in the same order: equal to rounding
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+    # documents through fla's varlen form: rows flattened, one sequence per document, states per sequence
+    reset_BS = document_starts(doc_ids_of([[5, 1, 15], [21]]))
+    got = values_and_grads(lambda q, k, v, g, b, S0: gated_delta._fla_gated_delta_rule(
+        q, k, v, g, b, 0.5, S0, True, True, reset_BS), inputs)
+    want = values_and_grads(lambda q, k, v, g, b, S0: chunk_gated_delta_rule_reference(
+        q, k, v, g, b, 0.5, S0, True, 16, True, reset_BS), inputs)
+    for name, a, b in zip(NAMES, got, want):  # fp32, per-document chunks against masked chunks: 1e-5 (see above)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
 
 
 # ------------------------------------------------------------------------------------ context parallelism
@@ -148,12 +227,34 @@ def test_fla_wrapper_ops_autograd_and_fullgraph_compile(monkeypatch):
 CP_HK, CP_HV, CP_K, CP_V, CP_W, CP_CHUNK, CP_KERNEL_CHUNK = 1, 2, 4, 3, 4, 10, 4
 
 
-def cp_block(x_BSC, w_CW, b_C, g_BSH, beta_BSH, S0_BHKV, cp_group):
-    y = causal_conv1d(x_BSC, w_CW, b_C, "silu", cp_group)
+def cp_block(x_BSC, w_CW, b_C, g_BSH, beta_BSH, S0_BHKV, cp_group, doc_ids_BK=None):
+    y = causal_conv1d(x_BSC, w_CW, b_C, "silu", cp_group, doc_ids_BK)
     B, S = y.shape[:2]
     q, k, v = y.split([CP_HK * CP_K, CP_HK * CP_K, CP_HV * CP_V], -1)
     return gated_delta_rule(q.reshape(B, S, CP_HK, CP_K), k.reshape(B, S, CP_HK, CP_K), v.reshape(B, S, CP_HV, CP_V),
-                            g_BSH, beta_BSH, None, S0_BHKV, True, CP_KERNEL_CHUNK, True, cp_group)
+                            g_BSH, beta_BSH, None, S0_BHKV, True, CP_KERNEL_CHUNK, True, cp_group, doc_ids_BK)
+
+
+# Documents over the whole sequence (cp chunks of 10 tokens): cp 2 (40 tokens) row 0 has a document starting at a
+# cp chunk start (10), one of 1 token right after a cp chunk start (conv taps must not read the tail), documents
+# crossing cp chunks; cp 4 (80 tokens) has a document spanning three cp chunks.
+CP_DOCS = {2: [[10, 1, 2, 14, 13], [3, 25, 12]], 4: [[7, 30, 1, 1, 21, 20], [40, 2, 38]]}
+
+
+def cp_block_per_document(doc_ids_BK, x, w, b, g, beta, S0):
+    """cp_block (one process) on each document alone: the row's S0 enters its first document, 0 the others."""
+    outs, finals = [], []
+    for r in range(doc_ids_BK.shape[0]):
+        row, S_1HKV = [], S0[r:r + 1]
+        for d in doc_ids_BK[r].unique_consecutive():
+            t = (doc_ids_BK[r] == d).nonzero().flatten()
+            part = [z[r:r + 1, t[0]:t[-1] + 1] for z in (x, g, beta)]
+            o, S_1HKV = cp_block(part[0], w, b, part[1], part[2], S_1HKV if not row else torch.zeros_like(S_1HKV),
+                                 None)
+            row.append(o)
+        outs.append(torch.cat(row, 1))
+        finals.append(S_1HKV)
+    return torch.cat(outs, 0), torch.cat(finals, 0)
 
 
 def cp_case(cp: int, seed: int = 0, dtype=torch.float64):
@@ -168,12 +269,13 @@ def cp_case(cp: int, seed: int = 0, dtype=torch.float64):
     return [t.to(dtype) for t in inputs], [t.to(dtype) for t in cotangents]
 
 
-def _cp_run(cp: int, seed: int, group, rank: int, dtype=torch.float64) -> list:
-    """This rank's outputs and input gradients for case (cp, seed) on group (rank: its rank in the group)."""
+def _cp_run(cp: int, seed: int, group, rank: int, dtype=torch.float64, docs: bool = False) -> list:
+    """This rank's outputs and input gradients for case (cp, seed) on group (rank: its rank in the group); docs:
+    with CP_DOCS[cp]'s document ids (of the whole sequence)."""
     inputs, (do, dS) = cp_case(cp, seed, dtype)
     local = [split_for_cp(t, rank, cp) if i in (0, 3, 4) else t for i, t in enumerate(inputs)]  # per-token ones
     local = [t.clone().requires_grad_() for t in local]
-    o, S = cp_block(*local, group)
+    o, S = cp_block(*local, group, doc_ids_of(CP_DOCS[cp]) if docs else None)
     # the final state is replicated: rank 0 alone carries its cotangent (a replica's loss counts once)
     torch.autograd.backward([o, S], [split_for_cp(do, rank, cp), dS if rank == 0 else torch.zeros_like(dS)])
     return [o.detach(), S.detach()] + [t.grad for t in local]
@@ -181,29 +283,47 @@ def _cp_run(cp: int, seed: int, group, rank: int, dtype=torch.float64) -> list:
 
 def _cp_worker():
     """4 ranks (one spawn for both layouts): cp 2 on ranks {0, 1} (seed 0) and {2, 3} (seed 1), then cp 4 (seed 2),
-    then cp 4 in fp32 (seed 3)."""
+    then cp 4 in fp32 (seed 3); then with documents: cp 2 (seeds 4, 5) and cp 4 (seed 6)."""
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     cp2 = _cp_run(2, rank // 2, pairs[rank // 2], rank % 2)
     cp4 = _cp_run(4, 2, dist.group.WORLD, rank)
     cp4_fp32 = _cp_run(4, 3, dist.group.WORLD, rank, torch.float32)
+    cp2_docs = _cp_run(2, 4 + rank // 2, pairs[rank // 2], rank % 2, docs=True)
+    cp4_docs = _cp_run(4, 6, dist.group.WORLD, rank, docs=True)
     dist.destroy_process_group()
-    return {"cp2": cp2, "cp4": cp4, "cp4_fp32": cp4_fp32}
+    return {"cp2": cp2, "cp4": cp4, "cp4_fp32": cp4_fp32, "cp2_docs": cp2_docs, "cp4_docs": cp4_docs}
+
+
+def one_process(cp, seed, dtype, docs, per_document=False):
+    """The whole-sequence block's outputs and every input gradient for case (cp, seed) in one process (per_document:
+    each document of CP_DOCS[cp] run alone)."""
+    inputs, (do, dS) = cp_case(cp, seed, dtype)
+    inputs = [t.clone().requires_grad_() for t in inputs]
+    doc_ids_BK = doc_ids_of(CP_DOCS[cp]) if docs else None
+    o, S = cp_block_per_document(doc_ids_BK, *inputs) if per_document else cp_block(*inputs, None, doc_ids_BK)
+    torch.autograd.backward([o, S], [do, dS])
+    return [o.detach(), S.detach()] + [t.grad for t in inputs]
 
 
 def test_cp2_and_cp4_equal_one_process():
-    """Each cp chunk is 10 tokens, 3 kernel chunks of 4 (the last padded), conv width 4; every input's gradient."""
+    """Each cp chunk is 10 tokens, 3 kernel chunks of 4 (the last padded), conv width 4; every input's gradient;
+    with and without documents (one process with documents also equals each document run alone)."""
     ranks = run_ranks(4, _cp_worker)
-    cases = [(2, 0, torch.float64, [r["cp2"] for r in ranks[:2]]), (2, 1, torch.float64, [r["cp2"] for r in ranks[2:]]),
-             (4, 2, torch.float64, [r["cp4"] for r in ranks]), (4, 3, torch.float32, [r["cp4_fp32"] for r in ranks])]
+    cases = [(2, 0, torch.float64, False, [r["cp2"] for r in ranks[:2]]),
+             (2, 1, torch.float64, False, [r["cp2"] for r in ranks[2:]]),
+             (4, 2, torch.float64, False, [r["cp4"] for r in ranks]),
+             (4, 3, torch.float32, False, [r["cp4_fp32"] for r in ranks]),
+             (2, 4, torch.float64, True, [r["cp2_docs"] for r in ranks[:2]]),
+             (2, 5, torch.float64, True, [r["cp2_docs"] for r in ranks[2:]]),
+             (4, 6, torch.float64, True, [r["cp4_docs"] for r in ranks])]
     names = ["o", "final state", "dx", "dw", "db", "dg", "dbeta", "dS0"]
-    for cp, seed, dtype, per_rank in cases:
-        inputs, (do, dS) = cp_case(cp, seed, dtype)
-        inputs = [t.clone().requires_grad_() for t in inputs]
-        o, S = cp_block(*inputs, None)
-        torch.autograd.backward([o, S], [do, dS])
-        want = [o.detach(), S.detach()] + [t.grad for t in inputs]
+    for cp, seed, dtype, docs, per_rank in cases:
+        want = one_process(cp, seed, dtype, docs)
+        if docs:  # fp64, the same sums regrouped: bound as below
+            for name, a, b in zip(names, want, one_process(cp, seed, dtype, docs, per_document=True)):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=f"cp{cp} seed {seed} alone: {name}")
         per_token = (0, 2, 5, 6)  # o, dx, dg, dbeta: split over the ranks; weights, S0: gradients summed
         got = [merge_from_cp([r[i] for r in per_rank]) if i in per_token else
                per_rank[0][i] if i == 1 else sum(r[i] for r in per_rank) for i in range(len(names))]
@@ -214,7 +334,7 @@ def test_cp2_and_cp4_equal_one_process():
         # tolerance, 1e-5 of it, holds with that margin.
         for name, a, b in zip(names, got, want):
             atol = 1e-10 if dtype == torch.float64 else 1e-5 * b.abs().max().item()
-            torch.testing.assert_close(a, b, rtol=0, atol=atol, msg=f"cp{cp} seed {seed} {dtype}: {name}")
+            torch.testing.assert_close(a, b, rtol=0, atol=atol, msg=f"cp{cp} seed {seed} {dtype} docs {docs}: {name}")
 
 
 def test_cp_bytes_and_flops_formulas():

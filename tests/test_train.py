@@ -101,12 +101,13 @@ def noise_bound(noise: float) -> float:
 
 
 def layout_errors(reference, results, ep: int = 1, error=rel_err, placement=None, reference64=None,
-                  tolerance: float = LAYOUT_TOLERANCE) -> dict[str, tuple[float, str, float]]:
+                  tolerance: float = LAYOUT_TOLERANCE, floor: float = 0.0) -> dict[str, tuple[float, str, float]]:
     """Every rank's losses, grad norms and weights against one process's `reference` (rank_part), the worst
     of each kind with where it was and its bound: {"losses", "grad norms", "weights", "expert bias": (error,
     where, bound)}. The bound is `tolerance`, or, given the float64 run of the same one process (reference64),
     each tensor's own: noise_bound of its fp32 run's distance from the float64 run; the worst is the tensor with
-    the largest error / bound. All ranks together must hold every weight (a weight none holds: inf).
+    the largest error / bound (at least `floor`). All ranks together must hold every weight (a weight none holds:
+    inf).
     Expert-selection biases are compared bit for bit (bound 0), the rest by `error`."""
     found = {"losses": [], "grad norms": [], "weights": [], "expert bias": []}
     held = set()
@@ -117,8 +118,8 @@ def layout_errors(reference, results, ep: int = 1, error=rel_err, placement=None
         if what == "expert bias":
             found[what].append((bitwise_error(got, ref), where, 0.0))
             continue
-        bound = tolerance if reference64 is None else \
-            noise_bound(rel_err(ref, rank_part(reference64, "weights" if name else what, name, rank, ep, placement)))
+        bound = tolerance if reference64 is None else max(floor, noise_bound(
+            rel_err(ref, rank_part(reference64, "weights" if name else what, name, rank, ep, placement))))
         found[what].append((error(got, ref), where, bound))
     found["weights"] += [(math.inf, f"held by no rank: {name}", 0.0) for name in sorted(set(reference[2]) - held)]
     return {what: worst_bounded(errors) for what, errors in found.items()}

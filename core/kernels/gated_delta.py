@@ -19,6 +19,17 @@ and only S crosses chunks (a loop over S/C chunks of small matmuls). Decays are 
 space before exp, so no exp grows (every exponent is <= 0) however strong the decay. The sequence is padded to a
 multiple of the chunk with g = 0, beta = 0, k = v = 0 tokens, which leave the state unchanged.
 
+Documents (reset_BS, bool [B, S]): a packed row holds several documents, and the state entering a document's
+first token must be 0, as if the document ran alone. A reset at token t is the recurrence with g_t = -inf (the
+decay wipes the state before t's update), so in the chunked form every decay product that spans a reset is 0:
+with seg_t = the number of resets in the chunk up to and including t, D_tj = 0 unless seg_t = seg_j,
+Gam_t = 0 unless seg_t = 0 (no reset since the chunk start), and likewise towards the chunk end. That is a mask
+on the same matrices (no split of the row, no host sync, any number of documents per chunk); the given
+initial_state reaches only the tokens before a row's first reset. gam then restarts at each reset (the sum of
+the token's own document's decays), so its differences cancel no other document's decays, and the masked log
+decays become -inf before exp (a difference across a reset may be > 0). `document_starts(doc_ids)` makes
+reset_BS. On fla, documents run as its varlen form (cu_seqlens; one host sync per call).
+
 Grouped value heads: q and k may have fewer heads than v (Qwen3.5: 16 key heads, 32 value heads); key head h
 serves value heads h*n .. h*n+n-1 (n = Hv / Hk), as transformers' repeat_interleave. g and beta are per value
 head. use_qk_l2norm_in_kernel=True L2-normalises q and k over K (x * rsqrt(sum x^2 + 1e-6), in fp32), as fla's
@@ -50,7 +61,15 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV):
+def document_starts(doc_ids_BS: torch.Tensor) -> torch.Tensor:
+    """bool [B, S]: token t starts a new document (its id differs from token t-1's); token 0 never does, so an
+    initial state passed with the row reaches its first document."""
+    reset_BS = torch.zeros(doc_ids_BS.shape, dtype=torch.bool, device=doc_ids_BS.device)
+    reset_BS[:, 1:] = doc_ids_BS[:, 1:] != doc_ids_BS[:, :-1]
+    return reset_BS
+
+
+def _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV, reset_BS=None):
     B, S, Hk, K = q_BSHK.shape
     Hv, V = v_BSHV.shape[2:]
     if k_BSHK.shape != q_BSHK.shape or v_BSHV.shape[:2] != (B, S):
@@ -64,15 +83,18 @@ def _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV):
     if initial_state_BHKV is not None and initial_state_BHKV.shape != (B, Hv, K, V):
         raise ValueError(f"gated delta rule: initial_state {tuple(initial_state_BHKV.shape)} must be "
                          f"[B, Hv, K, V] = {(B, Hv, K, V)}")
+    if reset_BS is not None and (reset_BS.shape != (B, S) or reset_BS.dtype != torch.bool):
+        raise ValueError(f"gated delta rule: reset_BS {tuple(reset_BS.shape)} {reset_BS.dtype} must be bool [B, S] = "
+                         f"{(B, S)} (True where a document starts; core.kernels.gated_delta.document_starts)")
 
 
 def chunk_gated_delta_rule_reference(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | None = None,
                                      initial_state_BHKV=None, output_final_state: bool = False,
-                                     chunk_size: int = 64, use_qk_l2norm_in_kernel: bool = False):
+                                     chunk_size: int = 64, use_qk_l2norm_in_kernel: bool = False, reset_BS=None):
     """The chunked recurrence in plain PyTorch (see the top of the file), differentiable in every input.
     Computes in fp32 (fp64 if any input is fp64); returns (o [B, S, Hv, V] in v's dtype, final state
-    [B, Hv, K, V] fp32/fp64 or None)."""
-    _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV)
+    [B, Hv, K, V] fp32/fp64 or None). reset_BS: bool [B, S], the state is 0 entering each True token."""
+    _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV, reset_BS)
     if chunk_size < 1:
         raise ValueError(f"gated delta rule: chunk_size {chunk_size} must be >= 1")
     B, S, Hk, K = q_BSHK.shape
@@ -96,21 +118,39 @@ def chunk_gated_delta_rule_reference(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, sc
     q_BHNCK, k_BHNCK, v_BHNCV = chunked(q) * scale, chunked(k), chunked(v_BSHV)
     g_BHNC, beta_BHNC = chunked(g_BSH), chunked(beta_BSH)
 
-    gam_BHNC = g_BHNC.cumsum(-1)
     causal_CC = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    decay_BHNCC = (gam_BHNC[..., :, None] - gam_BHNC[..., None, :]).masked_fill(~causal_CC, float("-inf")).exp()
+    gone_BHNCC = ~causal_CC
+    if reset_BS is None:
+        gam_BHNC = g_BHNC.cumsum(-1)
+    else:  # documents: a decay product spanning a reset is 0 (see the top)
+        seg_B1NC = F.pad(reset_BS, (0, N * C - S)).reshape(B, 1, N, C).cumsum(-1)
+        gone_BHNCC = gone_BHNCC | (seg_B1NC[..., :, None] != seg_B1NC[..., None, :])
+        # gam restarts at each reset (a sum over the token's own document only): a cumsum over the whole chunk
+        # would make in-document differences gam_t - gam_j cancel large sums of earlier documents' decays (fp32:
+        # 1e-4 relative errors in the decays at g ~ -10 per token), where the document alone sums only its own
+        gam_BHNC = (~gone_BHNCC).to(dt) @ g_BHNC[..., None]
+        gam_BHNC = gam_BHNC.squeeze(-1)
+        from_start_B1NC = seg_B1NC == 0  # no reset since the chunk start: the entering state reaches t
+        to_end_B1NC = seg_B1NC == seg_B1NC[..., -1:]  # no reset after t in the chunk: t reaches the chunk end
+    decay_BHNCC = (gam_BHNC[..., :, None] - gam_BHNC[..., None, :]).masked_fill(gone_BHNCC, float("-inf")).exp()
     decay_beta_BHNCC = decay_BHNCC * beta_BHNC[..., None, :]  # exp(gam_t - gam_j) beta_j, j <= t
+
+    Gam_BHNC, to_end_BHNC = gam_BHNC, gam_BHNC[..., -1:] - gam_BHNC  # log decay from the start / to the end
+    if reset_BS is not None:  # masked before exp: across a reset gam_C - gam_t may be > 0 (gam restarts)
+        Gam_BHNC = Gam_BHNC.masked_fill(~from_start_B1NC, float("-inf"))
+        to_end_BHNC = to_end_BHNC.masked_fill(~to_end_B1NC, float("-inf"))
+    Gam_BHNC, to_end_BHNC = Gam_BHNC.exp(), to_end_BHNC.exp()
 
     L_BHNCC = (k_BHNCK @ k_BHNCK.transpose(-1, -2) * decay_beta_BHNCC).tril(-1)
     eye_CC = torch.eye(C, dtype=dt, device=q.device)
-    rhs_BHNCX = torch.cat([v_BHNCV, gam_BHNC.exp()[..., None] * k_BHNCK], -1)
+    rhs_BHNCX = torch.cat([v_BHNCV, Gam_BHNC[..., None] * k_BHNCK], -1)
     sol_BHNCX = torch.linalg.solve_triangular(eye_CC + L_BHNCC, rhs_BHNCX, upper=False, unitriangular=True)
     u_v_BHNCV, w_BHNCK = sol_BHNCX[..., :V], sol_BHNCX[..., V:]  # U = u_v - w S0
 
     attn_BHNCC = q_BHNCK @ k_BHNCK.transpose(-1, -2) * decay_beta_BHNCC
-    q_decayed_BHNCK = q_BHNCK * gam_BHNC.exp()[..., None]
-    k_to_end_BHNCK = k_BHNCK * (beta_BHNC * (gam_BHNC[..., -1:] - gam_BHNC).exp())[..., None]
-    chunk_decay_BHN11 = gam_BHNC[..., -1].exp()[..., None, None]
+    q_decayed_BHNCK = q_BHNCK * Gam_BHNC[..., None]
+    k_to_end_BHNCK = k_BHNCK * (beta_BHNC * to_end_BHNC)[..., None]
+    chunk_decay_BHN11 = Gam_BHNC[..., -1, None, None]
 
     S_BHKV = (torch.zeros(B, Hv, K, V, dtype=dt, device=q.device) if initial_state_BHKV is None
               else initial_state_BHKV.to(dt))
@@ -128,9 +168,10 @@ def fla_usable(x: torch.Tensor) -> bool:
     return _fla_chunk_gated_delta_rule is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def _fla(q, k, v, g, beta, h0, scale, use_qk_l2norm_in_kernel):
+def _fla(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm_in_kernel):
+    # cu_seqlens (documents): [1, T] rows of several sequences with h0 / the final state [N, H, K, V], fla's varlen
     return _fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
-                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                                       cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
 # fla as two opaque custom ops, so torch.compile(fullgraph=True) of a layer keeps one graph around them. The forward
@@ -139,77 +180,93 @@ def _fla(q, k, v, g, beta, h0, scale, use_qk_l2norm_in_kernel):
 # across fla releases (its internal forward/backward entry points are not).
 @torch.library.custom_op("moe_delta::fla_gated_delta_rule", mutates_args=())
 def _fla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            h0: torch.Tensor, scale: float, use_qk_l2norm_in_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            h0: torch.Tensor, cu_seqlens: torch.Tensor | None, scale: float,
+            use_qk_l2norm_in_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
-        o, ht = _fla(q, k, v, g, beta, h0, scale, use_qk_l2norm_in_kernel)
+        o, ht = _fla(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm_in_kernel)
     return o.to(v.dtype), ht.float()  # the dtypes the fake implementation promises
 
 
 @torch.library.custom_op("moe_delta::fla_gated_delta_rule_backward", mutates_args=())
 def _fla_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     h0: torch.Tensor, do: torch.Tensor, dht: torch.Tensor, scale: float,
-                     use_qk_l2norm_in_kernel: bool) -> list[torch.Tensor]:
+                     h0: torch.Tensor, cu_seqlens: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor,
+                     scale: float, use_qk_l2norm_in_kernel: bool) -> list[torch.Tensor]:
     # a custom op's kernel runs with autograd (and autocast) dispatch excluded; the recompute needs autograd back
     # (autocast stays off, as in the forward op)
     autocast_only = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU).add(torch._C.DispatchKey.AutocastCUDA)
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), autocast_only), \
             torch.enable_grad():
         inputs = [x.detach().requires_grad_() for x in (q, k, v, g, beta, h0)]
-        o, ht = _fla(*inputs, scale, use_qk_l2norm_in_kernel)
+        o, ht = _fla(*inputs, cu_seqlens, scale, use_qk_l2norm_in_kernel)
         grads = torch.autograd.grad([o, ht], inputs, [do, dht], allow_unused=True)
     return [torch.zeros_like(x) if d is None else d.to(x.dtype) for d, x in zip(grads, inputs)]
 
 
 @_fla_op.register_fake
-def _(q, k, v, g, beta, h0, scale, use_qk_l2norm_in_kernel):
+def _(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm_in_kernel):
     return torch.empty_like(v), torch.empty_like(h0)
 
 
 @_fla_backward_op.register_fake
-def _(q, k, v, g, beta, h0, do, dht, scale, use_qk_l2norm_in_kernel):
+def _(q, k, v, g, beta, h0, cu_seqlens, do, dht, scale, use_qk_l2norm_in_kernel):
     return [torch.empty_like(x) for x in (q, k, v, g, beta, h0)]
 
 
 def _fla_setup(ctx, inputs, output):
-    *tensors, ctx.scale, ctx.use_qk_l2norm_in_kernel = inputs
+    *tensors, ctx.cu_seqlens, ctx.scale, ctx.use_qk_l2norm_in_kernel = inputs
     ctx.save_for_backward(*tensors)
 
 
 def _fla_backward(ctx, do, dht):
-    grads = _fla_backward_op(*ctx.saved_tensors, do, dht, ctx.scale, ctx.use_qk_l2norm_in_kernel)
-    return (*grads, None, None)
+    grads = _fla_backward_op(*ctx.saved_tensors, ctx.cu_seqlens, do, dht, ctx.scale, ctx.use_qk_l2norm_in_kernel)
+    return (*grads, None, None, None)
 
 
 torch.library.register_autograd("moe_delta::fla_gated_delta_rule", _fla_backward, setup_context=_fla_setup)
 
 
 def _fla_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale, initial_state_BHKV, output_final_state,
-                          use_qk_l2norm_in_kernel):
-    B, _, Hk, K = q_BSHK.shape
+                          use_qk_l2norm_in_kernel, reset_BS=None):
+    B, S, Hk, K = q_BSHK.shape
     Hv, V = v_BSHV.shape[2:]
     if Hv != Hk:  # older fla releases have no grouped value heads (0.6 has): one key head per value head
         q_BSHK, k_BSHK = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q_BSHK, k_BSHK))
     dtype = v_BSHV.dtype
     h0_BHKV = (v_BSHV.new_zeros(B, Hv, K, V, dtype=torch.float32) if initial_state_BHKV is None
                else initial_state_BHKV.float())  # always a tensor: custom ops take no optional outputs
-    o, final = _fla_op(q_BSHK.to(dtype), k_BSHK.to(dtype), v_BSHV, g_BSH.float(), beta_BSH.to(dtype), h0_BHKV,
-                       float(scale), use_qk_l2norm_in_kernel)
-    return o, (final if output_final_state else None)
+    inputs = [q_BSHK.to(dtype), k_BSHK.to(dtype), v_BSHV, g_BSH.float(), beta_BSH.to(dtype)]
+    if reset_BS is None:
+        o, final = _fla_op(*inputs, h0_BHKV, None, float(scale), use_qk_l2norm_in_kernel)
+        return o, (final if output_final_state else None)
+    # documents: the B rows flattened into one, a sequence starts at each row start and each reset (fla's varlen,
+    # cu_seqlens [N + 1]; building it syncs with the host once per call). Each row's first sequence enters with the
+    # row's initial state, every other one with 0; a row's final state is its last sequence's.
+    starts_BS = reset_BS.clone()
+    starts_BS[:, 0] = True
+    starts_T = starts_BS.flatten().nonzero().flatten()
+    cu_seqlens = F.pad(starts_T, (0, 1), value=B * S)
+    first_B = starts_BS.flatten().cumsum(0).reshape(B, S)[:, 0] - 1  # sequence index of each row's start
+    h0_NHKV = h0_BHKV.new_zeros(len(starts_T), Hv, K, V).index_copy(0, first_B, h0_BHKV)
+    flat = [x.reshape(1, B * S, *x.shape[2:]) for x in inputs]
+    o, final_NHKV = _fla_op(*flat, h0_NHKV, cu_seqlens, float(scale), use_qk_l2norm_in_kernel)
+    last_B = torch.cat([first_B[1:], first_B.new_tensor([len(starts_T)])]) - 1
+    return o.reshape(B, S, Hv, V), (final_NHKV[last_B] if output_final_state else None)
 
 
 def chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | None = None,
                            initial_state_BHKV=None, output_final_state: bool = False, chunk_size: int = 64,
-                           use_qk_l2norm_in_kernel: bool = False):
+                           use_qk_l2norm_in_kernel: bool = False, reset_BS=None):
     """The gated delta rule over whole sequences: (o [B, S, Hv, V], final state [B, Hv, K, V] fp32 or None).
     fla's Triton kernels where `fla_usable` (chunk_size is then fla's 64: the result does not depend on it beyond
-    rounding), else `chunk_gated_delta_rule_reference`. Any S (the last chunk is padded)."""
-    _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV)
+    rounding; documents through fla's varlen), else `chunk_gated_delta_rule_reference`. Any S (the last chunk is
+    padded). reset_BS: bool [B, S], True where a document starts (the state entering it is 0)."""
+    _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV, reset_BS)
     scale = q_BSHK.shape[-1] ** -0.5 if scale is None else scale
     if fla_usable(v_BSHV):
         return _fla_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale, initial_state_BHKV,
-                                     output_final_state, use_qk_l2norm_in_kernel)
+                                     output_final_state, use_qk_l2norm_in_kernel, reset_BS)
     return chunk_gated_delta_rule_reference(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale, initial_state_BHKV,
-                                            output_final_state, chunk_size, use_qk_l2norm_in_kernel)
+                                            output_final_state, chunk_size, use_qk_l2norm_in_kernel, reset_BS)
 
 
 def chunk_gated_delta_flops_per_token(key_dim: int, value_dim: int, value_heads: int, chunk_size: int = 64,

@@ -265,15 +265,16 @@ class GatedDeltaNet(nn.Module):
 
     chunk_size = 64  # the delta rule's chunk (fla's; the result does not depend on it beyond rounding)
 
-    def forward(self, x_BSH, cp_split: bool = False):
+    def forward(self, x_BSH, cp_split: bool = False, doc_ids_BK=None):
         """x holds whole sequences, or with cp_split (and a cp group) this rank's split_for_cp part of each
         (core/linear_attention.py then exchanges the conv tails and the chunks' state summaries over the cp group,
-        nothing per token)."""
+        nothing per token). doc_ids_BK (--document-mask): the documents of the WHOLE sequences [B, S * cp]; the
+        delta rule's state restarts at 0 and the conv reads nothing before each document's first token."""
         B, S, _ = x_BSH.shape
         cp_group = self.cp_group if cp_split else None
         A, W, K, U = self.A, self.W, self.K, self.U
         qkv_BSC = causal_conv1d(self.in_proj_qkv(x_BSH), self.conv1d.weight.squeeze(1), activation="silu",
-                                cp_group=cp_group)
+                                cp_group=cp_group, doc_ids_BK=doc_ids_BK)
         q_BSAK, k_BSAK, v_BSWU = qkv_BSC.split([A * K, A * K, W * U], dim=-1)
         beta_BSW = torch.sigmoid(self.in_proj_b(x_BSH))
         g_BSW = -upcast(self.A_log).exp() * F.softplus(upcast(self.in_proj_a(x_BSH)) + self.dt_bias)  # fp32 at least
@@ -281,7 +282,7 @@ class GatedDeltaNet(nn.Module):
         # a*W/A .. (a+1)*W/A - 1
         o_BSWU, _ = gated_delta_rule(q_BSAK.reshape(B, S, A, K), k_BSAK.reshape(B, S, A, K), v_BSWU.reshape(B, S, W, U),
                                      g_BSW, beta_BSW, scale=K ** -0.5, use_qk_l2norm_in_kernel=True,
-                                     chunk_size=self.chunk_size, cp_group=cp_group)
+                                     chunk_size=self.chunk_size, cp_group=cp_group, doc_ids_BK=doc_ids_BK)
         o_BSWU = self.norm(o_BSWU.to(x_BSH.dtype), self.in_proj_z(x_BSH).reshape(B, S, W, U))
         return self.out_proj(o_BSWU.reshape(B, S, W * U))
 
@@ -382,7 +383,7 @@ class DecoderLayer(nn.Module):
     GatedDeltaNet (`linear_attn`) or a gated Attention (`self_attn`) by cfg.layer_types. `state` is [hidden x_BSH,
     aux_2E]. `rope` holds (cos, sin, attention mask, whether the micro-batch is cp-split, document ids) of each
     micro-batch of the step, set by Model.set_positions (one entry: the same for every micro-batch);
-    `current_rope` picks the running one (linear layers read only the cp flag).
+    `current_rope` picks the running one (linear layers read the cp flag and the document ids).
 
     recompute (RECOMPUTE): "attention" keeps only the input of each token-mixer block (input norm, projections,
     conv, norms, rope, attention or delta rule, output projection) and recomputes the rest in backward; "layer"
@@ -419,9 +420,9 @@ class DecoderLayer(nn.Module):
         return self.rope[0] if len(self.rope) == 1 else self.rope[running.micro_batch]
 
     def _attention_block(self, x_BSH):
-        cos, sin, mask_BSK, cp_split, _ = self.current_rope()
+        cos, sin, mask_BSK, cp_split, doc_ids_BK = self.current_rope()
         if self.linear:
-            return self.linear_attn(self.input_layernorm(x_BSH), cp_split=cp_split)
+            return self.linear_attn(self.input_layernorm(x_BSH), cp_split, doc_ids_BK)
         return self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask_BSK)
 
     def _attention_and_norm(self, x_BSH):
@@ -457,8 +458,8 @@ class Model(nn.Module):
     # optional training features this model has; train.py's check_run refuses a flag asking for another (one
     # error: line before any rank starts) and tests/recipe_checks.py skips its checks: expert_bias
     # (--expert-bias-rate, after_step), aux_loss (--aux-loss-coef), recompute (--recompute), fp8 (--fp8), muon
-    # (--optimizer muon: muon_matrices), document_mask (--document-mask: not yet, see set_positions)
-    features = frozenset({"expert_bias", "aux_loss", "recompute", "fp8", "muon"})
+    # (--optimizer muon: muon_matrices), document_mask (--document-mask: set_positions' doc_ids_BK)
+    features = frozenset({"expert_bias", "aux_loss", "recompute", "fp8", "muon", "document_mask"})
 
     def __init__(self, cfg: ModelConfig, layers=None, expert_ids: list[int] | None = None, embed: bool = True,
                  head: bool = True, ep_group=None, cp_group=None, recompute: str = "none",
@@ -523,8 +524,8 @@ class Model(nn.Module):
         With a cp group and cp_split, a micro-batch holds this rank's split_for_cp part of each sequence (S =
         seq_len / cp): keys and values are gathered over the cp group and masked causally by global position
         (CPMask, S x S * cp). doc_ids_BK (train.py --document-mask): the document of each token of the WHOLE
-        sequences [B, S * cp]; not supported yet (Model.features): the delta rule would carry its state across
-        documents, so a document mask on the attention layers alone would not make documents independent.
+        sequences [B, S * cp]: block-causal attention per document, and the Gated DeltaNet layers restart their
+        state and conv at each document (core/linear_attention.py), so each document computes as if alone.
         cp_split=False: whole sequences, computed by every cp rank alone (generation, evaluation)."""
         many = isinstance(position_ids_BS, list)
         pairs = zip(position_ids_BS, doc_ids_BK or [None] * len(position_ids_BS)) if many else [(position_ids_BS, doc_ids_BK)]
@@ -533,9 +534,6 @@ class Model(nn.Module):
         dtype, ropes = next(self.parameters()).dtype, []
         rotary_dim = int(self.cfg.head_dim * self.cfg.partial_rotary_factor)
         for positions_BS, docs_BK in pairs:
-            if docs_BK is not None and "document_mask" not in self.features:
-                raise ValueError("document masks are not supported by the Qwen3.5 recipe yet (its Gated DeltaNet state "
-                                 "would cross documents); train with --no-document-mask")
             S = positions_BS.shape[1]
             mask_BSK = None if cp == 1 and docs_BK is None else \
                 cp_attention_mask(S * cp, cp_rank, cp, doc_ids_BK=docs_BK, device=positions_BS.device)
@@ -746,7 +744,9 @@ def compile_dense_parts(model: Model, document_mask: bool = False) -> None:
         for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.gate, layer.mlp.shared_expert):
             module.compile(fullgraph=True)
         mixer = layer.linear_attn if layer.linear else layer.self_attn
-        if mixer.cp_group is None and (layer.linear or not document_mask):  # else a CPMask (flex on CUDA)
+        # eager under a document mask: a CPMask (flex on CUDA), and fla's varlen form builds its sequence starts
+        # on the host (core/kernels/gated_delta.py)
+        if mixer.cp_group is None and not document_mask:
             mixer.compile(fullgraph=True)  # fla's kernels are custom ops: one graph (core/kernels/gated_delta.py)
 
 
