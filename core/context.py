@@ -298,6 +298,14 @@ def cp_attention_mask(seq_len: int, cp_rank: int = 0, cp_size: int = 1, window: 
     return CPMask(cp_positions(seq_len, cp_rank, cp_size, device), seq_len, window, q_doc_BS, doc_ids_BK)
 
 
+def document_starts(doc_ids_BS: torch.Tensor) -> torch.Tensor:
+    """bool [B, S]: token t starts a new document (its id differs from token t-1's); token 0 never does, so an
+    initial state passed with the row reaches its first document."""
+    reset_BS = torch.zeros(doc_ids_BS.shape, dtype=torch.bool, device=doc_ids_BS.device)
+    reset_BS[:, 1:] = doc_ids_BS[:, 1:] != doc_ids_BS[:, :-1]
+    return reset_BS
+
+
 def doc_ids_from_eos(input_ids_BK: torch.Tensor, eos_id: int) -> torch.Tensor:
     """Document index [B, K] of each token of packed sequences, each document ended by eos (eos belongs to the
     document it ends)."""

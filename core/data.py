@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core.context import doc_ids_from_eos
+from core.context import doc_ids_from_eos, document_starts
 
 FORMAT = 1  # raw text: one token stream
 FORMAT_DOCUMENTS = 2  # whole documents with per-token loss masks
@@ -168,9 +168,7 @@ def positions_in_documents(doc_ids_BK: torch.Tensor) -> torch.Tensor:
     """Each token's position inside its document [B, K] (rope restarts at every document): its index minus the
     index of its document's first token in the window."""
     index_BK = torch.arange(doc_ids_BK.shape[1], device=doc_ids_BK.device).expand_as(doc_ids_BK)
-    starts_BK = torch.ones_like(doc_ids_BK, dtype=torch.bool)
-    starts_BK[:, 1:] = doc_ids_BK[:, 1:] != doc_ids_BK[:, :-1]
-    return index_BK - torch.where(starts_BK, index_BK, 0).cummax(1).values
+    return index_BK - torch.where(document_starts(doc_ids_BK), index_BK, 0).cummax(1).values  # (index 0: 0)
 
 
 class TokenLoader:

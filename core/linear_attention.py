@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from core.context import gather_sequence, split_for_cp
-from core.kernels.gated_delta import chunk_gated_delta_rule, document_starts
+from core.context import document_starts, gather_sequence, split_for_cp
+from core.kernels.gated_delta import chunk_gated_delta_rule
 
 
 def _two_chunks(x_BS_: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ Gam_t = 0 unless seg_t = 0 (no reset since the chunk start), and likewise toward
 on the same matrices (no split of the row, no host sync, any number of documents per chunk); the given
 initial_state reaches only the tokens before a row's first reset. gam then restarts at each reset (the sum of
 the token's own document's decays), so its differences cancel no other document's decays, and the masked log
-decays become -inf before exp (a difference across a reset may be > 0). `document_starts(doc_ids)` makes
+decays become -inf before exp (a difference across a reset may be > 0). `core.context.document_starts(doc_ids)` makes
 reset_BS. On fla, documents run as its varlen form (cu_seqlens; one host sync per call).
 
 Grouped value heads: q and k may have fewer heads than v (Qwen3.5: 16 key heads, 32 value heads); key head h
@@ -61,14 +61,6 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def document_starts(doc_ids_BS: torch.Tensor) -> torch.Tensor:
-    """bool [B, S]: token t starts a new document (its id differs from token t-1's); token 0 never does, so an
-    initial state passed with the row reaches its first document."""
-    reset_BS = torch.zeros(doc_ids_BS.shape, dtype=torch.bool, device=doc_ids_BS.device)
-    reset_BS[:, 1:] = doc_ids_BS[:, 1:] != doc_ids_BS[:, :-1]
-    return reset_BS
-
-
 def _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV, reset_BS=None):
     B, S, Hk, K = q_BSHK.shape
     Hv, V = v_BSHV.shape[2:]
@@ -85,7 +77,7 @@ def _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV, r
                          f"[B, Hv, K, V] = {(B, Hv, K, V)}")
     if reset_BS is not None and (reset_BS.shape != (B, S) or reset_BS.dtype != torch.bool):
         raise ValueError(f"gated delta rule: reset_BS {tuple(reset_BS.shape)} {reset_BS.dtype} must be bool [B, S] = "
-                         f"{(B, S)} (True where a document starts; core.kernels.gated_delta.document_starts)")
+                         f"{(B, S)} (True where a document starts; core.context.document_starts)")
 
 
 def chunk_gated_delta_rule_reference(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | None = None,
