@@ -17,11 +17,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from core.memory import Layout, check_fits
 from core.placement import Placement
+from recipes import recipe_names
 from tests.test_launch import launch_env
 from tools import plan
 from tools.pipeline_timeline import formula_bubble, schedule_order, simulate
 
-RECIPES = ("qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b")
+RECIPES = recipe_names()
 ROOT = Path(__file__).resolve().parents[1]
 
 
