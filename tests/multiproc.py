@@ -6,9 +6,18 @@ rank is blocked inside a gloo collective), the parent kills the ranks and raises
 
 No port races: the parent hosts the rendezvous store itself on a port the OS picks while binding it (port 0), and
 the ranks join it as clients (TORCHELASTIC_USE_AGENT_STORE, as under torchrun's agent). Picking a free port first
-and letting rank 0 bind it later failed with EADDRINUSE when test processes ran side by side."""
+and letting rank 0 bind it later failed with EADDRINUSE when test processes ran side by side.
+
+No fresh import per rank: the ranks are forked from a forkserver that imported torch and the function's module
+once (multiprocessing's "forkserver"; it has run no torch op, so no thread pool is forked), instead of spawned
+processes that each import torch again (~5 s of CPU per rank on a small machine). Each rank still starts as a
+spawned one would: in the caller's environment, working directory and sys.path of the moment, writing to the
+caller's file descriptors 1 and 2 of the moment (a log they are redirected to, pytest's capture). `start_ranks` returns at once, so the caller can work
+(or start another group) while the ranks run; `run_ranks` waits."""
 
 import faulthandler
+import multiprocessing
+import multiprocessing.reduction
 import os
 import tempfile
 import time
@@ -36,8 +45,26 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, deadline: float, fn, args):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+class _Fd:
+    """A file descriptor of the caller that the rank receives as its own (passed by the forkserver)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):  # pickled while the rank starts: the fd is sent along
+        return _inherited, (multiprocessing.reduction.DupFd(self.fd),)
+
+
+def _inherited(dup) -> int:
+    return dup.detach()
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, deadline: float, env: dict, stdio, fn, args):
+    for fd, theirs in zip((1, 2), stdio):
+        os.dup2(theirs, fd)
+        os.close(theirs)
+    os.environ.clear()
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
     with open(os.path.join(out_dir, f"rank{rank}.stacks"), "w") as stacks:
@@ -47,27 +74,53 @@ def _worker(rank: int, world: int, port: int, out_dir: str, deadline: float, fn,
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+class Ranks:
+    """A running group of ranks (start_ranks); join() waits for them and returns their results."""
+
+    def __init__(self, world: int, fn, args, timeout: float):
+        self.world, self.fn, self.timeout = world, fn, timeout
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=timeout))
+        self.out_dir = tempfile.TemporaryDirectory()
+        self.deadline = time.time() + timeout  # the ranks dump their stacks then (wall clock: shared by the processes)
+        multiprocessing.set_forkserver_preload(["tests.multiproc", fn.__module__])  # (read when the server starts)
+        self.context = mp.start_processes(_worker, nprocs=world, join=False, start_method="forkserver", args=(
+            world, self.store.port, self.out_dir.name, self.deadline, dict(os.environ), (_Fd(1), _Fd(2)), fn, args))
+
+    def join(self) -> list:
+        """The ranks' return values in rank order. Raises TimeoutError with every rank's stacks if they have not all
+        finished by the deadline."""
+        with self.out_dir as out_dir:
+            context, world = self.context, self.world
+            while not context.join(timeout=max(0.0, self.deadline + _STACKS_GRACE_S - time.time())):  # raises if a rank failed
+                if time.time() < self.deadline + _STACKS_GRACE_S:
+                    continue
+                self.kill()
+                stacks = []
+                for r in range(world):
+                    path = os.path.join(out_dir, f"rank{r}.stacks")
+                    text = open(path).read() if os.path.exists(path) else "(none: the rank had not started fn)\n"
+                    stacks.append(f"---- rank {r} (exit code {context.processes[r].exitcode}):\n{text}")
+                raise TimeoutError(f"{self.fn.__name__} on {world} ranks did not finish in {self.timeout:.0f} s (a "
+                                   f"deadlock?); the ranks' stacks at the deadline:\n" + "".join(stacks))
+            return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(world)]
+
+
+    def kill(self) -> None:
+        """Stops every rank still running (the caller gave up on the group)."""
+        for p in self.context.processes:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
+def start_ranks(world: int, fn, *args, timeout: float | None = None) -> Ranks:
+    """fn(*args) on every rank (a module-level function), started now; `.join()` returns the ranks' return values
+    in rank order. Raises TimeoutError with every rank's stacks if the ranks have not all finished `timeout`
+    seconds after the start."""
+    return Ranks(world, fn, args, TIMEOUT_S if timeout is None else timeout)
+
+
 def run_ranks(world: int, fn, *args, timeout: float | None = None) -> list:
-    """fn(*args) on every rank (a module-level function); returns the ranks' return values in rank order.
-    Raises TimeoutError with every rank's stacks if the ranks have not all finished after `timeout` seconds."""
-    timeout = TIMEOUT_S if timeout is None else timeout
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
-    with tempfile.TemporaryDirectory() as out_dir:
-        deadline = time.time() + timeout  # the ranks dump their stacks then (wall clock: shared by the processes)
-        context = mp.start_processes(_worker, args=(world, store.port, out_dir, deadline, fn, args), nprocs=world,
-                                     join=False, start_method="spawn")
-        while not context.join(timeout=max(0.0, deadline + _STACKS_GRACE_S - time.time())):  # raises if a rank failed
-            if time.time() < deadline + _STACKS_GRACE_S:
-                continue
-            for p in context.processes:
-                if p.is_alive():
-                    p.kill()
-                p.join()
-            stacks = []
-            for r in range(world):
-                path = os.path.join(out_dir, f"rank{r}.stacks")
-                text = open(path).read() if os.path.exists(path) else "(none: the rank had not started fn)\n"
-                stacks.append(f"---- rank {r} (exit code {context.processes[r].exitcode}):\n{text}")
-            raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish in {timeout:.0f} s (a deadlock?); "
-                               f"the ranks' stacks at the deadline:\n" + "".join(stacks))
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(world)]
+    """start_ranks(...).join(): fn(*args) on every rank; the ranks' return values in rank order."""
+    return start_ranks(world, fn, *args, timeout=timeout).join()

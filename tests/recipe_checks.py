@@ -15,8 +15,8 @@ Each check returns Result rows (check, worst error, tolerance, where the worst w
            process (losses, grad norms, every weight after 3 steps); the model-level loss, aux loss, expert load,
            logits and gradients at cp2 and cp2xep2; resume at ep2; --recompute; pp2 in bf16; an export at pp2xep2
            and at ep4 under an uneven placement; the same five layouts on conversations (whole documents, loss
-           masks, --document-mask) and pp2 --recompute layer on them. One spawned process group per world size
-           runs all of its jobs.
+           masks, --document-mask) and pp2 --recompute layer on them. One process group per world size runs all
+           of its jobs, both side by side with the one-process references.
 
 Also the helpers other per-recipe tests share: a partial model reads only its tensors, transformers' aux loss and
 router gradients, and the counting dataset the tests train on."""
@@ -40,7 +40,8 @@ from core.context import cp_positions, split_for_cp
 from core.data import TokenLoader, positions_in_documents, write_shards
 from core.mesh import build_mesh
 from core.pipeline import split_layers
-from tests.multiproc import one_thread, run_ranks
+from recipes import recipe_names
+from tests.multiproc import TIMEOUT_S, one_thread, start_ranks
 from tests.test_train import (
     LAYOUT_TOLERANCE,
     bitwise_error,
@@ -95,14 +96,6 @@ def format_table(results: list[Result]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ recipes, data
-
-
-def recipe_names() -> list[str]:
-    """Every recipe folder (model.py and train.py) where `import recipes.<name>` looks, copies included."""
-    import recipes
-
-    return sorted({d.name for root in recipes.__path__ for d in Path(root).iterdir()
-                   if (d / "model.py").is_file() and (d / "train.py").is_file()})
 
 
 @dataclass
@@ -196,30 +189,38 @@ def check_args(recipe: Recipe, config, data, out, **extra) -> list[str]:
                                             "seq_len": recipe.seq_len, **extra})
 
 
-def run_checks(name: str, data, workdir, groups=GROUPS) -> list[Result]:
-    """The named groups of checks (GROUPS) on recipe `name`, training on `data`; scratch files under workdir."""
+def run_checks(name: str, data, workdir, groups=GROUPS, progress=lambda group: None) -> list[Result]:
+    """The named groups of checks (GROUPS) on recipe `name`, training on `data`; scratch files under workdir.
+    progress(group) is called as each group starts. With "layouts", its process groups start first and run while
+    this process checks the other groups (layout_results' `meanwhile`)."""
     unknown = set(groups) - set(GROUPS)
     if unknown:
         raise ValueError(f"unknown check group(s) {', '.join(sorted(unknown))}: choose from {', '.join(GROUPS)}")
     recipe, workdir = load_recipe(name, data_vocab(data)), Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    hf_in = None
-    if {"parity", "export", "buffers"} & set(groups):
-        hf_in = reference_folder(recipe, workdir / "hf_in")
-    results = []
-    if "parity" in groups and recipe.transformers_class:
-        results += parity_results(recipe, hf_in)
-    if "base" in groups and recipe.base:
-        results += base_equality_results(recipe, data, workdir) + float64_base_results(recipe)
-    if "export" in groups:
-        results += export_results(recipe, data, workdir, hf_in)
-    if "buffers" in groups:
-        results += buffer_results(recipe, hf_in)
-    if "documents" in groups and "document_mask" in recipe.model.Model.features:  # (a model may decline it)
-        results += document_results(recipe)
-    if "layouts" in groups:
-        results += layout_results(recipe, data, workdir)
-    return results
+
+    def in_this_process() -> list[Result]:
+        hf_in = None
+        if {"parity", "export", "buffers"} & set(groups):
+            hf_in = reference_folder(recipe, workdir / "hf_in")
+        results = []
+        for group in [g for g in GROUPS if g in groups and g != "layouts"]:
+            progress(group)
+            if group == "parity" and recipe.transformers_class:
+                results += parity_results(recipe, hf_in)
+            if group == "base" and recipe.base:
+                results += base_equality_results(recipe, data, workdir) + float64_base_results(recipe)
+            if group == "export":
+                results += export_results(recipe, data, workdir, hf_in)
+            if group == "buffers":
+                results += buffer_results(recipe, hf_in)
+            if group == "documents" and "document_mask" in recipe.model.Model.features:  # (a model may decline it)
+                results += document_results(recipe)
+        return results
+
+    if "layouts" not in groups:
+        return in_this_process()
+    return layout_results(recipe, data, workdir, meanwhile=in_this_process, progress=progress)
 
 
 # ------------------------------------------------------------------------ parity, base, export, buffers
@@ -465,34 +466,21 @@ def layouts_worker(recipe: str, jobs: dict) -> dict:
     return results
 
 
-def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
-    """Three references in this process (fp32; float64 from the same weights, whose distance from the fp32 run is
-    each tensor's rounding noise; bf16 on one thread), then one spawn of 2 ranks and one of 4, each running all of
-    its jobs in one process group: the five layouts and the two placements (PLACED) against fp32 (pp2xep2 and ep4
-    placed also exporting), the model-level cp checks, resume at ep2, recompute at pp2 and cp2 against the same
-    layout without, pp2 in bf16. A fp32 layout's tensor passes within tests/test_train.py:noise_bound of its noise
+def layout_results(recipe: Recipe, data, workdir: Path, meanwhile=lambda: [], progress=lambda group: None
+                   ) -> list[Result]:
+    """One group of 2 ranks and one of 4, started together, each running all of its jobs in one process group, and
+    meanwhile the references in this process (fp32; float64 from the same weights, whose distance from the fp32 run
+    is each tensor's rounding noise; bf16 on one thread), after `meanwhile()`'s rows (other checks this process runs
+    while the ranks start and run; they come first in the result). The jobs: the five layouts and the two placements
+    (PLACED) against fp32 (pp2xep2 and ep4 placed also exporting), the model-level cp checks, resume at ep2,
+    recompute at pp2 and cp2 against the same layout without, pp2 in bf16. A fp32 layout's tensor passes within tests/test_train.py:noise_bound of its noise
     (the derivation and the measured noise are there)."""
     config = write_config(workdir / "check_config.json", recipe.config)
     args = lambda out, **extra: check_args(recipe, config, data, workdir / out, **extra)
-    single = run_train(args("single", export_hf=workdir / "hf_single"), recipe.train.main)
-    # the float64 run starts from the fp32 run's initial weights (float64 draws other random numbers): exported
-    # after one step at lr 0, then loaded into a model built in float64 (torch's default dtype, which train.py's
-    # model, optimizer and loss follow)
-    recipe.train.main(args("init", steps=1, lr=0.0, expert_bias_rate=0.0, export_hf=workdir / "hf_init"))
-    with float64_default():
-        single64 = run_train(args("single64", hf_checkpoint=workdir / "hf_init", export_hf=workdir / "hf_single64"),
-                             recipe.train.main)
     # conversations: whole documents with loss masks, --document-mask on by default for them (core/data.py)
     documents = "document_mask" in recipe.model.Model.features  # (Model.features: what the model declines is skipped)
     chats = write_counting_chats(workdir / "chats", recipe.seq_len)
     chat_args = lambda out, **extra: check_args(recipe, config, chats, workdir / out, **extra)
-    if documents:
-        single_docs = run_train(chat_args("docs_single"), recipe.train.main)
-        with float64_default():  # the same initial weights (hf_init), float64: each tensor's rounding noise
-            single_docs64 = run_train(chat_args("docs_single64", hf_checkpoint=workdir / "hf_init"), recipe.train.main)
-        unmasked = run_train(chat_args("docs_unmasked", no_document_mask=True), recipe.train.main)
-    with one_thread():
-        single_bf16 = run_train(args("single_bf16", dtype="bf16"), recipe.train.main)
     jobs = {2: {"pp2 recompute": ("train", args("pp2r", pp=2, recompute="layer")),
                 "cp2 recompute": ("train", args("cp2r", cp=2, recompute="attention")),
                 "pp2 bf16": ("train", args("pp2bf16", pp=2, dtype="bf16")),
@@ -519,14 +507,41 @@ def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
         export = {"export_hf": workdir / "hf_ep4_placed"} if ep == 4 else {}
         jobs[ep][name] = ("train", args(name.replace(" ", "_"), ep=ep, expert_placement=",".join(map(str, table)),
                                         **export))
+    # both process groups start now and run side by side with the references below: a rank waiting in a collective
+    # (pipeline bubbles, all-to-alls) leaves its core to another process, so the 6 ranks and this process keep 2
+    # cores busy. Their deadline doubles multiproc's (they share the cores)
+    groups = {world: start_ranks(world, layouts_worker, recipe.name, world_jobs, timeout=2 * TIMEOUT_S)
+              for world, world_jobs in jobs.items()}
+    try:
+        results = meanwhile()
+    except BaseException:
+        for group in groups.values():
+            group.kill()
+        raise
+    progress("layouts")
+    single = run_train(args("single", export_hf=workdir / "hf_single"), recipe.train.main)
+    # the float64 run starts from the fp32 run's initial weights (float64 draws other random numbers): exported
+    # after one step at lr 0, then loaded into a model built in float64 (torch's default dtype, which train.py's
+    # model, optimizer and loss follow)
+    recipe.train.main(args("init", steps=1, lr=0.0, expert_bias_rate=0.0, export_hf=workdir / "hf_init"))
+    with float64_default():
+        single64 = run_train(args("single64", hf_checkpoint=workdir / "hf_init", export_hf=workdir / "hf_single64"),
+                             recipe.train.main)
+    if documents:
+        single_docs = run_train(chat_args("docs_single"), recipe.train.main)
+        with float64_default():  # the same initial weights (hf_init), float64: each tensor's rounding noise
+            single_docs64 = run_train(chat_args("docs_single64", hf_checkpoint=workdir / "hf_init"), recipe.train.main)
+        unmasked = run_train(chat_args("docs_unmasked", no_document_mask=True), recipe.train.main)
+    with one_thread():
+        single_bf16 = run_train(args("single_bf16", dtype="bf16"), recipe.train.main)
     runs = {}
-    for world, world_jobs in jobs.items():  # per job: every rank's result
-        per_rank = run_ranks(world, layouts_worker, recipe.name, world_jobs)
-        runs.update({name: [rank[name] for rank in per_rank] for name in world_jobs})
+    for world, group in groups.items():  # per job: every rank's result
+        per_rank = group.join()
+        runs.update({name: [rank[name] for rank in per_rank] for name in jobs[world]})
 
     # the reference trains: gradients flow and the global norm clips (lr > 0 is in the flags). Whether its loss falls
     # in 3 warm-up steps is no check: a new architecture's may rise (a centered norm's did) and still be right
-    results = [Result("1 process clips (global norm exercised): max grad norm", max(single[1]), CLIP, above=True)]
+    results.append(Result("1 process clips (global norm exercised): max grad norm", max(single[1]), CLIP, above=True))
     bias = (0.0, "")
     for name, layout in [*LAYOUTS.items(), *((name, {"ep": int(name[2])}) for name in PLACED)]:
         worst = layout_errors(single, runs[name], ep=layout["ep"] if "ep" in layout else 1,

@@ -8,6 +8,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 REF = re.compile(r"`([\w./-]+\.(?:py|sh|md|json|toml))(?::([\w.]+))?`")
 MODULE = re.compile(r"python -m ((?:core|recipes|tools)(?:\.\w+)+)")
+# A budget with headroom, not a target: AGENTS.md is read whole before every change, so it stays short (~190 lines
+# now); the ~30 lines above that are for what the next changes document (a copied recipe adds its one line under
+# "Differences" and passes), so no single added line fails the suite.
+MAX_LINES = 220
 
 
 def defined_names(body) -> dict:
@@ -55,7 +59,9 @@ def test_every_reference_in_agents_md_exists():
     refs = references(text)
     assert len(refs) > 50 and sum(name is not None for _, name in refs) > 40, len(refs)  # the map is there
     assert missing(text) == []
-    assert len(text.splitlines()) <= 200
+    lines = len(text.splitlines())
+    assert lines <= MAX_LINES, f"AGENTS.md has {lines} lines, over its budget of {MAX_LINES}: trim what is verbose " \
+                               f"(the map cites, the design states), do not raise the budget"
 
 
 def test_the_checker_catches_a_wrong_name():

@@ -1,4 +1,4 @@
-"""Per-head masks and per-head block selections in core.context.attention, against a per-query loop written here:
+"""Per-head masks and per-head block selections in core.attention.attention, against a per-query loop written here:
 for every (batch, head, query) the loop lists the keys that query may see (causal, window, document, and the
 selection's cell of its query block and the key's block) and takes a float64 softmax over them. Checked: the CPU
 path (the reference) with gradients, the CUDA path's flex BlockMask (its block tables per head, and flex's
@@ -14,14 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from core.context import (
-    attention,
-    attention_reference,
-    cp_attention_mask,
-    flex_attend,
-    select_from_indices,
-    split_for_cp,
-)
+from core.attention import attention, attention_reference, cp_attention_mask, flex_attend, select_from_indices
+from core.context import split_for_cp
 from core.mesh import build_mesh, destroy_mesh
 from tests.multiproc import run_ranks
 from tests.test_context import rel_err

@@ -7,11 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from core.attention import attention, attention_mask, attention_reference, cp_attention_mask
 from core.context import (
-    attention,
-    attention_mask,
-    attention_reference,
-    cp_attention_mask,
     cp_bytes_received_per_layer,
     cp_positions,
     doc_ids_from_eos,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from core.context import CPMask, attention_reference, cp_attention_mask, flex_attend, sink_rescale
+from core.attention import CPMask, attention_reference, cp_attention_mask, flex_attend, sink_rescale
 from tests.test_context import naive_attention, randn, rel_err
 
 B, EOS = 2, 2
@@ -43,7 +43,7 @@ def doc_ids(seq_len: int, cp: int, seed: int) -> torch.Tensor:
     c = seq_len // (2 * cp)
     ids[0, [c - 1, c + 2, c + 3, seq_len - c]] = EOS  # chunk edge, one-token document, edge of the last chunk
     ids[1, torch.randint(0, seq_len, (3,), generator=g)] = EOS
-    is_eos = (ids == EOS).long()  # doc index written out here rather than taken from core.context
+    is_eos = (ids == EOS).long()  # doc index written out here rather than taken from core.context.doc_ids_from_eos
     return is_eos.cumsum(1) - is_eos
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from core.data import TokenLoader, positions_in_documents, write_shards
+from recipes import recipe_names
 from tests.test_train import train_args
 from tools.chat_demo import CHAT_TEMPLATE, conversations, sentencepiece_to_hf
 from tools.prepare_data import main as prepare
@@ -289,4 +290,4 @@ def test_document_mask_cost_tool_runs():
 
     res = bench.main(["--document-mask-cost", "--seq-len", "32", "--micro-batch", "1", "--steps", "1", "--rounds", "1",
                       "--warmup", "0"])
-    assert set(res) == set(bench.RECIPES) and all(r["ratio"] > 0 for r in res.values())
+    assert set(res) == set(recipe_names()) and all(r["ratio"] > 0 for r in res.values())

@@ -3,7 +3,10 @@ on the recipes. Every .py file under recipes/ is read as a syntax tree, not impo
 is still checked, and the folders are listed when the test runs, so a copied recipe is covered too."""
 
 import ast
+from collections import Counter
 from pathlib import Path
+
+from recipes import recipe_names
 
 ROOT = Path(__file__).resolve().parents[1]
 ABOVE_RECIPES = ("tools", "skills")
@@ -59,13 +62,40 @@ def test_the_check_catches_every_form(tmp_path):
     ]
 
 
-SHIPPED = ("qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b", "qwen3_5_35b_a3b")
+def shares_train_py(recipe: Path) -> bool:
+    """What the recipe-checks block of recipe/model.py says in SHARED_TRAIN_PY (read from its syntax tree; True
+    where it says nothing, as in a copy of an older recipe)."""
+    for node in ast.parse((recipe / "model.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SHARED_TRAIN_PY" for t in node.targets):
+            return bool(ast.literal_eval(node.value))
+    return True
 
 
-def test_shipped_recipes_share_one_train_py():
-    """train.py is shared by copy: the shipped recipes' files are byte-identical, so an answer read from one holds for
-    all; what differs between architectures lives in model.py (a copied recipe may diverge on purpose)."""
-    texts = {name: (ROOT / "recipes" / name / "train.py").read_bytes() for name in SHIPPED}
-    differing = [name for name in SHIPPED[1:] if texts[name] != texts[SHIPPED[0]]]
-    assert not differing, f"recipes/{differing[0]}/train.py differs from recipes/{SHIPPED[0]}/train.py: make the " \
-                          f"change in all of them (or move what differs into model.py)"
+def diverging_train_py(recipes_dir: Path) -> list[str]:
+    """'recipes/X/train.py differs from recipes/Y/train.py' for each recipe that shares train.py (shares_train_py)
+    but whose file is not the one most of them hold, byte for byte."""
+    texts = {name: (recipes_dir / name / "train.py").read_bytes() for name in recipe_names(recipes_dir)
+             if shares_train_py(recipes_dir / name)}
+    common = Counter(texts.values()).most_common(1)[0][0] if texts else b""
+    holder = next((name for name, text in texts.items() if text == common), "")
+    return [f"recipes/{name}/train.py differs from recipes/{holder}/train.py" for name, text in texts.items()
+            if text != common]
+
+
+def test_recipes_share_one_train_py():
+    """train.py is shared by copy: every recipe's file is byte-identical, so an answer read from one holds for all;
+    what differs between architectures lives in model.py. A copy whose train.py differs on purpose says
+    SHARED_TRAIN_PY = False in its model.py's recipe-checks block (a seam is missing then)."""
+    assert len([n for n in recipe_names() if shares_train_py(ROOT / "recipes" / n)]) >= 2  # the check compares some
+    differing = diverging_train_py(ROOT / "recipes")
+    assert not differing, "; ".join(differing) + ": make the change in all of them (or move what differs into " \
+                          "model.py); a copy that diverges on purpose sets SHARED_TRAIN_PY = False in its model.py"
+
+
+def test_the_train_py_check_reports_only_an_undeclared_divergence(tmp_path):
+    for name, train, flag in [("a", "x = 1\n", ""), ("b", "x = 1\n", ""), ("c", "x = 2\n", ""),
+                              ("d", "x = 3\n", "SHARED_TRAIN_PY = False\n"), ("e", "x = 1\n", "SHARED_TRAIN_PY = True\n")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.py").write_text(train)
+        (tmp_path / name / "model.py").write_text("TRANSFORMERS_CLASS = None\n" + flag)
+    assert diverging_train_py(tmp_path) == ["recipes/c/train.py differs from recipes/a/train.py"]

@@ -13,6 +13,7 @@ import torch.optim._muon as torch_muon
 
 from core.muon import MuonAdamW, newton_schulz
 from core.optimizer import ReplicaSet
+from recipes import recipe_names
 from tests.multiproc import run_ranks
 from tests.recipe_checks import PLACED, check_args, layout_errors, layouts_worker, load_recipe, write_config
 from tests.test_train import LAYOUT_TOLERANCE, bitwise_error, rel_err, run_train, worst_error
@@ -154,7 +155,7 @@ def run_against_torch(name: str, workdir: Path, steps: int = 4) -> dict[str, tup
     return errors
 
 
-@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b", "qwen3_5_35b_a3b"])
+@pytest.mark.parametrize("name", recipe_names())
 def test_one_process_equals_torch_muon_and_adamw(name, tmp_path):
     """Bounds. Momentum and grad norm 1e-6: the same gradients, clipped by a norm summed in another order (~1e-7).
     AdamW 1e-5: tests/test_train.py:LAYOUT_TOLERANCE's reason (Adam's division turns the clip factor's ~1e-7 into
@@ -222,7 +223,7 @@ def layout_runs(name: str, layouts, tmp_path) -> dict:
 @pytest.mark.parametrize("name,layouts", [
     pytest.param("deepseek_v2_lite", CI_LAYOUTS, id="ci"),  # MLA, shared experts, a dense layer: every kind of matrix
     pytest.param("deepseek_v2_lite", [k for k in LAYOUTS if k not in CI_LAYOUTS], id="rest", marks=pytest.mark.slow),
-    *(pytest.param(other, list(LAYOUTS), id=other, marks=pytest.mark.slow) for other in ("qwen3_30b_a3b", "gpt_oss_20b"))])
+    *(pytest.param(other, list(LAYOUTS), id=other, marks=pytest.mark.slow) for other in recipe_names() if other != "deepseek_v2_lite")])
 def test_layouts_equal_one_process_and_resume(name, layouts, tmp_path):
     """DeepSeek-V2-Lite in CI (dp2xep2: both owner sets split, dense over 4 ranks and experts over 2; pp2xep2; cp2;
     dp2; resume bit for bit and resharded), the other layouts and recipes under -m slow."""

@@ -3,7 +3,7 @@ tests are collected: `cp -r recipes/deepseek_v2_lite recipes/my_arch` is tested 
 
 Per recipe: parity with transformers (or equality with its base recipe), the export round trip and every buffer;
 every parallel layout against one process with resume, recompute, bf16 and a sharded export (one spawned process
-group per world size); the copied folder's launch.sh (train.py being the same file in the shipped recipes is tests/test_layers.py's). And
+group per world size); the copied folder's launch.sh (train.py being the same file in every recipe is tests/test_layers.py's). And
 the copy itself: a copy of a shipped recipe in a scratch clone of the repository is collected and passes."""
 
 import os
@@ -15,7 +15,6 @@ import pytest
 
 from tests.recipe_checks import GROUPS, format_table, recipe_names, run_checks
 from tests.test_launch import ROOT, copy_recipe, launch
-from tests.test_layers import SHIPPED
 
 RECIPES = recipe_names()
 SHARED_TESTS = ("test_numerics_export_and_buffers", "test_layouts_equal_one_process", "test_copied_folder_runs_its_launch_sh")
@@ -78,7 +77,7 @@ def pytest_in(clone, *args):
 
 
 # one copy's layouts in the default suite (the mechanism is the same for every base); the others with -m slow
-@pytest.mark.parametrize("base", [pytest.param(r, marks=() if r == SHIPPED[0] else pytest.mark.slow) for r in SHIPPED])
+@pytest.mark.parametrize("base", [pytest.param(r, marks=() if r == "qwen3_30b_a3b" else pytest.mark.slow) for r in RECIPES])
 def test_a_copied_recipe_is_checked_with_no_test_file_added(base, tmp_path):
     """cp -r recipes/<base> recipes/my_arch in a scratch clone: the clone's suite collects every shared check for
     my_arch, and my_arch's numerics and layouts pass there (its launch.sh: the test above, on the same files)."""
@@ -90,3 +89,55 @@ def test_a_copied_recipe_is_checked_with_no_test_file_added(base, tmp_path):
     assert all(f"tests/test_recipes.py::{test}[my_arch]" in ids for test in SHARED_TESTS), collected.stdout
     run = pytest_in(clone, "tests/test_recipes.py", "-k", "my_arch and not launch_sh")
     assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout[-5000:] + run.stderr[-3000:]
+
+
+# the files whose tests iterate over the recipe folders (each must collect my_arch with no list edited)
+ITERATING = ("test_recipes", "test_training_flags", "test_skill_estimate_memory", "test_plan", "test_muon",
+             "test_skill_ops", "test_skill_plots", "test_skill_profile", "test_skill_validate")
+LISTED_BY_TOOLS = """
+import contextlib, io
+from recipes import recipe_names
+from tools import estimate_memory, plan
+print("recipe_names:", " ".join(recipe_names()))
+for tool in (estimate_memory, plan):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        tool.main(["--help"])
+    print(tool.__name__, "lists my_arch" if "my_arch" in out.getvalue() else "does not list my_arch")
+"""
+
+
+def test_a_documented_copy_needs_no_list_edited(tmp_path):
+    """copy_recipe.py's copy of Qwen3 in a scratch clone, documented as a new recipe is: one line under AGENTS.md's
+    "Differences", one row in README's feature table. Every test file that iterates over recipes collects my_arch,
+    the tools list it, and the cheap checks pass with it (AGENTS.md's references and length budget, the layers and
+    the shared train.py, the --help of its flags, its memory estimate, its FLOP count, its --profile-steps errors)."""
+    clone = clone_checkout(tmp_path / "clone")
+    copied = subprocess.run([sys.executable, "skills/add-new-architecture/scripts/copy_recipe.py", "--base",
+                             "qwen3_30b_a3b", "--name", "my_arch"], cwd=clone, capture_output=True, text=True)
+    assert copied.returncode == 0, copied.stderr
+    agents = (clone / "AGENTS.md").read_text().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(agents) if line.startswith("- Differences")) + 1
+    agents.insert(at, "  - `my_arch`: Qwen3 copied (`recipes/my_arch/model.py:Attention.forward`).\n")
+    (clone / "AGENTS.md").write_text("".join(agents))
+    readme = (clone / "README.md").read_text().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(readme) if line.startswith("## Features"))
+    at = next(i for i in range(at, len(readme)) if readme[i].startswith("|---")) + 1
+    readme.insert(at, "| my_arch recipe (`recipes/my_arch`): Qwen3 copied | done |\n")
+    (clone / "README.md").write_text("".join(readme))
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    tools = subprocess.run([sys.executable, "-c", LISTED_BY_TOOLS], cwd=clone, env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert "my_arch" in tools.stdout.split("recipe_names:")[1].split("\n")[0].split(), tools.stdout + tools.stderr
+    assert tools.stdout.count("lists my_arch") == 2, tools.stdout + tools.stderr
+    files = [f"tests/{name}.py" for name in ITERATING]
+    collected = pytest_in(clone, "--collect-only", *files)
+    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
+    with_copy = {line.split("::")[0] for line in collected.stdout.splitlines() if "::" in line and "my_arch" in line}
+    assert with_copy == set(files), sorted(set(files) - with_copy)
+    run = pytest_in(clone, "tests/test_agents_md.py", "tests/test_layers.py", "tests/test_training_flags.py",
+                    "tests/test_skill_estimate_memory.py", "tests/test_plan.py", "tests/test_skill_profile.py",
+                    "-k", "test_agents_md or test_layers or (my_arch and (help or one_process or script or "
+                    "flop_counter or bad_profile))")
+    assert run.returncode == 0 and "failed" not in run.stdout, run.stdout[-5000:] + run.stderr[-3000:]

@@ -12,9 +12,10 @@ import torch.distributed as dist
 from core import memory
 from core.optimizer import ReplicaSet, ShardedAdamW
 from core.pipeline import split_layers
+from recipes import recipe_names
 from tests.conftest import TINY_TRAIN_CONFIG
 from tests.multiproc import run_ranks
-from tools.estimate_memory import RECIPES, recipe_module
+from tools.estimate_memory import recipe_module
 
 
 def tiny(recipe):
@@ -46,7 +47,7 @@ def adam_bytes(model, group_dense, group_experts):
     return opt.state_bytes()[0]
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", recipe_names())
 def test_params_and_optimizer_exact_one_process(recipe):
     """Each pp rank's weights/gradients with pp=2 and ep=2 equal that rank's share of the CPU-built full model
     (its two stages' layers, embedding/norm/head on rank 0, half of each expert tensor); with no sharding the Adam
@@ -71,7 +72,7 @@ def _adam_on_two_ranks():
     """Adam bytes held by this rank: dp=2 (everything over both ranks) and ep=2 (dense over both, experts alone)."""
     dist.init_process_group("gloo")
     out = {}
-    for recipe in RECIPES:
+    for recipe in recipe_names():
         mod, cfg = tiny(recipe)
         torch.manual_seed(0)
         dp2 = adam_bytes(mod.Model(cfg), dist.group.WORLD, dist.group.WORLD)
@@ -83,7 +84,7 @@ def _adam_on_two_ranks():
 
 def test_optimizer_shards_exact_on_two_ranks():
     ranks = run_ranks(2, _adam_on_two_ranks)
-    for recipe in RECIPES:
+    for recipe in recipe_names():
         mod, cfg = tiny(recipe)
         dp2 = memory.param_bytes(memory.meta_model(mod, cfg), memory.Layout(dp=2, bf16=False))["optimizer"]
         ep2 = memory.param_bytes(memory.meta_model(mod, cfg, expert_ids=range(cfg.num_experts // 2)),
@@ -92,7 +93,7 @@ def test_optimizer_shards_exact_on_two_ranks():
         assert ranks[1][recipe][0] <= dp2
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", recipe_names())
 def test_activations_match_saved_tensors(recipe):
     """The estimate (calibrated at micro-batch 2 x seq 64) against bytes measured at micro-batch 4 x seq 128, for
     each recompute mode. 8%: the calibration is per token, while a few saved tensors do not grow with the token
@@ -139,7 +140,7 @@ def test_refusal_names_layouts_that_fit():
     memory.check_fits(mod, cfg, layout, full / memory.GIB + 0.01, reserve_gib=0)  # fits: no error
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", recipe_names())
 def test_skill_script(recipe, capsys, monkeypatch):
     script = "skills/estimate-memory/scripts/estimate_memory.py"
     monkeypatch.setattr(sys, "argv", [script, recipe, "--pp", "2", "--ep", "2", "--seq-len", "64", "--gpu-gib", "80"])
@@ -157,7 +158,7 @@ def test_skill_script(recipe, capsys, monkeypatch):
     assert e.value.code == 1 and "DOES NOT FIT" in out and "fits: --pp" in out, out
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", recipe_names())
 def test_train_refuses_before_allocating(recipe, monkeypatch):
     """train.py on a (pretended) GPU with 0.2 GiB beyond the reserve stops with the one-line error before the mesh; on CPU it checks nothing."""
     import importlib

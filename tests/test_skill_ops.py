@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from recipes import recipe_names
 from tests.test_launch import launch_variables
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ["qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b"]
+RECIPES = recipe_names()
 SMALL = ["--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--warmup-steps", "1", "--steps", "2"]
 
 

@@ -10,6 +10,7 @@ from PIL import Image  # a dependency of tensorboard (its image summaries are PN
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from core.metrics import HEATMAP_ANCHORS, MetricsLogger, load_heatmap
+from recipes import recipe_names
 
 TAG = "expert_load/layer_x_expert"
 
@@ -56,7 +57,7 @@ def test_heatmap_cells_follow_the_load(tmp_path):
     assert images(tmp_path / "off") == []
 
 
-@pytest.mark.parametrize("recipe", ["qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b"])
+@pytest.mark.parametrize("recipe", recipe_names())
 def test_training_writes_the_heatmap(recipe, tiny_train_setup, tmp_path):
     train = importlib.import_module(f"recipes.{recipe}.train")
     _, data = tiny_train_setup

@@ -1,5 +1,5 @@
 """The validate-correctness skill's scripts. validate.py: one table for a recipe (the cheap groups here; every group
-on each shipped recipe with -m slow, since tests/test_recipes.py runs the same checks for every recipe in CI),
+on each recipe with -m slow, since tests/test_recipes.py runs the same checks for every recipe in CI),
 bad input in one line, and a copied recipe declared a variant of its base: equal to it bit for bit, while a copy
 with another norm epsilon fails (exit code 1). check_parity.py's table, and check_layout.py in a layout the shared
 checks do not run (dp2)."""
@@ -14,7 +14,6 @@ import recipes
 from tests.test_launch import ROOT, copy_recipe
 
 SKILLS = ROOT / "skills"
-SHIPPED = ["qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b"]
 
 
 def script(name: str, skill: str = "validate-correctness"):
@@ -97,11 +96,12 @@ def test_a_copied_variant_equals_its_base(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", SHIPPED)
+@pytest.mark.parametrize("recipe", recipes.recipe_names())
 def test_validate_runs_every_check(recipe, capsys):
     assert script("validate").main(["--recipe", recipe]) == 0
     out = capsys.readouterr().out
-    assert len(table_rows(out, recipe)) == 4 + 3 + 2 + 1 + 15 and out.rstrip().endswith("ALL PASS"), out
+    # parity fp32 + float64, export, buffers, documents, layouts (a recipe with a transformers class, every feature)
+    assert len(table_rows(out, recipe)) == 4 + 3 + 2 + 1 + 3 + 25 and out.rstrip().endswith("ALL PASS"), out
 
 
 def test_check_parity(capsys):

@@ -12,9 +12,10 @@ from typing import Literal
 import pytest
 
 from core.training import build_parser, field_comments, parse_args
+from recipes import recipe_names
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = sorted(d.name for d in (ROOT / "recipes").iterdir() if (d / "train.py").is_file())
+RECIPES = recipe_names()
 FIELD_WITH_COMMENT = re.compile(r"^    (\w+): [^=]+=.*?  # (.*)$")
 
 

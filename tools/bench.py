@@ -49,6 +49,7 @@ from core.mesh import build_mesh, destroy_mesh
 from core.metrics import measure_matmul_flops, peak_flops_and_source, timed
 from core.muon import MuonAdamW, newton_schulz_flops
 from core.optimizer import ReplicaSet, ShardedAdamW
+from recipes import recipe_names
 from recipes.qwen3_30b_a3b import train
 from recipes.qwen3_30b_a3b.model import ModelConfig, flops_per_token, real_config_path, tiny_config_path
 
@@ -164,9 +165,6 @@ def row(name: str, times: list[float], tokens: int, flops_tok: float, peak: floa
             "best_ms": 1000 * min(times), "peak_mem_gib": mem}
 
 
-RECIPES = ("qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b")
-
-
 def document_mask_cost(args) -> dict:
     """{recipe: {"plain_ms", "masked_ms", "ratio"}}: forward + backward of one micro-batch (--micro-batch x
     --seq-len, the recipe's config_tiny.json) with plain causal attention and with --document-mask (documents of 16
@@ -180,7 +178,7 @@ def document_mask_cost(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
     B, S = args.micro_batch or (2 if device.type == "cuda" else 4), args.seq_len or (4096 if device.type == "cuda" else 256)
     results = {}
-    for name in RECIPES:
+    for name in recipe_names():
         mod = importlib.import_module(f"recipes.{name}.model")
         torch.manual_seed(0)
         with torch.device(device):
@@ -229,7 +227,7 @@ def optimizer_step_times(args, layout: list[str]) -> dict:
     dims = sub.parse_args(layout)
     mesh = build_mesh(1, dims.dp, 1, dims.ep, args.device)
     results = {}
-    for name in RECIPES:
+    for name in recipe_names():
         mod = importlib.import_module(f"recipes.{name}.model")
         hf = json.loads((mod.tiny_config_path() if args.size == "tiny" else mod.real_config_path()).read_text())
         if args.size != "tiny" or args.layers:
@@ -279,7 +277,7 @@ def newton_schulz_share(seq_len: int = 4096, sequences: int = 64) -> dict:
     import importlib
 
     results = {}
-    for name in RECIPES:
+    for name in recipe_names():
         mod = importlib.import_module(f"recipes.{name}.model")
         cfg = mod.ModelConfig.from_hf(mod.real_config_path())
         with torch.device("meta"):

@@ -12,7 +12,7 @@ the latency); the raw (work, seconds) points are kept in the file:
                 step), and the forward in FP8 (torch._scaled_mm) on a GPU that has it
   grouped_gemm  the same three of core.moe.grouped_mm over 8 experts with equal rows (the routed-expert GEMMs)
   attention     causal scaled_dot_product_attention forward + backward, counted as its useful (causal) FLOPs
-  attention_masked, attention_explicit   (CPU) core.context.attention forward + backward of a cp=2 rank's queries
+  attention_masked, attention_explicit   (CPU) core.attention.attention forward + backward of a cp=2 rank's queries
                 over the gathered keys under a boolean mask, without and with sinks: the forms a CPU runs where a
                 GPU runs flash / flex kernels, counted over every (query, key) pair: they compute masked ones too
   cross_entropy (CPU) the loss over the vocab (F.cross_entropy forward + backward), in logits per second
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from core.context import attention
+from core.attention import attention
 from core.moe import grouped_mm, grouped_weight_grad
 from core.optimizer import all_gather_flat, reduce_scatter_flat
 
@@ -157,7 +157,7 @@ def compute_rates(device: torch.device, big: bool, min_seconds: float) -> dict:
         useful = 3 * 4 * batch * heads * dim * seq * (seq + 1) / 2  # QK^T and AV, causal half, forward + backward
         points.append((useful, _timed(step, device, min_seconds)))
     out["attention"] = aggregate(points)
-    if not big:  # the forms a CPU runs where a GPU runs flash / flex kernels (core/context.py:attention)
+    if not big:  # the forms a CPU runs where a GPU runs flash / flex kernels (core/attention.py:attention)
         for name, sinks in (("attention_masked", None), ("attention_explicit", torch.zeros(4, device=device))):
             points = []
             for batch, heads, seq, dim in [(1, 4, 128, 32), (1, 4, 256, 32), (2, 4, 256, 32)]:

@@ -14,8 +14,7 @@ import argparse
 import importlib
 
 from core.memory import GIB, Layout, estimate, fits, suggest
-
-RECIPES = ("qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b", "qwen3_5_35b_a3b")
+from recipes import recipe_names
 
 
 def recipe_module(recipe: str):
@@ -23,7 +22,7 @@ def recipe_module(recipe: str):
     try:
         return importlib.import_module(f"recipes.{recipe}.model")
     except ModuleNotFoundError:
-        raise ValueError(f"no recipe folder recipes/{recipe}; use a folder name such as {', '.join(RECIPES)}") from None
+        raise ValueError(f"no recipe folder recipes/{recipe}; use a folder name such as {', '.join(recipe_names())}") from None
 
 
 def table(est: dict) -> str:
@@ -34,7 +33,7 @@ def table(est: dict) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--recipe", required=True, help=f"recipe folder name: {', '.join(RECIPES)} or a copy")
+    p.add_argument("--recipe", required=True, help=f"recipe folder name: {', '.join(recipe_names())} or a copy")
     p.add_argument("--config", default="", help="HF config.json (default: the recipe's config_tiny.json)")
     for name, default in (("pp", 1), ("dp", 1), ("cp", 1), ("ep", 1), ("micro-batch", 1), ("seq-len", 4096)):
         p.add_argument(f"--{name}", type=int, default=default)

@@ -15,7 +15,7 @@ Step time (per rank, one optimizer step), a roofline per operation class with me
 on a GPU without one the datasheet x the published efficiencies of GPU_EFFICIENCY, each cited there):
   compute    FLOPs per token by class from the recipe's model.py `flops_by_layer` (attention, dense GEMMs, routed
              expert GEMMs, head) x tokens of a micro-batch (micro_batch * seq_len / cp), each class at its own rate
-             (GEMM, grouped GEMM; attention forward and backward apart, flex kernels where core/context.py uses
+             (GEMM, grouped GEMM; attention forward and backward apart, flex kernels where core/attention.py uses
              them). With --fp8, as core/fp8.py runs it: forward and input-gradient GEMMs at the FP8 rate, weight
              gradients in bf16, plus quantising each FP8 GEMM's activation input per call (5 bytes per number);
              expert GEMMs also no faster than reading the local experts' weights (bytes / HBM bandwidth). With
@@ -68,10 +68,9 @@ import torch
 from core.memory import GIB, Layout, activation_calibration, estimate, meta_model
 from core.placement import Placement
 from core.reliability import run_main
+from recipes import recipe_names
 from tools.calibrate import OpCounter
 from tools.pipeline_timeline import schedule_order, simulate
-
-RECIPES = ("qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b")
 
 
 @dataclass(frozen=True)
@@ -142,7 +141,7 @@ GPU_EFFICIENCY = {
                                 "as 2 x forward: 279 x 2 / 2.5 = 223"),
     "flex_attention": Efficiency(0.90, "attention",
                                  "PyTorch blog 'FlexAttention: The Flexibility of PyTorch with the Performance of "
-                                 "FlashAttention': 90% of FlashAttention-2 forward; applied where core/context.py "
+                                 "FlashAttention': 90% of FlashAttention-2 forward; applied where core/attention.py "
                                  "attention runs flex (its kernel table: a CPMask or sinks on CUDA; taken here for "
                                  "cp > 1 and for recipes whose attention is not plain causal SDPA)"),
     "flex_attention_bwd": Efficiency(0.85, "attention_bwd", "the same PyTorch FlexAttention blog: 85% of "
@@ -359,7 +358,7 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
     r = machine.rates
     act_bytes = 2 if layout.bf16 else 4
     ops = op_counts(mod.__name__, layout.recompute)
-    # a CPU computes masked attention over every (query, key) pair (core/context.py:attention; a GPU runs flash /
+    # a CPU computes masked attention over every (query, key) pair (core/attention.py:attention; a GPU runs flash /
     # flex kernels): the explicit softmax form where the recipe's attention takes it (GPT-OSS's sinks,
     # DeepSeek's value width), SDPA with a boolean mask under cp, each at its calibrated rate per pair (an older
     # calibration without them: the GEMM rate)
@@ -376,7 +375,7 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
     out = {key: _zero() for key in ("F", "B", "W")}
     a2a = {"F": 0.0, "B": 0.0}
     E, k, H = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
-    # on CUDA core/context.py:attention runs flex for a CPMask (cp, windows, documents) or sinks, flash SDPA for
+    # on CUDA core/attention.py:attention runs flex for a CPMask (cp, windows, documents) or sinks, flash SDPA for
     # plain causal attention; a recipe whose tiny-config forward is not plain SDPA is taken as flex
     flex = layout.cp > 1 or ops["explicit_attention"]
 
@@ -553,7 +552,7 @@ def recipe_modules(recipe: str):
     try:
         return (importlib.import_module(f"recipes.{recipe}.model"), importlib.import_module(f"recipes.{recipe}.train"))
     except ModuleNotFoundError:
-        raise ValueError(f"no recipe folder recipes/{recipe}; use a folder name such as {', '.join(RECIPES)}") from None
+        raise ValueError(f"no recipe folder recipes/{recipe}; use a folder name such as {', '.join(recipe_names())}") from None
 
 
 def valid_layouts(train, cfg_path: str, gpus: int, seq_len: int, global_batch: int, fp8: bool, bf16: bool,
@@ -781,7 +780,7 @@ def main(argv=None):
         argv[i:i + 2] = [f"--layout={argv[i + 1]}"]
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recipe", help=f"recipe folder name: {', '.join(RECIPES)} or a copy")
+    p.add_argument("recipe", help=f"recipe folder name: {', '.join(recipe_names())} or a copy")
     p.add_argument("--gpus", type=int, required=True, help="ranks in all")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu", default="h100", help=f"{', '.join(GPUS)} or cpu (needs --calibration)")

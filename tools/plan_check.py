@@ -26,9 +26,10 @@ import tempfile
 from pathlib import Path
 
 from core.memory import Layout
+from recipes import recipe_names
 from tools.calibrate import calibrate_cpu
 from tools.pipeline_timeline import timeline_stats
-from tools.plan import PUBLISHED_RUNS, RECIPES, machine_for, predict, print_published, published_table, recipe_modules
+from tools.plan import PUBLISHED_RUNS, machine_for, predict, print_published, published_table, recipe_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ((1, ()), (2, ("--ep", "2")), (2, ("--pp", "2")), (2, ("--cp", "2")), (2, ()),
@@ -87,7 +88,7 @@ def pipeline_bubble(pred: dict) -> float:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--recipes", default=",".join(recipe_names()))
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of each run's median")

@@ -15,7 +15,7 @@ experts of the `placement`, core/placement.py, and tokens reach them through cor
 holds the embedding and the final norm + LM head. Checkpoint I/O then touches only those tensors.
 
 Seams (skills/add-new-architecture/SKILL.md's table, in this file's order): a config field `ModelConfig`,
-`load_config`; attention `Attention.forward` (through core.context.attention) and its masks
+`load_config`; attention `Attention.forward` (through core.attention.attention) and its masks
 `Model.set_positions`; the router `Router`, `MoE.route`; expert kinds `ModelConfig.num_choices` (the router's
 choices) vs `num_experts` (the dispatched ones), `DecoderLayer.finish`; state crossing pipeline stages: the
 `state` list of `DecoderLayer`, `PipelineStage.p2p_specs`; the running micro-batch `DecoderLayer.current_rope`
@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from core.context import attention, cp_attention_mask, cp_positions, gather_sequence
+from core.attention import attention, cp_attention_mask
+from core.context import cp_positions, gather_sequence
 from core.fp8 import convert_linears, fp8_grouped_mm
 from core.hf_io import CheckpointReader, read_hf_config, variant_config, write_hf_folder
 from core.kernels.cross_entropy import linear_cross_entropy
@@ -265,7 +266,7 @@ class Attention(nn.Module):
         """mask_BSK None: plain causal over these S tokens. Otherwise x holds this rank's split_for_cp part of each
         sequence: the normed latent and roped key of the whole sequence (K = S * cp, C + R numbers per token) are
         gathered over the cp group, expanded to per-head keys and values on every rank, and this rank's queries
-        attend to them under mask_BSK (a core.context.CPMask)."""
+        attend to them under mask_BSK (a core.attention.CPMask)."""
         B, S, _ = x_BSH.shape
         q_BSX = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSH))) if self.q_lora else self.q_proj(x_BSH)
         q_BNSD = q_BSX.view(B, S, self.N, self.P + self.R).transpose(1, 2)
@@ -840,8 +841,11 @@ def real_config_path() -> Path:
 #                       >= 256, the test data's); "seq_len": tokens per sequence, a multiple of 4 (cp2 cuts it into
 #                       4 chunks) and long enough for the attention's blocks and windows (64 or 128 if it needs);
 #                       "base_config": config.json fields both this recipe and BASE_RECIPE read, or None.
+#   SHARED_TRAIN_PY     True: train.py is the shared file, byte-identical to every other recipe's that says so
+#                       (tests/test_layers.py); False for a copy whose train.py differs on purpose.
 TRANSFORMERS_CLASS = "DeepseekV2ForCausalLM"
 BASE_RECIPE = None
+SHARED_TRAIN_PY = True
 
 
 def check_setup() -> dict:

@@ -1,6 +1,6 @@
 """Estimate a recipe's per-GPU training memory: python skills/estimate-memory/scripts/estimate_memory.py RECIPE [options]
 
-RECIPE is a folder under recipes/ (qwen3_30b_a3b, deepseek_v2_lite, gpt_oss_20b or a copy); the options are those of
+RECIPE is a folder under recipes/ (any one with model.py and train.py, a copy too); the options are those of
 tools/estimate_memory.py, the command line of core/memory.py (--config, --pp, --dp, --cp, --ep, --micro-batch,
 --seq-len, --dtype, --fp8, --recompute, --gpu-gib, --reserve-gib). Exit status 1 when the layout does not fit."""
 

@@ -59,7 +59,7 @@ def verify(found: dict, nnodes: int, pp: int | None, ep: int | None) -> list[str
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--recipe", required=True, help="folder name under recipes/ (qwen3_30b_a3b, deepseek_v2_lite, gpt_oss_20b, a copy)")
+    p.add_argument("--recipe", required=True, help="folder name under recipes/ (any recipe folder, a copy too)")
     p.add_argument("--nproc", type=int, help="processes per node (launch.sh NPROC; default: its own)")
     p.add_argument("--pp", type=int, help="pipeline ranks (launch.sh PP; default: its own)")
     p.add_argument("--ep", type=int, help="expert-parallel ranks (launch.sh EP; default: its own)")

@@ -10,8 +10,10 @@ Groups, all by default (--only picks some):
   base     a variant against BASE_RECIPE on check_setup()["base_config"], its feature switched off (if declared)
   export   a Hugging Face folder through train.py --lr 0 comes back bit for bit
   buffers  every buffer after a meta build + init_weights + load_hf_checkpoint equals a fresh build's
+  documents packed documents under the document mask = each document alone (if the model takes documents)
   layouts  ep2, pp2, cp2, pp2xep2, cp2xep2 against one process; model-level cp2 and cp2xep2; resume at ep2;
-           --recompute; pp2 in bf16; the export at pp2xep2 (2 and 4 gloo ranks on CPU, spawned here)
+           --recompute; pp2 in bf16; the export at pp2xep2 (2 and 4 gloo ranks on CPU, started first: they run
+           while this process checks the other groups)
 Without --data the tiny counting dataset of the tests is written to the scratch folder (no data/stdlib needed);
 --data takes token shards of any vocabulary (the check config's vocab_size is raised to the data's). The training
 runs' own output goes to WORKDIR/runs.log (WORKDIR: --workdir, else a temporary folder removed at the end)."""
@@ -30,7 +32,8 @@ from tests.recipe_checks import GROUPS, format_table, load_recipe, run_checks, w
 
 @contextlib.contextmanager
 def output_to(log_path: Path):
-    """This process's stdout and stderr, and those of the ranks it spawns (file descriptors 1 and 2), into log_path."""
+    """This process's stdout and stderr, and those of the ranks it starts (file descriptors 1 and 2), into log_path;
+    yields a function that prints a line to the stdout of before."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
@@ -39,7 +42,7 @@ def output_to(log_path: Path):
         os.dup2(log.fileno(), 2)
         try:
             with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-                yield
+                yield lambda line: os.write(saved[0], (line + "\n").encode())
         finally:
             log.flush()
             for fd, copy in zip((1, 2), saved):
@@ -56,19 +59,16 @@ def parse_groups(text: str) -> list[str]:
 
 
 def validate(recipe: str, groups: list[str], data, workdir: Path) -> list:
-    """Run each group in turn (a progress line each), their output into workdir/runs.log; on an error the log's
-    last lines are printed before it is raised."""
+    """Run the groups (a progress line as each starts; the layouts' ranks run while this process checks the
+    others), their output into workdir/runs.log; on an error the log's last lines are printed before it is raised."""
     data = Path(data) if data else write_counting_data(workdir / "data")
-    log, results = workdir / "runs.log", []
-    for group in groups:
-        print(f"checking {group} ...", flush=True)
-        try:
-            with output_to(log):
-                results += run_checks(recipe, data, workdir / group, [group])
-        except Exception:
-            print("".join(log.read_text().splitlines(keepends=True)[-40:]), file=sys.stderr)
-            raise
-    return results
+    log = workdir / "runs.log"
+    try:
+        with output_to(log) as say:
+            return run_checks(recipe, data, workdir / "checks", groups, lambda group: say(f"checking {group} ..."))
+    except Exception:
+        print("".join(log.read_text().splitlines(keepends=True)[-40:]), file=sys.stderr)
+        raise
 
 
 def main(argv=None) -> int:
