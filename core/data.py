@@ -397,11 +397,13 @@ def source_losses(names: list[str], sums_G: torch.Tensor, labels_BS: torch.Tenso
                   data_group) -> dict[str, float]:
     """{"loss_<name>": cross-entropy per trained label of that source in the global batch} from this rank's
     per-source loss sums (core/kernels/cross_entropy.py:LossGroups; zeros on ranks that hold no loss, pp > 0), its
-    labels and rows' sources: sums over every rank, label counts over the ranks holding other tokens (data_group)."""
+    labels and rows' sources: sums over every rank, label counts over the ranks holding other tokens (data_group;
+    None: this rank alone)."""
     counts_G = torch.zeros(len(names), dtype=torch.float64, device=labels_BS.device)
     counts_G.index_add_(0, sources_B, (labels_BS != -100).sum(1).double())
     if dist.is_initialized():
         dist.all_reduce(sums_G)
+    if data_group is not None:
         dist.all_reduce(counts_G, group=data_group)
     return {f"loss_{name}": (s / c).item() for name, s, c in zip(names, sums_G, counts_G) if c > 0}
 
