@@ -97,7 +97,7 @@ def test_async_checkpoints_equal_sync_and_survive_a_killed_writer(tiny_train_set
                     "kill-in-save@4:1:0", restarts=1)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert re.findall(r"resumed from \S+step_(\d+) at step", out) == ["2"], out[-4000:]
+    assert [int(s) for s in re.findall(r"resumed from \S+step_(\d+) at step", out)] == [2], out[-4000:]
     assert "(written in the background)" in out
     for step in (2, 4, 6):
         name = f"checkpoints/step_{step:08d}"
