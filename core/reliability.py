@@ -133,8 +133,8 @@ class StopRequest:
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
-    def __init__(self, time_limit_s: float = 0.0, device=None):
-        self.started, self.time_limit_s, self.device = time.monotonic(), time_limit_s, device
+    def __init__(self, time_limit_s: float = 0.0):
+        self.started, self.time_limit_s = time.monotonic(), time_limit_s
         self.received, self.longest_step, self.longest_save = 0, 0.0, None
         self.previous = {}
         if threading.current_thread() is threading.main_thread():  # (signal handlers live in the main thread)
@@ -143,12 +143,12 @@ class StopRequest:
     def _on_signal(self, signum, frame):
         self.received = signum  # acted on at the end of the step, by every rank
 
-    def agree(self, step_time: float, writing: bool, world: int) -> tuple[str, bool]:
+    def agree(self, step_time: float, writing: bool, world: int, device) -> tuple[str, bool]:
         """(why to stop now, '' to go on; whether no rank is still writing a checkpoint in the background)."""
         self.longest_step = max(self.longest_step, step_time)
         reserve = self.longest_step + (self.time_limit_s / 10 if self.longest_save is None else self.longest_save)
         time_up = self.time_limit_s > 0 and time.monotonic() - self.started + reserve >= self.time_limit_s
-        flags = torch.tensor([float(self.received), float(time_up), float(writing)], device=self.device)
+        flags = torch.tensor([float(self.received), float(time_up), float(writing)], device=device)
         if world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         received, time_up, writing = (int(x) for x in flags.tolist())

@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 
 from core import fp8
-from core.kernels.cross_entropy import loss_groups
 from core.checkpoint import Checkpointer, complete_checkpoints, load_checkpoint, resume_candidates
 from core.context import cp_positions, split_for_cp
 from core.data import TokenLoader, load_tokenizer, open_dataset, parse_mixture, positions_in_documents, source_losses
+from core.kernels.cross_entropy import loss_groups
 from core.memory import check_train_args
 from core.mesh import build_mesh, destroy_mesh, resolve_layout
 from core.metrics import MetricsLogger, load_max_over_mean, peak_flops, peak_memory_gib, reduce_stats, timed
@@ -282,10 +282,10 @@ def main(argv=None):
         if data_group is not None:
             dist.all_reduce(num_labels, group=data_group)
         num_labels = num_labels.clamp(min=1)
-        mixture = getattr(loader, "sources", None)  # a mixture: each label's loss counted per source
-        if mixture is not None:
-            loss_groups.begin(list(mixture.to(device).repeat_interleave(labels.shape[1]).split(labels[:args.micro_batch]
-                                                                                                .numel())), len(loader.names))
+        sources_B = getattr(loader, "sources", None)  # a mixture: each row's source; the labels' losses summed per source
+        if sources_B is not None:
+            sources_T = sources_B.to(device).repeat_interleave(labels.shape[1])  # in labels.flatten()'s order
+            loss_groups.begin(list(sources_T.split(args.micro_batch * labels.shape[1])), len(loader.names))
 
         def micro_batch_loss(loss_sum, aux_loss, num_labels=num_labels):
             return loss_sum / num_labels + aux_coef * aux_loss / (n_micro * mesh.data_world)
@@ -357,8 +357,8 @@ def main(argv=None):
             scalars["a2a_rows_vs_naive"] = (a2a_rows[0] / a2a_rows[1]).item()
         history.append(logger.log(step, time.perf_counter() - start, args.global_batch * args.seq_len, scalars,
                                   {"expert_load_max_over_mean": load_per_layer, "trained_tokens": int(num_labels),
-                                   **logged, **({} if mixture is None else source_losses(
-                                       loader.names, loss_groups.take(), labels, mixture.to(device), data_group))}))
+                                   **logged, **({} if sources_B is None else source_losses(
+                                       loader.names, loss_groups.take(), labels, sources_B.to(device), data_group))}))
         watchdog.step_done(history[-1]["step_time"])
         logger.log_load_heatmap(step, load_LE, args.load_heatmap_every)
         window_LE = window_LE + load_LE
@@ -378,8 +378,9 @@ def main(argv=None):
             if mesh.is_main:
                 print(f"step {step:>5}/{args.steps} | val loss {history[-1]['val_loss']:.4f} | val ppl "
                       f"{history[-1]['val_ppl']:.2f} | {history[-1]['val_tokens']:,} tokens | load max/mean per layer "
-                      f"{' '.join(f'{x:.2f}' for x in history[-1]['val_load_max_over_mean'])}", flush=True)
-                for name in ("val_loss", "val_ppl"):
+                      f"{' '.join(f'{x:.2f}' for x in history[-1]['val_load_max_over_mean'])}"
+                      + "".join(f" | {k} {v:.4f}" for k, v in history[-1].items() if k.startswith("val_loss_")), flush=True)
+                for name in [k for k in history[-1] if k.startswith(("val_loss", "val_ppl"))]:  # (and per source)
                     logger.writer.add_scalar(f"val/{name[4:]}", history[-1][name], step)
         if mesh.is_main:  # the same records, machine-readable; a resumed run appends
             with open(Path(args.out) / "metrics.jsonl", "a") as f:
@@ -391,7 +392,9 @@ def main(argv=None):
         # or --time-limit); a background write (--async-checkpoint) is completed at the first step boundary where
         # every rank has finished it (the same all-reduce)
         watchdog.arm(step, "stop agreement and checkpoint save", slow=True)
-        why, written = stop.agree(history[-1]["step_time"], checkpointer.writing(), mesh.world)
+        for fault in ("sigterm", "sigusr1", "sigterm-launcher"):  # MOE_TRAIN_FAULT (tests only)
+            inject_fault(fault, step)
+        why, written = stop.agree(history[-1]["step_time"], checkpointer.writing(), mesh.world, device)
         if written and checkpointer.pending is not None and mesh.is_main:
             print(f"saved checkpoint {checkpointer.complete()} (written in the background)", flush=True)
         elif written and checkpointer.pending is not None:
