@@ -99,6 +99,8 @@ def test_async_checkpoints_equal_sync_and_survive_a_killed_writer(tiny_train_set
     assert proc.returncode == 0, out[-4000:]
     assert [int(s) for s in re.findall(r"resumed from \S+step_(\d+) at step", out)] == [2], out[-4000:]
     assert "(written in the background)" in out
+    for run in ("s", "a"):
+        (tmp_path / run).mkdir()
     for step in (2, 4, 6):
         name = f"checkpoints/step_{step:08d}"
         sync = flat(checkpoint_tensors(tmp_path / "sync" / name, tmp_path / "s"))
