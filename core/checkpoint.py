@@ -39,12 +39,14 @@ def _barrier():
         dist.barrier()
 
 
+# without a process group (world size 1) DCP runs in-process, which is intended here: its warning about that is
+# silenced (for the whole process: a background save warns from its own thread)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
 def _dcp(fn, state, path, **kwargs):
-    """dcp.save / dcp.load; without a process group (world size 1) DCP runs in-process, which is intended
-    here, so its warning about that is silenced."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        fn(state, checkpoint_id=path, no_dist=not dist.is_initialized(), **kwargs)
+    """dcp.save / dcp.load, in-process at world size 1."""
+    fn(state, checkpoint_id=path, no_dist=not dist.is_initialized(), **kwargs)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -129,10 +131,7 @@ class Checkpointer:
         _barrier()
         state = {**state, "step": step, **extra, f"rng_rank{self.rank}": _rng_state()}
         if self.asynchronous:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group,
-                                        no_dist=not dist.is_initialized())
+            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group, no_dist=not dist.is_initialized())
             self.pending = (step, getattr(future, "upload_completion", future))
         else:
             _dcp(dcp.save, state, tmp)
