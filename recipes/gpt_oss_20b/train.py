@@ -266,6 +266,7 @@ def main(argv=None):
             print(f"{resume_from or args.hf_checkpoint} on {eval_dir}: val loss {val['val_loss']:.4f} | "
                   f"val ppl {val['val_ppl']:.2f} | {val['val_tokens']:,} tokens | load max/mean per layer "
                   f"{' '.join(f'{x:.2f}' for x in val['val_load_max_over_mean'])}", flush=True)
+        stop.close()
         destroy_mesh()
         return [val], model
     watchdog = Watchdog(args.step_timeout, mesh.rank, mesh.world)
