@@ -45,8 +45,10 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 def _dcp(fn, state, path, **kwargs):
-    """dcp.save / dcp.load, in-process at world size 1."""
-    fn(state, checkpoint_id=path, no_dist=not dist.is_initialized(), **kwargs)
+    """dcp.save / dcp.load, in-process at world size 1 (silenced here too: a caller may reset the filters)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return fn(state, checkpoint_id=path, no_dist=not dist.is_initialized(), **kwargs)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -131,7 +133,7 @@ class Checkpointer:
         _barrier()
         state = {**state, "step": step, **extra, f"rng_rank{self.rank}": _rng_state()}
         if self.asynchronous:
-            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group, no_dist=not dist.is_initialized())
+            future = _dcp(dcp.async_save, state, tmp, process_group=self.group)
             self.pending = (step, getattr(future, "upload_completion", future))
         else:
             _dcp(dcp.save, state, tmp)
