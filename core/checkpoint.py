@@ -3,7 +3,10 @@
 Layout: <dir>/step_00000100/ holds one DCP checkpoint (model, optimizer, scheduler, data position, RNG of
 every rank, step). It is written as step_00000100.tmp/ and renamed only after every rank has finished, so
 a crash during a save leaves the previous step_* folder as the newest complete one; a leftover .tmp folder
-is ignored and overwritten. `--resume auto` falls back to the previous checkpoint if the newest cannot be read.
+is ignored and overwritten. Checkpointer also writes in the background (DCP async_save), renaming in the same way
+once every rank's write has finished. Before loading, every shard .metadata names must exist at its full size
+(check_files); `--resume auto` falls back to the previous checkpoint, with one warning line naming the file, if the
+newest is damaged or cannot be read, and an explicit --resume folder fails in one line.
 After a torchrun restart an empty --resume means auto; on a first attempt it refuses to start over a folder that
 already holds checkpoints (it would overwrite them). The model and optimizer state comes from `ShardedAdamW.checkpoint_state`:
 tensors named by parameter, sharded ones as DTensors with their global shapes, so DCP reshards a checkpoint
@@ -36,12 +39,16 @@ def _barrier():
         dist.barrier()
 
 
+# without a process group (world size 1) DCP runs in-process, which is intended here: its warning about that is
+# silenced (for the whole process: a background save warns from its own thread)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
 def _dcp(fn, state, path, **kwargs):
-    """dcp.save / dcp.load; without a process group (world size 1) DCP runs in-process, which is intended
-    here, so its warning about that is silenced."""
+    """dcp.save / dcp.load, in-process at world size 1 (silenced here too: a caller may reset the filters)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        fn(state, checkpoint_id=path, no_dist=not dist.is_initialized(), **kwargs)
+        return fn(state, checkpoint_id=path, no_dist=not dist.is_initialized(), **kwargs)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -96,23 +103,64 @@ def complete_checkpoints(ckpt_dir) -> list[Path]:
 def save_checkpoint(ckpt_dir, step: int, state: dict, extra: dict, rank: int, keep: int = 2) -> Path:
     """Collective: every rank calls it. `state` holds model and optimizer tensors; `extra` small picklable
     state shared by all ranks (scheduler, data position); each rank's RNG goes under its own key. Keeps the
-    newest `keep` checkpoints."""
-    ckpt_dir = Path(ckpt_dir)
-    final, tmp = ckpt_dir / f"step_{step:08d}", ckpt_dir / f"step_{step:08d}.tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-    _barrier()
-    _dcp(dcp.save, {**state, "step": step, **extra, f"rng_rank{rank}": _rng_state()}, tmp)
-    inject_fault("kill-in-save", step)
-    _barrier()
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in complete_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
-    return final
+    newest `keep` checkpoints. A blocking save (Checkpointer: also in the background)."""
+    checkpointer = Checkpointer(ckpt_dir, rank, keep, asynchronous=False)
+    checkpointer.save(step, state, extra)
+    return checkpointer.complete()
+
+
+class Checkpointer:
+    """Writes checkpoints one at a time, blocking or (asynchronous) in the background: `save` stages the state
+    in host memory (DCP's async_save), a thread writes it while training goes on. Either way the folder is
+    step_N.tmp/ until `complete` (collective): every rank's write has finished, then rank 0 renames it to step_N/
+    and prunes to the newest `keep`; a crash before that leaves the previous checkpoint the newest. A background
+    write gathers its results over a gloo group of its own, never interleaved with the training's collectives.
+    train.py calls `complete` at the first step boundary where no rank is still writing (StopRequest.agree), before
+    the next save, and at the end of the run."""
+
+    def __init__(self, ckpt_dir, rank: int, keep: int = 2, asynchronous: bool = False):
+        self.ckpt_dir, self.rank, self.keep, self.asynchronous = Path(ckpt_dir), rank, keep, asynchronous
+        self.group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
+        self.pending = None  # (step, the background write's future or None when written)
+
+    def save(self, step: int, state: dict, extra: dict) -> None:
+        if self.pending is not None:
+            self.complete()
+        tmp = self.ckpt_dir / f"step_{step:08d}.tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        _barrier()
+        state = {**state, "step": step, **extra, f"rng_rank{self.rank}": _rng_state()}
+        if self.asynchronous:
+            future = _dcp(dcp.async_save, state, tmp, process_group=self.group)
+            self.pending = (step, getattr(future, "upload_completion", future))
+        else:
+            _dcp(dcp.save, state, tmp)
+            self.pending = (step, None)
+
+    def writing(self) -> bool:
+        """This rank's background write still runs."""
+        return self.pending is not None and self.pending[1] is not None and not self.pending[1].done()
+
+    def complete(self) -> Path | None:
+        """Collective: wait for this rank's write, then make the checkpoint final (None: nothing pending)."""
+        if self.pending is None:
+            return None
+        step, future = self.pending
+        self.pending = None
+        if future is not None:
+            future.result()  # raises what failed in the background
+        inject_fault("kill-in-save", step)
+        _barrier()
+        final = self.ckpt_dir / f"step_{step:08d}"
+        if self.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(self.ckpt_dir / f"step_{step:08d}.tmp", final)
+            for old in complete_checkpoints(self.ckpt_dir)[:-self.keep] if self.keep > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+        return final
 
 
 def resume_candidates(resume: str, ckpt_dir) -> list[Path]:
@@ -146,10 +194,12 @@ def load_checkpoint(path, state: dict, extra: dict, rank: int) -> dict:
     path = Path(path)
     state = {**state, "step": 0, **extra}
     try:
-        keys = _SafeReader(path).read_metadata().state_dict_metadata
+        metadata = _SafeReader(path).read_metadata()
+        keys = metadata.state_dict_metadata
     except Exception as e:  # a truncated or foreign .metadata file
         raise ValueError(f"checkpoint {path} is corrupt: its .metadata cannot be read ({type(e).__name__}); "
                          f"resume from another step_* folder") from e
+    check_files(path, metadata)
     rng_key = f"rng_rank{rank}"
     has_rng = any(k.startswith(rng_key + ".") for k in keys)
     if has_rng:
@@ -164,6 +214,22 @@ def load_checkpoint(path, state: dict, extra: dict, rank: int) -> dict:
         if "cuda" in state[rng_key] and torch.cuda.is_available():
             torch.cuda.set_rng_state(state[rng_key]["cuda"])
     return state
+
+
+def check_files(path: Path, metadata) -> None:
+    """Every shard file the checkpoint's .metadata names exists and holds the bytes it points to (a deleted or
+    truncated shard fails here, naming the file, before any tensor is read)."""
+    needed = {}  # file -> bytes the metadata's entries reach
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"checkpoint {path} is incomplete: its shard {file} is missing; "
+                             f"resume from another step_* folder")
+        if file.stat().st_size < size:
+            raise ValueError(f"checkpoint {path} is damaged: its shard {file} has {file.stat().st_size} bytes, "
+                             f"{size} expected (truncated); resume from another step_* folder")
 
 
 def _first_error(e: Exception) -> str:

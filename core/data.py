@@ -24,12 +24,14 @@ change between runs. `next_batch(documents=True)` also returns each token's docu
 """
 
 import json
+import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from core.context import doc_ids_from_eos, document_starts
 
@@ -258,16 +260,17 @@ class TokenLoader:
         docs.append(np.full(pad, len(docs)))
         return tuple(np.concatenate(x).astype(np.int64) for x in (ids, labels, docs))
 
+    def row(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(input ids, labels, document ids) [seq_len] of draw g of the endless shuffled sequence of windows."""
+        epoch, pos = divmod(g, self.num_samples)
+        return (self._document_window if self.documents else self._stream_window)(int(self._order(epoch)[pos]))
+
     def next_batch(self, documents: bool = False) -> tuple[torch.Tensor, ...]:
         """(input_ids, labels), int64 [global_batch // world, seq_len]: this rank's rows of global step `step`;
         documents: also each token's document index in its row (the same shape)."""
         local = self.global_batch // self.world
         first = self.step * self.global_batch + self.rank * local  # position in the endless shuffled sequence
-        window = self._document_window if self.documents else self._stream_window
-        rows = []
-        for g in range(first, first + local):
-            epoch, pos = divmod(g, self.num_samples)
-            rows.append(window(int(self._order(epoch)[pos])))
+        rows = [self.row(g) for g in range(first, first + local)]
         self.step += 1
         ids, labels, docs = (torch.from_numpy(np.stack(x)) for x in zip(*rows))
         return (ids, labels, docs) if documents else (ids, labels)
@@ -282,6 +285,135 @@ class TokenLoader:
                 raise ValueError(f"data state was saved with {key}={sd[key]} but this loader has {key}="
                                  f"{getattr(self, key)}; resume with the same --{key.replace('_', '-')}")
         self.step = int(sd["step"])
+
+
+# ------------------------------------------------------------------------------------------ mixtures
+
+
+def parse_mixture(spec: str) -> list[tuple[str, str, float]]:
+    """--data: one dataset folder, or a mixture `[NAME=]FOLDER:WEIGHT,...` (weights > 0, normalised to sum 1;
+    NAME defaults to the folder's name). Returns [(name, folder, weight)]; a single folder has weight 1."""
+    if "," not in spec and not spec.rpartition(":")[2].replace(".", "", 1).isdigit():
+        return [(os.path.basename(os.path.normpath(spec)), spec, 1.0)]
+    sources = []
+    for item in spec.split(","):
+        folder, _, weight = item.rpartition(":")
+        name, _, folder = folder.rpartition("=") if "=" in folder else ("", "", folder)
+        try:
+            w = float(weight)
+        except ValueError:
+            w = math.nan
+        if not folder or not w > 0 or not math.isfinite(w):
+            raise ValueError(f"--data {spec}: {item!r} is not FOLDER:WEIGHT with a weight > 0 (a mixture is "
+                             f"[NAME=]FOLDER:WEIGHT,..., e.g. web=data/web:0.7,code=data/code:0.3)")
+        sources.append((name or os.path.basename(os.path.normpath(folder)), folder, w))
+    names = [n for n, _, _ in sources]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--data {spec}: two sources are named {max(names, key=names.count)!r}; name them "
+                         f"apart with NAME=FOLDER:WEIGHT")
+    total = sum(w for _, _, w in sources)
+    return [(n, f, w / total) for n, f, w in sources]
+
+
+def mixture_counts(weights: list[float], global_batch: int, steps: np.ndarray, seed: int) -> np.ndarray:
+    """Sequences of each source in each of `steps` [len(steps), sources]: the floor of its quota weight x
+    global_batch, the batch's remaining slots to the sources by systematic sampling over the quotas' fractional
+    parts at an offset that walks the golden-ratio sequence from a seeded start. So a step's count is within 1 of
+    its quota (below 1 in both directions), each source's mean over steps is its quota, and the counts of any step
+    need no earlier step (exact resume at any step)."""
+    quota = np.asarray(weights, dtype=np.float64) * global_batch
+    floor = np.floor(quota)
+    edges = np.concatenate([[0.0], np.cumsum(quota - floor)])  # the fractional parts laid end to end
+    edges[-1] = round(edges[-1])  # a whole number of slots (no rounding error may add one)
+    start = torch.rand((), generator=torch.Generator().manual_seed(seed + (1 << 42))).item()
+    offset = (start + np.asarray(steps, dtype=np.float64)[:, None] * 0.6180339887498949) % 1.0  # [steps, 1]
+    extra = np.ceil(edges[None, 1:] - offset) - np.ceil(edges[None, :-1] - offset)  # points offset + i in each part
+    return (floor[None] + extra).astype(np.int64)
+
+
+class MixtureLoader:
+    """Batches of several datasets (TokenLoaders of the same tokenizer) by weight, with the TokenLoader interface
+    (next_batch, step, state_dict). Global step t has mixture_counts(t) sequences of each source at seeded
+    positions (a permutation per step); source s's j-th sequence is its draw number (its sequences in the steps
+    before t) + j of its own shuffled epochs, so within an epoch of a source no window comes twice, and everything
+    is a function of (seed, step) as in one dataset, whatever the number of data ranks. `sources` holds the source
+    index of each row of the last batch [local batch] (per-source loss). Rows of raw text keep plain causal
+    attention (document ids 0) under a document mask; rows of whole documents get theirs."""
+
+    def __init__(self, sources: list[tuple[str, str, float]], seq_len: int, global_batch: int, rank: int = 0,
+                 world: int = 1, seed: int = 0):
+        self.names, self.weights = [n for n, _, _ in sources], [w for _, _, w in sources]
+        self.loaders = [TokenLoader(folder, seq_len, global_batch, rank, world, seed + i) for i, (_, folder, _) in
+                        enumerate(sources)]
+        first = self.loaders[0].meta
+        for (name, folder, _), loader in zip(sources[1:], self.loaders[1:]):
+            for key in ("tokenizer", "vocab_size", "eos_id"):
+                if loader.meta[key] != first[key]:
+                    raise ValueError(f"--data: source {name} ({folder}) has {key} {loader.meta[key]} but "
+                                     f"{sources[0][1]} {first[key]}; a mixture needs datasets made with one tokenizer")
+        self.meta, self.seq_len, self.global_batch, self.rank, self.world, self.seed = \
+            first, seq_len, global_batch, rank, world, seed
+        self.documents = any(loader.documents for loader in self.loaders)
+        self.num_samples = sum(loader.num_samples for loader in self.loaders)
+        self.step, self.sources, self._drawn = 0, None, (0, np.zeros(len(sources), dtype=np.int64))
+
+    def next_batch(self, documents: bool = False) -> tuple[torch.Tensor, ...]:
+        """As TokenLoader.next_batch; also sets `sources`."""
+        if self._drawn[0] != self.step:  # sequences of each source before this step (sequential steps: carried)
+            self._drawn = (self.step, mixture_counts(self.weights, self.global_batch, np.arange(self.step),
+                                                     self.seed).sum(0))
+        counts = mixture_counts(self.weights, self.global_batch, np.array([self.step]), self.seed)[0]
+        slots = np.repeat(np.arange(len(counts)), counts)  # the step's sources, then shuffled
+        slots = slots[torch.randperm(len(slots), generator=torch.Generator().manual_seed(
+            self.seed + (1 << 43) + self.step)).numpy()]
+        draws, seen = np.empty(len(slots), dtype=np.int64), self._drawn[1].copy()
+        for slot, s in enumerate(slots):  # the draw number of each slot within its source
+            draws[slot], seen[s] = seen[s], seen[s] + 1
+        local = self.global_batch // self.world
+        rows, sources = [], slots[self.rank * local:(self.rank + 1) * local]
+        for slot in range(self.rank * local, (self.rank + 1) * local):
+            s = int(slots[slot])
+            ids, labels, docs = self.loaders[s].row(int(draws[slot]))
+            rows.append((ids, labels, docs if self.loaders[s].documents else np.zeros_like(docs)))
+        self.step, self._drawn = self.step + 1, (self.step + 1, seen)
+        self.sources = torch.from_numpy(sources.astype(np.int64))
+        ids, labels, docs = (torch.from_numpy(np.stack(x)) for x in zip(*rows))
+        return (ids, labels, docs) if documents else (ids, labels)
+
+    def state_dict(self) -> dict:
+        return {**self.loaders[0].state_dict(), "step": self.step, "seed": self.seed,
+                "mixture": dict(zip(self.names, self.weights))}
+
+    def load_state_dict(self, sd: dict) -> None:
+        mixture = dict(zip(self.names, self.weights))
+        if sd.get("mixture") != mixture:
+            raise ValueError(f"data state was saved with the mixture {sd.get('mixture')} but --data gives {mixture}; "
+                             f"resume with the same --data")
+        self.loaders[0].load_state_dict({**sd, "seed": self.loaders[0].seed})
+        self.step = int(sd["step"])
+
+
+def source_losses(names: list[str], sums_G: torch.Tensor, labels_BS: torch.Tensor, sources_B: torch.Tensor,
+                  data_group) -> dict[str, float]:
+    """{"loss_<name>": cross-entropy per trained label of that source in the global batch} from this rank's
+    per-source loss sums (core/kernels/cross_entropy.py:LossGroups; zeros on ranks that hold no loss, pp > 0), its
+    labels and rows' sources: sums over every rank, label counts over the ranks holding other tokens (data_group;
+    None: this rank alone)."""
+    counts_G = torch.zeros(len(names), dtype=torch.float64, device=labels_BS.device)
+    counts_G.index_add_(0, sources_B, (labels_BS != -100).sum(1).double())
+    if dist.is_initialized():
+        dist.all_reduce(sums_G)
+    if data_group is not None:
+        dist.all_reduce(counts_G, group=data_group)
+    return {f"loss_{name}": (s / c).item() for name, s, c in zip(names, sums_G, counts_G) if c > 0}
+
+
+def open_dataset(spec: str, seq_len: int, global_batch: int, rank: int = 0, world: int = 1, seed: int = 0):
+    """--data: a TokenLoader for one folder, a MixtureLoader for a mixture (parse_mixture)."""
+    sources = parse_mixture(spec)
+    if len(sources) == 1:
+        return TokenLoader(sources[0][1], seq_len, global_batch, rank, world, seed)
+    return MixtureLoader(sources, seq_len, global_batch, rank, world, seed)
 
 
 @dataclass

@@ -8,10 +8,13 @@ keeps a bad step from being applied, and fault injection for the tests of all th
 - `Watchdog`: a thread that, when the current step (or checkpoint save, evaluation) runs past its limit, prints
   which rank waits in which phase and collective, dumps every thread's Python stack and exits with code 3.
 - `step_is_finite`: one all-reduce that tells every rank whether any rank saw a non-finite loss or gradient.
+- `StopRequest`: SIGTERM / SIGUSR1 (a preemption, a time limit, scancel) or --time-limit make every rank stop at
+  the same step boundary (one all-reduce of a few numbers per step), after the step in progress, to save once.
 - MOE_TRAIN_FAULT (tests only): comma-separated `kind@step[:rank[:attempt]]` (rank and torchrun restart attempt
   default to 0). kind: `kill` (SIGKILL before the optimizer step), `kill-in-save` (SIGKILL after this rank wrote
   its part of the step's checkpoint, before it is complete), `nan` (a NaN in this rank's first gradient), `hang`
-  (sleep at the start of the step).
+  (sleep at the start of the step), `sigterm` / `sigusr1` (that signal to this rank at the end of the step),
+  `sigterm-launcher` (SIGTERM to this rank's parent, torchrun, which forwards it to every rank).
 """
 
 import faulthandler
@@ -110,6 +113,57 @@ def inject_fault(kind: str, step: int, model: torch.nn.Module | None = None) -> 
             time.sleep(3600)
         elif kind == "nan":
             next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+        elif kind in ("sigterm", "sigusr1"):
+            os.kill(os.getpid(), signal.SIGTERM if kind == "sigterm" else signal.SIGUSR1)
+        elif kind == "sigterm-launcher":
+            os.kill(os.getppid(), signal.SIGTERM)
+            time.sleep(2.0)  # torchrun forwards it to every rank meanwhile
+
+
+# ------------------------------------------------------------------------------- preemption, time limit
+
+
+class StopRequest:
+    """When to stop early. SIGTERM or SIGUSR1 (to torchrun, which forwards SIGTERM, or to the ranks: Slurm's
+    `--signal=USR1@SECONDS` before a time limit, a preemption, scancel) sets a flag; --time-limit MINUTES
+    (time_limit_s) asks to stop once the time since start-up plus the longest step and the longest checkpoint save
+    so far (before any save: a tenth of the limit) would pass it. `agree` at the end of every step: one
+    all-reduce (max) over all ranks of [signal number, time up, a background checkpoint write still running], so
+    every rank decides the same at the same step boundary (the step in progress always completes)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, time_limit_s: float = 0.0):
+        self.started, self.time_limit_s = time.monotonic(), time_limit_s
+        self.received, self.longest_step, self.longest_save = 0, 0.0, None
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():  # (signal handlers live in the main thread)
+            self.previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
+
+    def _on_signal(self, signum, frame):
+        self.received = signum  # acted on at the end of the step, by every rank
+
+    def agree(self, step_time: float, writing: bool, world: int, device) -> tuple[str, bool]:
+        """(why to stop now, '' to go on; whether no rank is still writing a checkpoint in the background)."""
+        self.longest_step = max(self.longest_step, step_time)
+        reserve = self.longest_step + (self.time_limit_s / 10 if self.longest_save is None else self.longest_save)
+        time_up = self.time_limit_s > 0 and time.monotonic() - self.started + reserve >= self.time_limit_s
+        flags = torch.tensor([float(self.received), float(time_up), float(writing)], device=device)
+        if world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        received, time_up, writing = (int(x) for x in flags.tolist())
+        why = f"{signal.Signals(received).name} received" if received else \
+            f"--time-limit {self.time_limit_s / 60:g} min would pass within the next step and save" if time_up else ""
+        return why, not writing
+
+    def saved(self, seconds: float) -> None:
+        """A checkpoint save blocked training this long (the time-limit reserve)."""
+        self.longest_save = max(self.longest_save or 0.0, seconds)
+
+    def close(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        self.previous = {}
 
 
 # --------------------------------------------------------------------------------------------- watchdog

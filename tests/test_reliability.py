@@ -215,7 +215,7 @@ def test_bad_input_is_one_line(tiny_train_setup, tmp_path):
     newest = tmp_path / "a/checkpoints/step_00000002"
     shard = next(newest.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(ValueError, match="step_00000002 could not be loaded .* is it complete"):
+    with pytest.raises(ValueError, match=r"step_00000002 is damaged: its shard .*distcp has 100 bytes, \d+ expected"):
         train.main(train_args(config, data, tmp_path / "b", steps=3, resume=newest))
     losses, _, _ = run_train(train_args(config, data, tmp_path / "a", steps=3, resume="auto"))  # falls back to 1
     assert len(losses) == 2

@@ -6,6 +6,7 @@
     python -m tools.bench --optimizer-step --rounds 3                 # each recipe's optimizer step, AdamW vs Muon
     python -m tools.bench --newton-schulz-share                       # Muon's FLOPs vs a training step, released models
     python -m tools.bench --document-mask-cost --steps 10 --rounds 2   # --document-mask vs plain causal, each recipe
+    python -m tools.bench --checkpoint-cost --steps 8 --rounds 2        # a checkpoint every step: none, sync, async
 
 Our step is recipes/qwen3_30b_a3b/train.py's own loop: train.main on a synthetic token dataset written to a temp
 folder (data loader, micro-batches, forward + backward, gradient reduction, clipping, AdamW, metrics), so every
@@ -28,6 +29,11 @@ default 2), the two taking turns --rounds times; under torchrun --dp/--ep set th
 counts (no run) the Newton-Schulz FLOPs of one Muon step of each released model (recipes/*/config.json, every matrix
 Model.muon_matrices names) against its training step's at launch.sh's GPU defaults on one 8-GPU node: 64 sequences
 of 4,096 tokens (flops_per_token).
+
+--checkpoint-cost runs train.py (the tiny model unless --size) with no checkpoints, a blocking checkpoint after
+every step and an asynchronous one (--async-checkpoint) after every step, taking turns --rounds times, and times
+whole loop iterations (from one step's log line to the next: the step plus its save), medians over the measured
+steps; the checkpoint's size is the saved folder's.
 """
 
 import argparse
@@ -290,6 +296,42 @@ def newton_schulz_share(seq_len: int = 4096, sequences: int = 64) -> dict:
     return results
 
 
+class StepClock(io.StringIO):
+    """train.py's stdout, with the time each step's log line was written (one per loop iteration)."""
+
+    def __init__(self):
+        super().__init__()
+        self.times = []
+
+    def write(self, text):
+        if text.startswith("step ") and "| loss" in text:
+            self.times.append(time.perf_counter())
+        return super().write(text)
+
+
+def checkpoint_cost(args, flags: list[str], out: Path) -> dict:
+    """Loop-iteration time with a checkpoint every step (blocking, background) against none."""
+    modes = {"none": ["--ckpt-every", "0"], "sync": ["--ckpt-every", "1"],
+             "async": ["--ckpt-every", "1", "--async-checkpoint"]}
+    times, size = {m: [] for m in modes}, 0
+    for r in range(args.rounds):
+        for mode, extra in modes.items():
+            clock = StepClock()
+            with contextlib.redirect_stdout(clock):
+                train.main([*flags, "--out", str(out / f"{mode}{r}"), *extra, "--keep-checkpoints", "1"])
+            times[mode] += [b - a for a, b in zip(clock.times[args.warmup:], clock.times[args.warmup + 1:])]
+            for step_dir in (out / f"{mode}{r}/checkpoints").glob("step_*"):
+                size = sum(f.stat().st_size for f in step_dir.iterdir())
+    ms = {m: 1000 * statistics.median(t) for m, t in times.items()}
+    best = {m: 1000 * min(t) for m, t in times.items()}  # on a shared machine the least disturbed iteration
+    print(f"loop iteration with a checkpoint every step ({size / 2**20:.1f} MiB), {len(times['none'])} steps per "
+          f"mode over {args.rounds} rounds taking turns: median, best")
+    for mode in modes:
+        print(f"  {mode:<6} {ms[mode]:8.1f} ms ({ms[mode] / ms['none']:.2f}x none)  {best[mode]:8.1f} ms "
+              f"({best[mode] / best['none']:.2f}x none)")
+    return {"checkpoint_mib": size / 2**20, "iteration_ms": ms, "best_ms": best}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=list(SIZES), default="tiny",
@@ -311,6 +353,8 @@ def main(argv=None) -> dict:
     p.add_argument("--newton-schulz-share", action="store_true", help="Muon's FLOPs per step vs a training step's")
     p.add_argument("--document-mask-cost", action="store_true", help="forward + backward with --document-mask vs "
                    "without, each recipe's tiny config")
+    p.add_argument("--checkpoint-cost", action="store_true", help="step time with a checkpoint every step: none, "
+                   "blocking, asynchronous")
     args, layout = p.parse_known_args(argv)  # the rest (--dp, --ep, --cp, ...) goes to train.py
     if args.newton_schulz_share:
         return newton_schulz_share()
@@ -342,6 +386,8 @@ def main(argv=None) -> dict:
                  "--micro-batch", str(args.micro_batch), "--warmup-steps", "1", "--ckpt-every", "0",
                  "--dtype", args.dtype, "--device", args.device, *(["--fp8"] if args.fp8 else []),
                  *([] if args.compile is None else ["--compile" if args.compile else "--no-compile"]), *layout]
+        if args.checkpoint_cost:
+            return checkpoint_cost(args, flags, tmp)  # (its flags come later: they win)
         device = torch.device("cuda" if cuda else "cpu")
         use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and cuda)
         ours, theirs, mem_ours, mem_theirs, hf, losses, hf_gemm = [], [], 0.0, 0.0, None, None, {}

@@ -65,6 +65,42 @@ def _ce_kernel(logits_ptr, labels_ptr, loss_ptr, stride, V, ignore_index, GRAD: 
             tl.store(ptr + v0 + offs, tl.where(keep, grad, 0.0).to(logits_ptr.dtype.element_ty), mask=mask)
 
 
+class LossGroups:
+    """Per-group sums of the cross-entropy (a data mixture's sources) with no change to a model: train.py sets,
+    for a step, the group of every label of each micro-batch (`begin`: groups_T per micro-batch index, T labels of
+    it on this rank); linear_cross_entropy, the loss every model computes, then adds each label's loss, detached,
+    to sums_G of its group: once per micro-batch (`core/pipeline.py:running` says which; a further call, e.g. another
+    head, is not counted), and only for labels of the micro-batch's shape. One instance, `loss_groups`."""
+
+    def __init__(self):
+        self.groups_T, self.sums_G, self.counted = None, None, set()
+
+    def begin(self, groups_T: list[torch.Tensor], num_groups: int) -> None:
+        self.groups_T, self.counted = groups_T, set()
+        self.sums_G = torch.zeros(num_groups, dtype=torch.float64, device=groups_T[0].device)
+
+    def active(self, labels_T: torch.Tensor) -> bool:
+        from core.pipeline import running  # (core.pipeline sits above the kernels)
+
+        mb = running.micro_batch
+        return (self.groups_T is not None and mb is not None and mb not in self.counted
+                and self.groups_T[mb].shape == labels_T.shape)
+
+    def add(self, loss_T: torch.Tensor) -> None:
+        from core.pipeline import running
+
+        self.counted.add(running.micro_batch)
+        self.sums_G.index_add_(0, self.groups_T[running.micro_batch], loss_T.detach().double())
+
+    def take(self) -> torch.Tensor:
+        """The step's sums [groups] (float64); ends the step."""
+        sums, self.groups_T, self.sums_G = self.sums_G, None, None
+        return sums
+
+
+loss_groups = LossGroups()
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_TH, w_VH, labels_T, ignore_index, chunk_tokens, grad_enabled):
@@ -86,6 +122,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             elif need_w:
                 grad_w += logits.T @ h_c  # a [V, H] product in the input dtype, summed in fp32
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(w_VH.dtype))
+        if loss_groups.active(labels_T):
+            loss_groups.add(loss_T)
         return loss_T.sum()
 
     @staticmethod
@@ -117,6 +155,10 @@ def linear_cross_entropy(h_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch
         if bad.any():
             raise ValueError(f"linear_cross_entropy: labels {labels_T[bad][:5].tolist()} are outside [0, {w_VH.shape[0]})")
     if not (h_TH.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") or h_TH.dtype == torch.float64:
+        if loss_groups.active(labels_T):  # per-label losses for loss_groups (one cross-entropy, then their sum)
+            loss_T = linear_cross_entropy_ref(h_TH, w_VH, labels_T, ignore_index, "none")
+            loss_groups.add(loss_T)
+            return loss_T.sum() / (labels_T != ignore_index).sum() if reduction == "mean" else loss_T.sum()
         return linear_cross_entropy_ref(h_TH, w_VH, labels_T, ignore_index, reduction)
     loss = _LinearCrossEntropy.apply(h_TH.contiguous(), w_VH.contiguous(), labels_T.contiguous(), ignore_index, chunk_tokens,
                                      torch.is_grad_enabled())

@@ -19,6 +19,15 @@
 #               count, node rank and rendezvous host from Slurm:
 #                 sbatch --nodes=4 --gpus-per-node=8 --wrap "bash recipes/<this folder>/launch.sh --steps 1000"
 #                 salloc --nodes=2 --gpus-per-node=8  then  bash recipes/<this folder>/launch.sh
+#               Time limits and preemption: SIGUSR1 or SIGTERM, to this script, torchrun or the ranks, makes every rank
+#               stop after the same step, save one checkpoint and exit 0 with one line; a relaunch with --resume auto
+#               continues exactly. Ask Slurm for the signal early enough for a step and a save, and to requeue:
+#                 sbatch --nodes=4 --gpus-per-node=8 --time=24:00:00 --signal=USR1@600 --requeue \
+#                   --wrap "bash recipes/<this folder>/launch.sh --resume auto --async-checkpoint --ckpt-every 500"
+#               (--signal=USR1@600: SIGUSR1 to every process of the job 10 minutes before its end; --requeue: a
+#               preempted job is queued again and, with --resume auto, goes on from its checkpoint; a scancel or
+#               preemption sends SIGTERM, then SIGKILL after Slurm's KillWait, so keep saves shorter than that or
+#               checkpoint often). Without Slurm's signal, --time-limit MINUTES stops the run in time by itself.
 #
 # Restarts:     a failed rank (crash, lost node, watchdog timeout of a hung step, --step-timeout) makes torchrun
 #               restart every rank, up to MAX_RESTARTS times; train.py then resumes from the newest complete
@@ -107,10 +116,20 @@ WORLD_SIZE=$((NPROC * NNODES)) python -m "recipes.$RECIPE.train" --data "$DATA" 
 
 export MOE_TRAIN_STOP_FILE="${TMPDIR:-/tmp}/moe-train-stop-$$"  # the error that stopped the run (core/reliability.py)
 rm -f "$MOE_TRAIN_STOP_FILE"
+# torchrun ignores SIGUSR1 (Slurm's --signal sends it to every process, and by default it would end torchrun); a
+# SIGUSR1 or SIGTERM to this script goes to the ranks (torchrun's children) as SIGUSR1, so they stop after the same
+# step and save, however long that takes (torchrun would SIGKILL them 30 s after forwarding a SIGTERM itself)
+trap '' USR1
 set -x +e
 torchrun "${RDZV[@]}" --nproc-per-node "$NPROC" --max-restarts "${MAX_RESTARTS:-3}" -m "recipes.$RECIPE.train" \
-  --data "$DATA" --out "$OUT" "${DEFAULTS[@]}" "$@"
-{ rc=$?; set +x; } 2>/dev/null
+  --data "$DATA" --out "$OUT" "${DEFAULTS[@]}" "$@" &
+{ TORCHRUN=$!; set +x; } 2>/dev/null
+trap 'pkill -USR1 -P "$TORCHRUN"' USR1 TERM
+while true; do
+  wait "$TORCHRUN"
+  rc=$?
+  kill -0 "$TORCHRUN" 2>/dev/null || break  # (wait returns early when a trapped signal arrives)
+done
 if [[ -f "$MOE_TRAIN_STOP_FILE" ]]; then  # repeated after torchrun's failure report, so that it is the last line
   echo "error: $(cat "$MOE_TRAIN_STOP_FILE")" >&2
   rm -f "$MOE_TRAIN_STOP_FILE"

@@ -37,9 +37,10 @@ import torch
 import torch.distributed as dist
 
 from core import fp8
-from core.checkpoint import complete_checkpoints, load_checkpoint, resume_candidates, save_checkpoint
+from core.checkpoint import Checkpointer, complete_checkpoints, load_checkpoint, resume_candidates
 from core.context import cp_positions, split_for_cp
-from core.data import TokenLoader, load_tokenizer, positions_in_documents
+from core.data import TokenLoader, load_tokenizer, open_dataset, parse_mixture, positions_in_documents, source_losses
+from core.kernels.cross_entropy import loss_groups
 from core.memory import check_train_args
 from core.mesh import build_mesh, destroy_mesh, resolve_layout
 from core.metrics import MetricsLogger, load_max_over_mean, peak_flops, peak_memory_gib, reduce_stats, timed
@@ -51,6 +52,7 @@ from core.placement import Placement
 from core.profiling import StepProfiler, parse_steps
 from core.reliability import (
     PG_TIMEOUT_S,
+    StopRequest,
     StopRun,
     Watchdog,
     collapse_warning,
@@ -92,7 +94,7 @@ class Args:
 
     config: str = str(tiny_config_path())  # HF config.json; ignored when --hf-checkpoint is given
     hf_checkpoint: str = ""  # start from these Hugging Face weights (its config.json is used)
-    data: str = "data/stdlib"  # token shards from tools/prepare_data.py
+    data: str = "data/stdlib"  # token shards from tools/prepare_data.py; a mixture: [NAME=]FOLDER:WEIGHT,... (web=data/web:0.7,data/code:0.3)
     out: str = f"runs/{Path(__file__).parent.name}"  # tensorboard/ and checkpoints/ go here (runs/<this folder>)
     pp: int = 1  # DualPipeV over this many ranks: 2*pp stages, each rank holds two (needs >= 2*pp micro-batches)
     overlap: bool = True  # pp: overlap one micro-batch's forward with another's backward at the all-to-alls
@@ -132,6 +134,9 @@ class Args:
     ckpt_every: int = 100  # also saves after the last step; 0 disables checkpoints
     keep_checkpoints: int = 2  # 0: keep all
     resume: str = ""  # '' (fresh; after a torchrun restart: auto) | auto (newest complete in <out>/checkpoints) | a step_* folder
+    async_checkpoint: bool = False  # checkpoints staged to host memory and written in the background while training goes on
+    time_limit: float = 0.0  # minutes: stop (checkpoint, exit) before this wall-clock time since start-up, room left for the
+    # save; 0: none. SIGTERM / SIGUSR1 (Slurm's --signal=USR1@SECONDS, a preemption) stop the run the same way
     # ---- reliability and evaluation
     step_timeout: float = 0.0  # seconds a step may take before the watchdog stops the rank; 0: 10x the step time after warm-up
     max_bad_steps: int = 5  # stop after this many steps in a row with a non-finite loss or gradient (each is skipped)
@@ -154,6 +159,7 @@ def main(argv=None):
     cfg = check_run(args, world)  # every user error that needs no process group, in one line, before any work
     if args.dry_run:
         return [], None
+    stop = StopRequest(args.time_limit * 60)  # SIGTERM / SIGUSR1 / --time-limit: every rank stops at one step boundary
     schedule = dict(schedule=args.lr_schedule, warmup=args.warmup_steps, total=args.steps,
                     min_ratio=args.min_lr_ratio, decay_fraction=args.decay_fraction)
     if args.deterministic:  # before any CUDA work; cuBLAS reads its workspace setting at start-up
@@ -170,11 +176,13 @@ def main(argv=None):
     torch.manual_seed(args.seed)  # same seed everywhere: identical replicas at init
 
     # ---- data (checked by check_run) and validation data (<data>/val unless --eval-data names another dataset)
-    loader = TokenLoader(args.data, args.seq_len, args.global_batch, mesh.data_rank, mesh.data_world, args.seed)
+    # (a mixture of datasets: core/data.py:MixtureLoader), validation per source
+    loader = open_dataset(args.data, args.seq_len, args.global_batch, mesh.data_rank, mesh.data_world, args.seed)
     eval_dir, eval_every = eval_settings(args)
-    eval_loader = None
+    eval_loader = None  # {source: (loader, weight)}
     if eval_dir and (eval_every > 0 or args.eval_only):
-        eval_loader = TokenLoader(eval_dir, args.seq_len, args.global_batch, mesh.data_rank, mesh.data_world, args.seed)
+        eval_loader = {name: (TokenLoader(path, args.seq_len, args.global_batch, mesh.data_rank, mesh.data_world,
+                                          args.seed), weight) for name, path, weight in parse_mixture(eval_dir)}
     document_mask = loader.documents if args.document_mask is None else args.document_mask
 
     # ---- model: this rank's routed experts (--expert-placement), everything else whole (HF weights or random init)
@@ -224,6 +232,7 @@ def main(argv=None):
 
     # ---- resume
     ckpt_dir = Path(args.out) / "checkpoints"
+    checkpointer = Checkpointer(ckpt_dir, mesh.rank, args.keep_checkpoints, args.async_checkpoint)
     start_step, resume_from = 0, None
     candidates = [] if args.eval_only and not args.resume else resume_candidates(args.resume, ckpt_dir)  # (checked)
     for candidate in candidates:  # newest first; with auto an unreadable one falls back to the one before
@@ -265,17 +274,18 @@ def main(argv=None):
                         prepare=model.prepare_batch)
     model.train()
     if args.eval_only:
-        val = evaluate(model, pipeline, eval_loader, batch_inputs, use_bf16)
+        val = evaluate_sources(model, pipeline, eval_loader, batch_inputs, use_bf16)
         if mesh.is_main:
             print(f"{resume_from or args.hf_checkpoint} on {eval_dir}: val loss {val['val_loss']:.4f} | "
                   f"val ppl {val['val_ppl']:.2f} | {val['val_tokens']:,} tokens | load max/mean per layer "
                   f"{' '.join(f'{x:.2f}' for x in val['val_load_max_over_mean'])}", flush=True)
+        stop.close()
         destroy_mesh()
         return [val], model
     watchdog = Watchdog(args.step_timeout, mesh.rank, mesh.world)
     profiler = StepProfiler(args.profile_steps, args.steps, args.out, mesh.rank, device)
     # window_LE: expert load since the last collapse check, window_live_LE: experts live in all of it (None: all)
-    bad_in_a_row, skipped, timeline, window_LE, window_live_LE = 0, 0, [], 0, None
+    bad_in_a_row, skipped, timeline, window_LE, window_live_LE, why = 0, 0, [], 0, None, ""
     for step in range(start_step + 1, args.steps + 1):
         start = time.perf_counter()
         watchdog.arm(step, "data")
@@ -283,6 +293,10 @@ def main(argv=None):
         profiler.begin(step)
         input_ids, labels, positions, docs, extras = rank_batch(loader, **batch_inputs)
         denominators = loss_denominators(loss_terms, labels, extras, n_micro, mesh)  # over the global batch
+        sources_B = getattr(loader, "sources", None)  # a mixture: each row's source; the labels' losses summed per source
+        if sources_B is not None:
+            sources_T = sources_B.to(device).repeat_interleave(labels.shape[1])  # in labels.flatten()'s order
+            loss_groups.begin(list(sources_T.split(args.micro_batch * labels.shape[1])), len(loader.names))
 
         def micro_batch_loss(terms, denominators=denominators):
             return objective(terms, loss_terms, denominators)
@@ -358,7 +372,9 @@ def main(argv=None):
         history.append(logger.log(step, time.perf_counter() - start, args.global_batch * args.seq_len, scalars,
                                   {"expert_load_max_over_mean": load_per_layer,
                                    "trained_tokens": int(denominators["lm"]),
-                                   **logged}))
+                                   **logged, **({} if sources_B is None else source_losses(
+                                       loader.names, loss_groups.take(), labels, sources_B.to(device),
+                                       mesh.group("dp", "cp", "ep")))}))
         watchdog.step_done(history[-1]["step_time"])
         logger.log_load_heatmap(step, load_LE, args.load_heatmap_every)
         window_LE = window_LE + load_LE
@@ -374,12 +390,13 @@ def main(argv=None):
         # ---- validation loss (every eval_every steps and after the last one)
         if eval_every > 0 and (step % eval_every == 0 or step == args.steps):
             watchdog.arm(step, "evaluation", slow=True)
-            history[-1].update(evaluate(model, pipeline, eval_loader, batch_inputs, use_bf16))
+            history[-1].update(evaluate_sources(model, pipeline, eval_loader, batch_inputs, use_bf16))
             if mesh.is_main:
                 print(f"step {step:>5}/{args.steps} | val loss {history[-1]['val_loss']:.4f} | val ppl "
                       f"{history[-1]['val_ppl']:.2f} | {history[-1]['val_tokens']:,} tokens | load max/mean per layer "
-                      f"{' '.join(f'{x:.2f}' for x in history[-1]['val_load_max_over_mean'])}", flush=True)
-                for name in ("val_loss", "val_ppl"):
+                      f"{' '.join(f'{x:.2f}' for x in history[-1]['val_load_max_over_mean'])}"
+                      + "".join(f" | {k} {v:.4f}" for k, v in history[-1].items() if k.startswith("val_loss_")), flush=True)
+                for name in [k for k in history[-1] if k.startswith(("val_loss", "val_ppl"))]:  # (and per source)
                     logger.writer.add_scalar(f"val/{name[4:]}", history[-1][name], step)
         if mesh.is_main:  # the same records, machine-readable; a resumed run appends
             with open(Path(args.out) / "metrics.jsonl", "a") as f:
@@ -387,16 +404,36 @@ def main(argv=None):
         if bad_ranks:  # after --max-bad-steps in a row this stops the run, before it saves a checkpoint
             report_bad_step(step, bad_ranks, bad_names, bad_in_a_row, args, mesh, ckpt_dir)
 
-        # ---- checkpoint (every ckpt_every steps and after the last one)
-        if args.ckpt_every > 0 and (step % args.ckpt_every == 0 or step == args.steps):
-            watchdog.arm(step, "checkpoint save", slow=True)
-            path = save_checkpoint(ckpt_dir, step, optimizer.checkpoint_state(model),
-                                   {"scheduler": scheduler.state_dict(), "data": loader.state_dict()},
-                                   mesh.rank, args.keep_checkpoints)
-            if mesh.is_main:
+        # ---- checkpoint (every ckpt_every steps, after the last one, and when every rank agrees to stop: a signal
+        # or --time-limit); a background write (--async-checkpoint) is completed at the first step boundary where
+        # every rank has finished it (the same all-reduce)
+        watchdog.arm(step, "stop agreement and checkpoint save", slow=True)
+        for fault in ("sigterm", "sigusr1", "sigterm-launcher"):  # MOE_TRAIN_FAULT (tests only)
+            inject_fault(fault, step)
+        why, written = stop.agree(history[-1]["step_time"], checkpointer.writing(), mesh.world, device)
+        if written and checkpointer.pending is not None and mesh.is_main:
+            print(f"saved checkpoint {checkpointer.complete()} (written in the background)", flush=True)
+        elif written and checkpointer.pending is not None:
+            checkpointer.complete()
+        if why or (args.ckpt_every > 0 and (step % args.ckpt_every == 0 or step == args.steps)):
+            saving = time.perf_counter()
+            checkpointer.save(step, optimizer.checkpoint_state(model),
+                              {"scheduler": scheduler.state_dict(), "data": loader.state_dict()})
+            path = checkpointer.complete() if why or step == args.steps or not args.async_checkpoint else None
+            stop.saved(time.perf_counter() - saving)
+            if mesh.is_main and path is not None:
                 print(f"saved checkpoint {path}", flush=True)
         watchdog.disarm()
+        if why:
+            break
+    stop.close()
     logger.close()
+    if why:  # the run stops early, its state saved: no export or sample (a relaunch with --resume auto goes on)
+        if mesh.is_main:
+            print(f"stopped after step {step} of {args.steps} ({why}); checkpoint {path} holds every rank's state: "
+                  f"relaunch with --resume auto to continue", flush=True)
+        destroy_mesh()
+        return history, model
     if pipeline is not None:  # the last step's schedule, one list of (op, start, end) per pp rank, for
         # python -m tools.pipeline_timeline --from-json <out>/pipeline_timeline.json
         timelines = [None] * mesh.world
@@ -450,6 +487,7 @@ def check_arguments(args: Args) -> None:
         f"--max-bad-steps must be >= 1, got {args.max_bad_steps}": args.max_bad_steps >= 1,
         f"--step-timeout must be >= 0 (0: automatic), got {args.step_timeout}": args.step_timeout >= 0,
         f"--eval-batches must be >= 1, got {args.eval_batches}": args.eval_batches >= 1,
+        f"--time-limit must be >= 0 minutes (0: none), got {args.time_limit}": args.time_limit >= 0,
         f"--sample-tokens must be >= 0, got {args.sample_tokens}": args.sample_tokens >= 0,
         "--sample-chat samples without the pipeline: use --pp 1 (or export with --export-hf and sample that)":
             not (args.sample_chat and args.pp > 1),
@@ -497,7 +535,7 @@ def check_run(args: Args, world: int):
     eval_dir, eval_every = eval_settings(args)
     for what, path in (("dataset", args.data), ("validation data", eval_dir if eval_every > 0 or args.eval_only else "")):
         if path:
-            data_loader = TokenLoader(path, args.seq_len, args.global_batch, 0, data_world, args.seed)
+            data_loader = open_dataset(path, args.seq_len, args.global_batch, 0, data_world, args.seed)
             meta, vocab = data_loader.meta, data_loader.meta["vocab_size"]
             if what == "dataset":  # on by default for a dataset of whole documents (conversations)
                 check_features(model.features, {"document_mask": (
@@ -518,10 +556,14 @@ def check_run(args: Args, world: int):
 
 
 def eval_settings(args: Args) -> tuple[str, int]:
-    """(validation data folder or '', evaluate every this many steps): <data>/val from tools/prepare_data.py unless
-    --eval-data names another dataset; by default with every checkpoint when that split exists."""
-    default_val = os.path.join(args.data, "val")
-    eval_dir = args.eval_data or (default_val if os.path.isdir(default_val) else "")
+    """(validation data folder, or sources as --data takes them, or '', evaluate every this many steps): <data>/val
+    from tools/prepare_data.py (a mixture: each source's own that exists) unless --eval-data names other data;
+    by default with every checkpoint when such a split exists."""
+    sources = parse_mixture(args.data)
+    found = [(name, os.path.join(path, "val"), w) for name, path, w in sources if os.path.isdir(os.path.join(path, "val"))]
+    default_val = os.path.join(sources[0][1], "val")
+    eval_dir = args.eval_data or (found[0][1] if len(sources) == 1 and found else
+                                  ",".join(f"{name}={path}:{w}" for name, path, w in found))
     eval_every = args.eval_every if args.eval_every >= 0 else (args.ckpt_every if eval_dir else 0)
     if (eval_every > 0 or args.eval_only) and not eval_dir:
         raise ValueError(f"evaluation needs validation data but {default_val} does not exist; rerun tools.prepare_data "
@@ -604,6 +646,18 @@ def evaluate(model, pipeline, loader, batch_inputs: dict, use_bf16) -> dict:
     loss = (totals[0] / totals[1].clamp(min=1)).item()
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(totals[1]),
             "val_load_max_over_mean": load_max_over_mean(stats["expert_load"], stats.get("expert_live"))}
+
+
+def evaluate_sources(model, pipeline, loaders: dict, batch_inputs: dict, use_bf16) -> dict:
+    """evaluate() on each validation source ({name: (loader, weight)}); several (a mixture's own splits): also
+    val_loss_<name> of each, val_loss their mean by weight, the expert load the worst per layer."""
+    found = {name: evaluate(model, pipeline, loader, batch_inputs, use_bf16) for name, (loader, _) in loaders.items()}
+    if len(found) == 1:
+        return next(iter(found.values()))
+    loss = sum(w * found[name]["val_loss"] for name, (_, w) in loaders.items()) / sum(w for _, w in loaders.values())
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": sum(r["val_tokens"] for r in found.values()),
+            "val_load_max_over_mean": [max(x) for x in zip(*(r["val_load_max_over_mean"] for r in found.values()))],
+            **{f"val_loss_{name}": r["val_loss"] for name, r in found.items()}}
 
 
 @torch.no_grad()
