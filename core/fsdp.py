@@ -92,7 +92,8 @@ class FSDPAdamW:
         """pp > 1: all-gather every unit before the schedule; they stay gathered until reduce_gradients."""
         if self.pp == 1:
             return
-        for unit in reversed(self.units):  # the root first: its lazy init makes it FSDP2's root
+        fully_shard.state(self.units[-1])._lazy_init()  # what the root's first forward does (none runs here)
+        for unit in self.units:
             unit.set_requires_gradient_sync(False, recurse=False)
             unit.set_reshard_after_backward(False, recurse=False)
             unit.reshard()  # (a no-op when sharded; after a load the gathered copy is stale)
