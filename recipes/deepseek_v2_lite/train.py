@@ -42,6 +42,7 @@ from core.mesh import build_mesh, destroy_mesh, resolve_layout
 from core.metrics import MetricsLogger, load_max_over_mean, peak_flops, peak_memory_gib, reduce_stats, timed
 from core.moe import traffic
 from core.muon import MuonAdamW
+from core.fsdp import FSDPAdamW, shard_model, whole_model
 from core.optimizer import ReplicaSet, ShardedAdamW
 from core.pipeline import DualPipeV, running, split_layers
 from core.placement import Placement
@@ -101,6 +102,7 @@ class Args:
     global_batch: int = 16  # sequences per optimizer step, all ranks together
     micro_batch: int = 4  # sequences per forward/backward on one rank
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon for the weight matrices, AdamW for the rest (core/muon.py)
+    shard: Literal["zero1", "fsdp"] = "zero1"  # zero1: Adam state sharded, weights and gradients whole (core/optimizer.py); fsdp: weights, gradients and Adam state sharded by FSDP2 (core/fsdp.py)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -185,6 +187,8 @@ def main(argv=None):
         enable_fp8(model)
     if args.compile if args.compile is not None else device.type == "cuda":
         compile_dense_parts(model, document_mask)
+    # --shard fsdp: fully_shard the experts over (dp, cp), the rest over (dp, cp, ep) (core/fsdp.py); one process: ZeRO-1
+    fsdp_units = shard_model(model, mesh, use_bf16) if args.shard == "fsdp" and mesh.world > 1 else None
     pipeline = None
     if args.pp > 1:
         step_ranks = mesh.world // args.pp  # global rank distance between pipeline neighbours
@@ -206,8 +210,11 @@ def main(argv=None):
                     ReplicaSet(experts, mesh.group("dp", "cp"), None, expert_ids)]
     adamw = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2), eps=args.adam_eps,
                  norm_group=dist.group.WORLD if mesh.world > 1 else None)
-    optimizer = MuonAdamW(replica_sets, model.muon_matrices, **adamw) if args.optimizer == "muon" else \
-        ShardedAdamW(replica_sets, **adamw)
+    if fsdp_units is not None:
+        optimizer = FSDPAdamW(model, fsdp_units, **adamw, pp=args.pp)
+    else:
+        optimizer = MuonAdamW(replica_sets, model.muon_matrices, **adamw) if args.optimizer == "muon" else \
+            ShardedAdamW(replica_sets, **adamw)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda s: lr_factor(s, **schedule))
 
     # ---- resume
@@ -383,6 +390,8 @@ def main(argv=None):
                 print(f"saved checkpoint {path}", flush=True)
         watchdog.disarm()
     logger.close()
+    if fsdp_units is not None:  # this rank's part of the model whole again, for export, sampling and the caller
+        model = whole_model(model, lambda: Model(cfg, **parts))
     if pipeline is not None:  # the last step's schedule, one list of (op, start, end) per pp rank, for
         # python -m tools.pipeline_timeline --from-json <out>/pipeline_timeline.json
         timelines = [None] * mesh.world
