@@ -477,6 +477,9 @@ def check_run(args: Args, world: int):
     if args.pp > 1:
         split_layers(cfg.num_hidden_layers, args.pp, flops_by_layer(cfg, args.seq_len))  # clear error if too few layers
     pp, dp, cp, ep = resolve_layout(world, args.pp, args.dp, args.cp, args.ep)
+    if args.shard == "fsdp" and (args.optimizer == "muon" or args.fp8):  # (core/fsdp.py)
+        raise ValueError(f"--shard fsdp runs AdamW in bf16 or fp32: {'--optimizer muon' if args.optimizer == 'muon' else '--fp8'} "
+                         "needs --shard zero1 (Muon's whole matrices, FP8's per-step weight copies)")
     Placement.parse(args.expert_placement, cfg.num_experts, ep)  # a bad table
     data_world = dp * ep  # ranks reading different sequences (cp ranks share theirs)
     if args.micro_batch < 1 or args.global_batch < 1 or args.global_batch % (data_world * args.micro_batch):
