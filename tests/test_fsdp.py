@@ -1,0 +1,112 @@
+"""--shard fsdp (core/fsdp.py: FSDP2 fully_shard) against one process: every layout's losses, grad norms and
+weights; resume from a ZeRO-1 checkpoint; each rank's bytes of weights, gradients and Adam state after a step
+against core/memory.py's estimate."""
+
+import importlib
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from core import fsdp, memory
+from tests.multiproc import run_ranks
+from tests.test_train import assert_matches_single, run_train, train_args
+
+FOUR_RANKS = {"pp2xdp2": {"pp": 2, "dp": 2}, "pp2xep2": {"pp": 2, "ep": 2}, "dp2xep2": {"dp": 2, "ep": 2},
+              "cp2xep2": {"cp": 2, "ep": 2}}
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (FSDP2 pads shards and may share one buffer)."""
+    seen = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _unsharded_grads(opt) -> list:
+    """Gradients still on the gathered parameters (pp > 1: before reduce_gradients)."""
+    out = []
+    for unit in opt.units:
+        for group in fully_shard.state(unit)._fsdp_param_groups:
+            for p in group.fsdp_params:
+                out += [p.unsharded_accumulated_grad, p._unsharded_param.grad]
+    return out
+
+
+def measure_worker(jobs: dict) -> dict:
+    """Each job's train.py run on this rank with FSDPAdamW's calls wrapped to record, at the first step, the bytes
+    of weights (shards, plus the gathered copies at pp > 1), gradients (sharded, plus unsharded before the
+    reduction) and Adam state; returns {job: (run_train's result, bytes)}."""
+    dist.init_process_group("gloo")
+    train = importlib.import_module("recipes.qwen3_30b_a3b.train")
+    train.destroy_mesh = lambda: None  # one process group for all jobs (tests/recipe_checks.py:layouts_worker)
+    reduce, step = fsdp.FSDPAdamW.reduce_gradients, fsdp.FSDPAdamW.step
+    results = {}
+    for name, argv in jobs.items():
+        seen = {}
+
+        def reduce_gradients(opt):
+            if not seen:
+                gathered = [p for n, p in opt.model.named_parameters()] if opt.pp > 1 else []
+                seen.update(cache=_storage_bytes(gathered), unsharded=_storage_bytes(_unsharded_grads(opt)))
+            reduce(opt)
+
+        def opt_step(opt):
+            step(opt)
+            if "weights" not in seen:
+                seen.update(weights=_storage_bytes(opt.local.values()),
+                            gradients=_storage_bytes([t.grad for t in opt.local.values()]) + seen["unsharded"],
+                            optimizer=_storage_bytes([v for s in opt.optimizer.state.values() for v in s.values()
+                                                      if v.ndim]))
+        fsdp.FSDPAdamW.reduce_gradients, fsdp.FSDPAdamW.step = reduce_gradients, opt_step
+        results[name] = (run_train(argv, train.main), dict(seen), dist.get_rank())
+    fsdp.FSDPAdamW.reduce_gradients, fsdp.FSDPAdamW.step = reduce, step
+    dist.barrier()
+    dist.destroy_process_group()
+    return results
+
+
+def estimated(layout: dict, rank: int, cfg) -> dict:
+    """core/memory.py's weights, gradients, optimizer and weight cache of this rank's model (fp32, CPU)."""
+    mod = importlib.import_module("recipes.qwen3_30b_a3b.model")
+    L = memory.Layout(**layout, seq_len=32, bf16=False, shard="fsdp")
+    ep_rank, pp_rank = rank % L.ep, rank // (L.dp * L.cp * L.ep)
+    parts = memory.rank_parts(cfg, L, pp_rank, mod.flops_by_layer(cfg, 32))
+    parts["expert_ids"] = memory.Placement.parse("", cfg.num_experts, L.ep).experts[ep_rank]
+    return memory.param_bytes(memory.meta_model(mod, cfg, **parts), L)
+
+
+def check_layouts(tiny_train_setup, tmp_path, world: int, layouts: dict):
+    config, data = tiny_train_setup
+    args = lambda out, **extra: train_args(config, data, tmp_path / out, steps=3, global_batch=16, **extra)
+    single = run_train(args("single"))
+    runs = run_ranks(world, measure_worker, {name: args(name, shard="fsdp", **layout) for name, layout in layouts.items()})
+    cfg = importlib.import_module("recipes.qwen3_30b_a3b.model").ModelConfig.from_hf(config)
+    for name, layout in layouts.items():
+        assert_matches_single(single, [rank[name][0] for rank in runs], ep=layout.get("ep", 1))
+        for result, seen, rank in (rank[name] for rank in runs):
+            est = estimated(layout, rank, cfg)
+            # FSDP2 pads every shard to ceil(d0 / n) rows, as the estimate counts; Adam's moments follow the
+            # unpadded local shard, the estimate's on the group's first rank, at most that elsewhere
+            assert (seen["weights"], seen["gradients"], seen["cache"]) == \
+                (est["weights"], est["gradients"], est["weight_cache"]), (name, rank, seen, est)
+            # Adam's moments follow the unpadded local shard: the estimate's on the first rank of the shard groups
+            # (the largest shards), at most that on the others
+            replicas = layout.get("dp", 1) * layout.get("cp", 1) * layout.get("ep", 1)
+            assert seen["optimizer"] == est["optimizer"] if rank % replicas == 0 else \
+                seen["optimizer"] <= est["optimizer"], (name, rank, seen, est)
+
+
+def test_fsdp_two_ranks_equal_one_process(tiny_train_setup, tmp_path):
+    """dp2, ep2 and pp2 (DualPipeV with its W slots, gathered once per step) under FSDP2 equal one process (ZeRO-1
+    code, nothing to shard), and each rank holds the bytes core/memory.py estimates."""
+    check_layouts(tiny_train_setup, tmp_path, 2, {"dp2": {"dp": 2}, "ep2": {"ep": 2}, "pp2": {"pp": 2}})
+
+
+@pytest.mark.slow
+def test_fsdp_four_ranks_equal_one_process(tiny_train_setup, tmp_path):
+    check_layouts(tiny_train_setup, tmp_path, 4, FOUR_RANKS)
