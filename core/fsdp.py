@@ -3,7 +3,7 @@ gradients and AdamW state all on 1/n shards; the ZeRO-1 alternative (`--shard ze
 
 Units and meshes (`shard_model`). Each MoE layer's routed experts (`layer.mlp.experts`) are one unit over the
 (dp, cp) mesh (each ep rank holds other experts); each decoder layer's other parameters one unit over
-(dp, cp, ep); the root (embedding, final norm, head) one unit over (dp, cp, ep). A parameter is a DTensor,
+(dp, cp, ep); the embedding one unit, and the root (final norm, head) one, over (dp, cp, ep). A parameter is a DTensor,
 Shard(0) of its full shape (FSDP2 chunks dim 0 as torch.chunk: ceil(d0 / n) rows; an expert tensor [L, H, J]
 therefore splits by whole experts when n divides L). Mixed precision: MixedPrecisionPolicy(param_dtype=bf16 on
 the bf16 path, reduce_dtype=fp32): weights gathered in bf16, gradients reduce-scattered and accumulated in fp32.
@@ -55,6 +55,8 @@ def shard_model(model: torch.nn.Module, mesh, bf16: bool) -> list[FSDPModule]:
             units.append(fully_shard(layer.mlp.experts, mesh=expert_mesh, mp_policy=policy,
                                      reshard_after_forward=pp == 1))
         units.append(fully_shard(layer, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=pp == 1))
+    if model.embed_tokens is not None:  # its own unit: FSDP2 keeps the root's gathered through the whole step
+        units.append(fully_shard(model.embed_tokens, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=pp == 1))
     units.append(fully_shard(model, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=pp == 1))
     register_fsdp_forward_method(model, "forward_train")  # train.py's pp=1 loop calls it, not forward
     for unit in units:

@@ -21,7 +21,7 @@ Components of the most loaded pipeline rank (every pp rank is built; the largest
 With `shard="fsdp"` (train.py --shard fsdp, core/fsdp.py; world > 1) every parameter lies on 1/n shards of
 ceil(d0 / n) rows (FSDP2 pads every rank's to that; rank 0 holds the most): fp32 weights, fp32 gradients and
 Adam's moments, 16 bytes per shard element, and no bf16 cache. pp = 1 gathers each unit (a layer's routed
-experts, a layer's rest, the root) around its use, so the comm buffers hold the two largest units gathered in
+experts, a layer's rest, the embedding, the root) around its use, so the comm buffers hold the two largest units gathered in
 the compute dtype and the largest unit's gradient before its reduce-scatter (compute dtype + fp32); pp > 1
 gathers the stage once per step: the weight cache is then the gathered copy (compute dtype), the gradients add
 the unsharded ones (compute dtype for dense units, fp32 for experts, whose FSDP2 hooks accumulate in fp32) and
@@ -130,8 +130,11 @@ def activation_calibration(mod, recompute: str, batch: int = 2, seq: int = 64) -
 
 
 def fsdp_unit(name: str) -> str:
-    """The FSDP2 unit (core/fsdp.py:shard_model) that holds a parameter: a layer's experts, a layer's rest, root."""
+    """The FSDP2 unit (core/fsdp.py:shard_model) that holds a parameter: a layer's experts, a layer's rest, the
+    embedding, the root (the rest)."""
     parts = name.split(".")
+    if parts[0] == "embed_tokens":
+        return "embed_tokens"
     return "root" if parts[0] != "layers" else f"layers.{parts[1]}" + (".experts" if ".mlp.experts." in name else "")
 
 

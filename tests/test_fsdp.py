@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard
 
 from core import fsdp, memory
 from tests.multiproc import run_ranks
-from tests.test_train import assert_matches_single, run_train, train_args
+from tests.test_train import LAYOUT_TOLERANCE, assert_matches_single, rel_err, run_train, train_args
 
 FOUR_RANKS = {"pp2xdp2": {"pp": 2, "dp": 2}, "pp2xep2": {"pp": 2, "ep": 2}, "dp2xep2": {"dp": 2, "ep": 2},
               "cp2xep2": {"cp": 2, "ep": 2}}
@@ -80,11 +80,14 @@ def estimated(layout: dict, rank: int, cfg) -> dict:
     return memory.param_bytes(memory.meta_model(mod, cfg, **parts), L)
 
 
-def check_layouts(tiny_train_setup, tmp_path, world: int, layouts: dict):
+def check_layouts(tiny_train_setup, tmp_path, world: int, layouts: dict, more: dict | None = None) -> dict:
+    """Each layout under --shard fsdp against one process (3 steps), and its bytes against the estimate; `more`:
+    other runs (name -> argv) in the same process group, whose results are returned (name -> per rank)."""
     config, data = tiny_train_setup
     args = lambda out, **extra: train_args(config, data, tmp_path / out, steps=3, global_batch=16, **extra)
     single = run_train(args("single"))
-    runs = run_ranks(world, measure_worker, {name: args(name, shard="fsdp", **layout) for name, layout in layouts.items()})
+    jobs = {name: args(name, shard="fsdp", **layout) for name, layout in layouts.items()}
+    runs = run_ranks(world, measure_worker, {**jobs, **(more or {})})
     cfg = importlib.import_module("recipes.qwen3_30b_a3b.model").ModelConfig.from_hf(config)
     for name, layout in layouts.items():
         assert_matches_single(single, [rank[name][0] for rank in runs], ep=layout.get("ep", 1))
@@ -99,12 +102,25 @@ def check_layouts(tiny_train_setup, tmp_path, world: int, layouts: dict):
             replicas = layout.get("dp", 1) * layout.get("cp", 1) * layout.get("ep", 1)
             assert seen["optimizer"] == est["optimizer"] if rank % replicas == 0 else \
                 seen["optimizer"] <= est["optimizer"], (name, rank, seen, est)
+    return {name: [rank[name][0] for rank in runs] for name in more or {}}
 
 
 def test_fsdp_two_ranks_equal_one_process(tiny_train_setup, tmp_path):
     """dp2, ep2 and pp2 (DualPipeV with its W slots, gathered once per step) under FSDP2 equal one process (ZeRO-1
-    code, nothing to shard), and each rank holds the bytes core/memory.py estimates."""
-    check_layouts(tiny_train_setup, tmp_path, 2, {"dp2": {"dp": 2}, "ep2": {"ep": 2}, "pp2": {"pp": 2}})
+    code, nothing to shard), and each rank holds the bytes core/memory.py estimates. A ZeRO-1 checkpoint (ep2,
+    step 2 of 4: flat Adam moments) resumes under FSDP2 at ep2: steps 3-4 equal the ZeRO-1 run's."""
+    config, data = tiny_train_setup
+    zero1 = train_args(config, data, tmp_path / "zero1", steps=4, ckpt_every=2, global_batch=16, ep=2)
+    resumed = train_args(config, data, tmp_path / "resumed", steps=4, global_batch=16, ep=2, shard="fsdp",
+                         resume=tmp_path / "zero1/checkpoints/step_00000002")
+    runs = check_layouts(tiny_train_setup, tmp_path, 2, {"dp2": {"dp": 2}, "ep2": {"ep": 2}, "pp2": {"pp": 2}},
+                         {"zero1": zero1, "resumed": resumed})
+    for (losses, norms, weights), (z_losses, z_norms, z_weights) in zip(runs["resumed"], runs["zero1"]):
+        assert len(losses) == 2
+        # the same sums as ZeRO-1 in another order (reduce-scatter per micro-batch): LAYOUT_TOLERANCE's rounding
+        assert rel_err(torch.tensor(losses), torch.tensor(z_losses[2:])) <= LAYOUT_TOLERANCE
+        assert rel_err(torch.tensor(norms), torch.tensor(z_norms[2:])) <= LAYOUT_TOLERANCE
+        assert max(rel_err(weights[k], w) for k, w in z_weights.items()) <= LAYOUT_TOLERANCE
 
 
 @pytest.mark.slow
