@@ -38,9 +38,9 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from core.optimizer import expert_checkpoint_entries
+from core.optimizer import clip_grad_norm_, expert_checkpoint_entries, reinit_rows
 
 
 def shard_model(model: torch.nn.Module, mesh, bf16: bool) -> list[FSDPModule]:
@@ -117,14 +117,7 @@ class FSDPAdamW:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """ShardedAdamW.clip_grad_norm_ on the local shards (each element of each parameter on one rank)."""
-        grads = [t.grad for t in self.local.values()]
-        sq = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum()  # fp64: see ShardedAdamW
-        if self.norm_group is not None:
-            dist.all_reduce(sq, group=self.norm_group)
-        norm = sq.sqrt().float()
-        if max_norm > 0:
-            torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
-        return norm
+        return clip_grad_norm_([t.grad for t in self.local.values()], max_norm, self.norm_group)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -144,6 +137,25 @@ class FSDPAdamW:
         return (sum(8 * t.numel() for t in self.local.values()),
                 sum(2 * p.numel() * p.element_size() for p in self.params.values()))
 
+    @torch.no_grad()
+    def reinit_(self, name: str, index: int | slice, values: torch.Tensor | None = None) -> None:
+        """ShardedAdamW.reinit_ (the same arguments and contract; index: rows of dim 0 of this rank's parameter):
+        the rows of this rank's shard among them get `values` and zero moments; pp > 1 gathers again."""
+        if name not in self.params:
+            raise ValueError(f"reinit_: no parameter {name!r} in this optimizer; it has {len(self.params)}, e.g. "
+                             f"{', '.join(map(repr, list(self.params)[:4]))}")
+        p, local = self.params[name], self.local[name]
+        first, last = reinit_rows(name, p.shape, index, values)
+        start = self._first_row(name)
+        lo, hi = max(first, start), min(last, start + local.shape[0])  # rows in this rank's shard
+        if lo < hi and values is not None:
+            local[lo - start: hi - start].copy_(values.reshape(last - first, *p.shape[1:])[lo - first: hi - first])
+        state = self.optimizer.state.get(local)
+        if state and lo < hi:
+            state["exp_avg"][lo - start: hi - start].zero_()
+            state["exp_avg_sq"][lo - start: hi - start].zero_()
+        self.gather()
+
     # ----------------------------------------------------------------------------------- checkpoints
 
     def _init_state(self) -> None:
@@ -152,11 +164,15 @@ class FSDPAdamW:
                 step = torch.zeros((), device=t.device) if self.optimizer.defaults["fused"] else torch.tensor(0.0)
                 self.optimizer.state[t] = {"step": step, "exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
 
+    def _first_row(self, n: str) -> int:
+        """Where parameter n's local shard starts in dim 0 (FSDP2: torch.chunk's split)."""
+        p = self.params[n]
+        return min(p.device_mesh.get_local_rank() * math.ceil(p.shape[0] / p.device_mesh.size()), p.shape[0])
+
     def _expert_rows(self, n: str) -> list[int]:
         """Global expert ids of the rows of parameter n's local shard (whole experts: FSDP2 splits dim 0)."""
-        p, rows = self.params[n], self.local[n].shape[0]
-        start = min(p.device_mesh.get_local_rank() * math.ceil(p.shape[0] / p.device_mesh.size()), p.shape[0])
-        return self.expert_ids[n][start: start + rows]
+        start = self._first_row(n)
+        return self.expert_ids[n][start: start + self.local[n].shape[0]]
 
     def checkpoint_state(self, model=None) -> dict:
         """ZeRO-1's keys (core/optimizer.py:ShardedAdamW.checkpoint_state): 'model' the weights (dense: the DTensor
