@@ -37,6 +37,18 @@ def _unsharded_grads(opt) -> list:
     return out
 
 
+def reinit_after_step(after_step):
+    """Model.after_step that, after step 2, re-initialises local expert 1 of layer 0 (new weights) and rows 1:3 of a
+    dense matrix (moments only) through the run's optimizer, the way a router replacing a dead expert would."""
+    def run(model, done):
+        after_step(model, done)
+        if done.step == 2:
+            experts = "layers.0.mlp.experts.gate_up_proj"
+            done.optimizer.reinit_(experts, 1, torch.full(model.get_parameter(experts).shape[1:], 0.01))
+            done.optimizer.reinit_("layers.1.self_attn.q_proj.weight", slice(1, 3))
+    return run
+
+
 def measure_worker(jobs: dict) -> dict:
     """Each job's train.py run on this rank with FSDPAdamW's calls wrapped to record, at the first step, the bytes
     of weights (shards, plus the gathered copies at pp > 1), gradients (sharded, plus unsharded before the
@@ -46,8 +58,10 @@ def measure_worker(jobs: dict) -> dict:
     train.destroy_mesh = lambda: None  # one process group for all jobs (tests/recipe_checks.py:layouts_worker)
     reduce, step = fsdp.FSDPAdamW.reduce_gradients, fsdp.FSDPAdamW.step
     results = {}
+    after_step = train.Model.after_step
     for name, argv in jobs.items():
         seen = {}
+        train.Model.after_step = reinit_after_step(after_step) if name.startswith("reinit") else after_step
 
         def reduce_gradients(opt):
             if not seen:
@@ -65,6 +79,7 @@ def measure_worker(jobs: dict) -> dict:
         fsdp.FSDPAdamW.reduce_gradients, fsdp.FSDPAdamW.step = reduce_gradients, opt_step
         results[name] = (run_train(argv, train.main), dict(seen), dist.get_rank())
     fsdp.FSDPAdamW.reduce_gradients, fsdp.FSDPAdamW.step = reduce, step
+    train.Model.after_step = after_step
     dist.barrier()
     dist.destroy_process_group()
     return results
@@ -95,9 +110,10 @@ def check_layouts(tiny_train_setup, tmp_path, world: int, layouts: dict, more: d
     cfg = importlib.import_module("recipes.qwen3_30b_a3b.model").ModelConfig.from_hf(config)
     for name, layout in layouts.items():
         try:
-            assert_matches_single(single, [rank[name][0] for rank in runs], ep=layout.get("ep", 1))
+            worst = assert_matches_single(single, [rank[name][0] for rank in runs], ep=layout.get("ep", 1))
         except AssertionError as e:
             raise AssertionError(f"--shard fsdp {name}: {e}") from None
+        print(f"--shard fsdp {name} vs one process: losses / grad norms / weights {' / '.join(f'{e:.1e}' for e in worst)}")
         for result, seen, rank in (rank[name] for rank in runs):
             est = estimated(layout, rank, cfg)
             # FSDP2 pads every shard to ceil(d0 / n) rows, as the estimate counts; Adam's moments follow the
@@ -115,13 +131,20 @@ def check_layouts(tiny_train_setup, tmp_path, world: int, layouts: dict, more: d
 def test_fsdp_two_ranks_equal_one_process(tiny_train_setup, tmp_path):
     """dp2, ep2 and pp2 (DualPipeV with its W slots, gathered once per step) under FSDP2 equal one process (ZeRO-1
     code, nothing to shard), and each rank holds the bytes core/memory.py estimates. A ZeRO-1 checkpoint (ep2,
-    step 2 of 4: flat Adam moments) resumes under FSDP2 at ep2: steps 3-4 equal the ZeRO-1 run's."""
+    step 2 of 4: flat Adam moments) resumes under FSDP2 at ep2: steps 3-4 equal the ZeRO-1 run's; reinit_ after
+    step 2 at dp2 (an expert's new weights, dense rows' moments) gives the ZeRO-1 run's steps 3-4."""
     config, data = tiny_train_setup
     zero1 = train_args(config, data, tmp_path / "zero1", steps=4, ckpt_every=2, global_batch=16, ep=2, adam_eps=1e-6)
     resumed = train_args(config, data, tmp_path / "resumed", steps=4, global_batch=16, ep=2, adam_eps=1e-6, shard="fsdp",
                          resume=tmp_path / "zero1/checkpoints/step_00000002")
+    reinit = {f"reinit {shard}": train_args(config, data, tmp_path / f"reinit_{shard}", steps=4, global_batch=16,
+                                            dp=2, adam_eps=1e-6, shard=shard) for shard in ("zero1", "fsdp")}
     runs = check_layouts(tiny_train_setup, tmp_path, 2, {"dp2": {"dp": 2}, "ep2": {"ep": 2}, "pp2": {"pp": 2}},
-                         {"zero1": zero1, "resumed": resumed})
+                         {"zero1": zero1, "resumed": resumed, **reinit})
+    for (losses, _, weights), (z_losses, _, z_weights) in zip(runs["reinit fsdp"], runs["reinit zero1"]):
+        # reinit_ of an expert's weights and moments and of dense rows' moments after step 2, as ShardedAdamW's
+        assert rel_err(torch.tensor(losses), torch.tensor(z_losses)) <= LAYOUT_TOLERANCE
+        assert max(rel_err(weights[k], w) for k, w in z_weights.items()) <= LAYOUT_TOLERANCE
     for (losses, norms, weights), (z_losses, z_norms, z_weights) in zip(runs["resumed"], runs["zero1"]):
         assert len(losses) == 2
         # the same sums as ZeRO-1 in another order (reduce-scatter per micro-batch): LAYOUT_TOLERANCE's rounding
