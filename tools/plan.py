@@ -42,7 +42,9 @@ on a GPU without one the datasheet x the published efficiencies of GPU_EFFICIENC
              run of the engine itself) replayed with these durations per stage and a p2p hand-off time between
              ranks (tools/pipeline_timeline.py:simulate); the bubble is span - busy of the rank reported.
   ZeRO       reduce-scatter of the fp32 gradients and all-gather of the fp32 weights over each parameter's replicas
-             (dense: dp*cp*ep, routed experts: dp*cp; core/optimizer.py), plus the AdamW step on the shard.
+             (dense: dp*cp*ep, routed experts: dp*cp; core/optimizer.py), plus the AdamW step on the shard; with
+             --shard fsdp (core/fsdp.py) at pp = 1 two all-gathers (compute dtype) and one fp32 reduce-scatter per
+             micro-batch, at pp > 1 one of each per step.
 Collective time = t0 + bytes * (n-1)/n / bandwidth, with the bandwidth of where the group lands: ranks are
 row-major over (pp, dp, cp, ep), so a group stays inside a node while its span of ranks <= GPUs per node (NVLink),
 else it crosses the network (per-GPU NIC).
