@@ -193,8 +193,9 @@ def _reshape_targets(state: dict, keys: dict, prefix: str = "") -> list:
             if isinstance(v, DTensor):
                 placements = [Shard(0)] + [Replicate()] * (v.device_mesh.ndim - 1)
                 local, _ = compute_local_shape_and_global_offset(meta.size, v.device_mesh, placements)
-                state[k] = DTensor.from_local(torch.empty(local, dtype=v.dtype, device=v.device), v.device_mesh, placements, run_check=False,
-                                              shape=meta.size, stride=torch.empty(meta.size, device="meta").stride())
+                state[k] = DTensor.from_local(torch.empty(local, dtype=v.dtype, device=v.device), v.device_mesh,
+                                              placements, run_check=False, shape=meta.size,
+                                              stride=torch.empty(meta.size, device="meta").stride())
             else:
                 state[k] = v.new_empty(meta.size)
             found.append((v, state[k]))

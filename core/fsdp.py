@@ -36,7 +36,6 @@ a ZeRO-1 checkpoint's flat moments are read through their old layout (`after_loa
 import math
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 

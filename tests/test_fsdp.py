@@ -3,7 +3,6 @@ weights; resume from a ZeRO-1 checkpoint; each rank's bytes of weights, gradient
 against core/memory.py's estimate."""
 
 import importlib
-import math
 
 import pytest
 import torch
@@ -63,13 +62,13 @@ def measure_worker(jobs: dict) -> dict:
         seen = {}
         train.Model.after_step = reinit_after_step(after_step) if name.startswith("reinit") else after_step
 
-        def reduce_gradients(opt):
+        def reduce_gradients(opt, seen=seen):
             if not seen:
                 gathered = [p for n, p in opt.model.named_parameters()] if opt.pp > 1 else []
                 seen.update(cache=_storage_bytes(gathered), unsharded=_storage_bytes(_unsharded_grads(opt)))
             reduce(opt)
 
-        def opt_step(opt):
+        def opt_step(opt, seen=seen):
             step(opt)
             if "weights" not in seen:
                 seen.update(weights=_storage_bytes(opt.local.values()),
@@ -114,7 +113,7 @@ def check_layouts(tiny_train_setup, tmp_path, world: int, layouts: dict, more: d
         except AssertionError as e:
             raise AssertionError(f"--shard fsdp {name}: {e}") from None
         print(f"--shard fsdp {name} vs one process: losses / grad norms / weights {' / '.join(f'{e:.1e}' for e in worst)}")
-        for result, seen, rank in (rank[name] for rank in runs):
+        for _, seen, rank in (rank[name] for rank in runs):
             est = estimated(layout, rank, cfg)
             # FSDP2 pads every shard to ceil(d0 / n) rows, as the estimate counts; Adam's moments follow the
             # unpadded local shard, the estimate's on the group's first rank, at most that elsewhere

@@ -37,12 +37,12 @@ from core import fp8
 from core.checkpoint import complete_checkpoints, load_checkpoint, resume_candidates, save_checkpoint
 from core.context import cp_positions, split_for_cp
 from core.data import TokenLoader, load_tokenizer, positions_in_documents
+from core.fsdp import FSDPAdamW, shard_model, whole_model
 from core.memory import check_train_args
 from core.mesh import build_mesh, destroy_mesh, resolve_layout
 from core.metrics import MetricsLogger, load_max_over_mean, peak_flops, peak_memory_gib, reduce_stats, timed
 from core.moe import traffic
 from core.muon import MuonAdamW
-from core.fsdp import FSDPAdamW, shard_model, whole_model
 from core.optimizer import ReplicaSet, ShardedAdamW
 from core.pipeline import DualPipeV, running, split_layers
 from core.placement import Placement
@@ -102,7 +102,7 @@ class Args:
     global_batch: int = 16  # sequences per optimizer step, all ranks together
     micro_batch: int = 4  # sequences per forward/backward on one rank
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon for the weight matrices, AdamW for the rest (core/muon.py)
-    shard: Literal["zero1", "fsdp"] = "zero1"  # zero1: Adam state sharded, weights and gradients whole (core/optimizer.py); fsdp: weights, gradients and Adam state sharded by FSDP2 (core/fsdp.py)
+    shard: Literal["zero1", "fsdp"] = "zero1"  # zero1: Adam state sharded (core/optimizer.py); fsdp: weights, gradients and Adam state too, by FSDP2 (core/fsdp.py)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -478,8 +478,9 @@ def check_run(args: Args, world: int):
         split_layers(cfg.num_hidden_layers, args.pp, flops_by_layer(cfg, args.seq_len))  # clear error if too few layers
     pp, dp, cp, ep = resolve_layout(world, args.pp, args.dp, args.cp, args.ep)
     if args.shard == "fsdp" and (args.optimizer == "muon" or args.fp8):  # (core/fsdp.py)
-        raise ValueError(f"--shard fsdp runs AdamW in bf16 or fp32: {'--optimizer muon' if args.optimizer == 'muon' else '--fp8'} "
-                         "needs --shard zero1 (Muon's whole matrices, FP8's per-step weight copies)")
+        flag = "--optimizer muon" if args.optimizer == "muon" else "--fp8"
+        raise ValueError(f"{flag} needs --shard zero1 (Muon's whole matrices, FP8's per-step weight copies); "
+                         "--shard fsdp runs AdamW in bf16 or fp32")
     Placement.parse(args.expert_placement, cfg.num_experts, ep)  # a bad table
     data_world = dp * ep  # ranks reading different sequences (cp ranks share theirs)
     if args.micro_batch < 1 or args.global_batch < 1 or args.global_batch % (data_world * args.micro_batch):
