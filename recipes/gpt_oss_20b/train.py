@@ -226,6 +226,8 @@ def main(argv=None):
             if args.eval_only:  # the weights only
                 start_step = load_checkpoint(candidate, {"model": optimizer.checkpoint_state(model)["model"]}, {},
                                              mesh.rank)["step"]
+                if fsdp_units is not None:  # pp > 1: gather the loaded shards again
+                    optimizer.gather()
             else:
                 extra = load_checkpoint(candidate, optimizer.checkpoint_state(model),
                                         {"scheduler": scheduler.state_dict(), "data": loader.state_dict()}, mesh.rank)
