@@ -15,6 +15,7 @@ dtypes (.metadata), and plain values with torch.load(weights_only=True) (the sch
 """
 
 import io
+import math
 import os
 import pickle
 import re
@@ -28,6 +29,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from core.reliability import inject_fault
 
@@ -200,6 +203,7 @@ def load_checkpoint(path, state: dict, extra: dict, rank: int) -> dict:
         raise ValueError(f"checkpoint {path} is corrupt: its .metadata cannot be read ({type(e).__name__}); "
                          f"resume from another step_* folder") from e
     check_files(path, metadata)
+    reshaped = _reshape_targets(state, keys)
     rng_key = f"rng_rank{rank}"
     has_rng = any(k.startswith(rng_key + ".") for k in keys)
     if has_rng:
@@ -209,6 +213,14 @@ def load_checkpoint(path, state: dict, extra: dict, rank: int) -> dict:
     except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps per-rank errors
         raise ValueError(f"checkpoint {path} could not be loaded into this model/optimizer ({_first_error(e)}); "
                          f"was it written with the same config and --optimizer, and is it complete?") from e
+    for target, saved_shaped in reshaped:  # (a collective per tensor when sharded: same order on every rank)
+        whole = saved_shaped.full_tensor() if isinstance(saved_shaped, DTensor) else saved_shaped
+        whole = whole.reshape(target.shape)
+        if isinstance(target, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+            whole = whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+            target = target.to_local()
+        target.copy_(whole)
     if has_rng:
         torch.set_rng_state(state[rng_key]["cpu"])
         if "cuda" in state[rng_key] and torch.cuda.is_available():
@@ -230,6 +242,30 @@ def check_files(path: Path, metadata) -> None:
         if file.stat().st_size < size:
             raise ValueError(f"checkpoint {path} is damaged: its shard {file} has {file.stat().st_size} bytes, "
                              f"{size} expected (truncated); resume from another step_* folder")
+
+
+def _reshape_targets(state: dict, keys: dict, prefix: str = "") -> list:
+    """Where the checkpoint holds a tensor of another shape with as many elements (ZeRO-1's flat Adam moments,
+    core/optimizer.py, against FSDP2's shaped ones, core/fsdp.py, or back): the entry of `state` is swapped for
+    a tensor of the saved shape, sharded over the target's mesh as Shard(0), and [(target, swapped)] returned
+    for load_checkpoint to copy back reshaped."""
+    found = []
+    for k, v in state.items():
+        meta = keys.get(prefix + k)
+        if isinstance(v, dict):
+            found += _reshape_targets(v, keys, f"{prefix}{k}.")
+        elif isinstance(v, torch.Tensor) and meta is not None and hasattr(meta, "size") and \
+                tuple(meta.size) != tuple(v.shape) and math.prod(meta.size) == v.numel():
+            if isinstance(v, DTensor):
+                placements = [Shard(0)] + [Replicate()] * (v.device_mesh.ndim - 1)
+                local, _ = compute_local_shape_and_global_offset(meta.size, v.device_mesh, placements)
+                state[k] = DTensor.from_local(torch.empty(local, dtype=v.dtype, device=v.device), v.device_mesh,
+                                              placements, run_check=False, shape=meta.size,
+                                              stride=torch.empty(meta.size, device="meta").stride())
+            else:
+                state[k] = v.new_empty(meta.size)
+            found.append((v, state[k]))
+    return found
 
 
 def _first_error(e: Exception) -> str:

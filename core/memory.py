@@ -18,6 +18,14 @@ Components of the most loaded pipeline rank (every pp rank is built; the largest
                (core/pipeline.py), 1 without pp
   comm buffers dispatch + combine rows of the MoE all-to-alls (send and receive, tokens * top-k * hidden) and
                the reduce-scatter bucket of the gradients (ShardedAdamW.bucket_bytes, at most)
+With `shard="fsdp"` (train.py --shard fsdp, core/fsdp.py; world > 1) every parameter lies on 1/n shards of
+ceil(d0 / n) rows (FSDP2 pads every rank's to that; rank 0 holds the most): fp32 weights, fp32 gradients and
+Adam's moments, 16 bytes per shard element, and no bf16 cache. pp = 1 gathers each unit (a layer's routed
+experts, a layer's rest, the embedding, the root) around its use, so the comm buffers hold the two largest units gathered in
+the compute dtype and the largest unit's gradient before its reduce-scatter (compute dtype + fp32); pp > 1
+gathers the stage once per step: the weight cache is then the gathered copy (compute dtype), the gradients add
+the unsharded ones (compute dtype for dense units, fp32 for experts, whose FSDP2 hooks accumulate in fp32) and
+the comm buffers the largest unit's fp32 reduce-scatter input.
 Plus a reserve for the CUDA context and allocator fragmentation. The weights, gradients and optimizer are exact
 (the tests compare them with a built model and a real ShardedAdamW); activations are exact on the tiny configs
 up to the tolerance the tests state, and a first-order estimate for the full configs (the measured per-token bytes
@@ -26,6 +34,7 @@ Parameter names follow the recipes' convention: routed experts under `.mlp.exper
 """
 
 import itertools
+import math
 import sys
 from dataclasses import dataclass, replace
 
@@ -53,11 +62,18 @@ class Layout:
     fp8: bool = False
     recompute: str = "none"
     expert_placement: str = ""  # train.py's --expert-placement ('': the even split)
+    shard: str = "zero1"  # train.py's --shard: zero1 (core/optimizer.py) or fsdp (core/fsdp.py)
 
     def __str__(self):
         return (f"--pp {self.pp} --dp {self.dp} --cp {self.cp} --ep {self.ep} --micro-batch {self.micro_batch} "
                 f"--recompute {self.recompute}" + (f" --expert-placement {self.expert_placement}"
-                                                   if self.expert_placement else ""))
+                                                   if self.expert_placement else "")
+                + (" --shard fsdp" if self.fsdp else ""))
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 runs (one process runs ZeRO-1's code: nothing to shard)."""
+        return self.shard == "fsdp" and self.pp * self.dp * self.cp * self.ep > 1
 
 
 def rank_parts(cfg, layout: Layout, pp_rank: int, costs: list | None = None) -> dict:
@@ -113,8 +129,44 @@ def activation_calibration(mod, recompute: str, batch: int = 2, seq: int = 64) -
     return _CALIBRATION[key]
 
 
+def fsdp_unit(name: str) -> str:
+    """The FSDP2 unit (core/fsdp.py:shard_model) that holds a parameter: a layer's experts, a layer's rest, the
+    embedding, the root (the rest)."""
+    parts = name.split(".")
+    if parts[0] == "embed_tokens":
+        return "embed_tokens"
+    return "root" if parts[0] != "layers" else f"layers.{parts[1]}" + (".experts" if ".mlp.experts." in name else "")
+
+
+def fsdp_bytes(model, layout: Layout) -> dict:
+    """Exact bytes of weights, gradients and Adam state of rank 0 of each shard group under FSDP2 (the largest
+    shards), the units in flight counted as comm_buffers (module docstring)."""
+    n_dense, n_expert = layout.dp * layout.cp * layout.ep, layout.dp * layout.cp
+    compute = 2 if layout.bf16 else 4  # bytes of a gathered weight (MixedPrecisionPolicy param_dtype)
+    shards = cache = unsharded_grads = 0
+    units = {}
+    for name, p in model.named_parameters():
+        expert = ".mlp.experts." in name
+        rows = p.shape[0] if p.ndim else 1
+        shards += math.ceil(rows / (n_expert if expert else n_dense)) * (p.numel() // rows)
+        units[fsdp_unit(name)] = units.get(fsdp_unit(name), 0) + p.numel()
+        if layout.fp8 and p.ndim >= 2 and ".layers." in name and name.split(".")[-2] not in ("gate", "router"):
+            cache += 2 * p.numel()  # two FP8 copies (core/fp8.py: one per GEMM direction)
+        elif layout.pp > 1:
+            cache += compute * p.numel()  # gathered once per step
+        if layout.pp > 1:
+            unsharded_grads += (4 if expert else compute) * p.numel()
+    largest = sorted(units.values(), reverse=True)
+    in_flight = largest[0] * 4 if layout.pp > 1 else \
+        compute * sum(largest[:2]) + (compute + 4) * largest[0]
+    return dict(weights=4 * shards, gradients=4 * shards + unsharded_grads, optimizer=8 * shards, weight_cache=cache,
+                fsdp_buffers=in_flight)
+
+
 def param_bytes(model, layout: Layout) -> dict:
     """Exact bytes of weights, gradients and Adam shards (dp*cp rank 0: the largest shards) of this model."""
+    if layout.fsdp:
+        return fsdp_bytes(model, layout)
     n_dense = layout.dp * layout.cp * layout.ep
     n_expert = layout.dp * layout.cp
     weights = adam = cache = 0
@@ -127,7 +179,7 @@ def param_bytes(model, layout: Layout) -> dict:
             cache += 2 * p.numel()  # two FP8 copies (core/fp8.py: one per GEMM direction)
         elif layout.bf16 and (expert or name.startswith("lm_head")):
             cache += 2 * p.numel()
-    return dict(weights=weights, gradients=weights, optimizer=adam, weight_cache=cache)
+    return dict(weights=weights, gradients=weights, optimizer=adam, weight_cache=cache, fsdp_buffers=0)
 
 
 _MODELS, _PARAMS = {}, {}
@@ -137,7 +189,7 @@ def rank_param_bytes(mod, cfg, layout: Layout, pp_rank: int) -> tuple[dict, list
     """(param_bytes, layer ids, holds the head) of one pp rank, from the model built on meta (the model cached per
     (pp, ep, placement, sequence length: the layer costs split the stages, pp rank), the bytes per layout)."""
     key = (mod.__name__, id(cfg), layout.pp, layout.dp, layout.cp, layout.ep, layout.expert_placement, layout.bf16,
-           layout.fp8, layout.seq_len, pp_rank)
+           layout.fp8, layout.seq_len, layout.shard, pp_rank)
     if key not in _PARAMS:
         model_key = (mod.__name__, id(cfg), layout.pp, layout.ep, layout.expert_placement, layout.seq_len, pp_rank)
         if model_key not in _MODELS:
@@ -161,11 +213,13 @@ def estimate(mod, cfg, layout: Layout) -> dict:
     for pp_rank in range(layout.pp):
         params, layer_ids, has_head = rank_param_bytes(mod, cfg, layout, pp_rank)
         out = dict(params)
+        fsdp_buffers = out.pop("fsdp_buffers")
         head = per_token_vocab * cfg.vocab_size * (0.5 if layout.bf16 else 1.0) if has_head else 0
         out["activations"] = int(in_flight * tokens * (len(layer_ids) * per_token_layer * width + head))
         moe_layers = sum(cfg.is_moe_layer(i) for i in layer_ids)
         rows = tokens * cfg.num_experts_per_tok * cfg.hidden_size * act_bytes if moe_layers else 0
-        out["comm_buffers"] = 4 * rows + min(BUCKET_BYTES, out["gradients"])  # dispatch+combine, send+recv
+        # dispatch + combine, send + recv; ZeRO-1's reduce-scatter bucket or FSDP2's units in flight
+        out["comm_buffers"] = 4 * rows + (fsdp_buffers if layout.fsdp else min(BUCKET_BYTES, out["gradients"]))
         out["total"] = sum(out.values())
         out["pp_rank"] = pp_rank
         if best is None or out["total"] > best["total"]:
@@ -223,5 +277,5 @@ def check_train_args(model_cls, cfg, args, world: int) -> None:
     if dp < 1 or args.pp * dp * args.cp * args.ep != world:
         return  # build_mesh reports a layout that does not match the world size
     layout = Layout(args.pp, dp, args.cp, args.ep, args.micro_batch, args.seq_len, args.dtype != "fp32", args.fp8,
-                    args.recompute, args.expert_placement)
+                    args.recompute, args.expert_placement, args.shard)
     check_fits(sys.modules[model_cls.__module__], cfg, layout, torch.cuda.get_device_properties(0).total_memory / GIB)

@@ -70,6 +70,45 @@ def expert_checkpoint_entries(name: str, full_LX: torch.Tensor, expert_ids: list
     return {f"{name}[{e}]": full_LX[j] for j, e in enumerate(expert_ids)}
 
 
+def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_group) -> torch.Tensor:
+    """Scale `grads` (every rank's own elements; each element of the model on one rank) so that their global L2
+    norm over norm_group is at most max_norm (0: no clipping); returns the norm before clipping."""
+    # squares summed in fp64: the layouts split this sum differently (per shard, per pipeline rank, then an
+    # all-reduce), and in fp32 its last bit then depended on the layout. With clipping on, that bit moved the
+    # clip factor, and with it every weight by ~3e-8, which the next step's bf16 weight copies amplified into
+    # ~1e-5 loss differences. In fp64 every layout's norm rounds to the same fp32 value.
+    sq = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum()
+    if norm_group is not None:
+        dist.all_reduce(sq, group=norm_group)
+    norm = sq.sqrt().float()
+    if max_norm > 0:
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
+    return norm
+
+
+def reinit_rows(name: str, shape, index: int | slice, values: torch.Tensor | None) -> tuple[int, int]:
+    """ShardedAdamW.reinit_'s rows first:last of dim 0 of a parameter of `shape`, its arguments checked."""
+    rows = shape[0] if len(shape) else 0
+    if isinstance(index, int) and not isinstance(index, bool):
+        if not -rows <= index < rows:
+            raise ValueError(f"reinit_: index {index} is out of range for dim 0 of {name} (size {rows})")
+        first = index % rows
+        last, part, where = first + 1, tuple(shape[1:]), f"{name}[{first}]"
+    elif isinstance(index, slice):  # negative bounds count from the end, as in Python
+        first = 0 if index.start is None else index.start + rows * (index.start < 0)
+        last = rows if index.stop is None else index.stop + rows * (index.stop < 0)
+        if index.step not in (None, 1) or not 0 <= first < last <= rows:
+            raise ValueError(f"reinit_: {index} must select rows first:last (step 1) with 0 <= first < last <= "
+                             f"{rows}, dim 0 of {name} {tuple(shape)}")
+        part, where = (last - first, *shape[1:]), f"{name}[{first}:{last}]"
+    else:
+        raise ValueError(f"reinit_: index must be an int or a slice of dim 0 of {name}, got {index!r}")
+    if values is not None and (not isinstance(values, torch.Tensor) or tuple(values.shape) != part):
+        got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+        raise ValueError(f"reinit_: values for {where} must have shape {part}, got {got}")
+    return first, last
+
+
 class ShardedAdamW:
     def __init__(self, replica_sets: list[ReplicaSet], lr: float, weight_decay: float, betas, eps: float,
                  norm_group=None, bucket_bytes: int = 256 << 20):
@@ -125,18 +164,7 @@ class ShardedAdamW:
         """Scale the (reduced) gradients so that their global L2 norm is at most max_norm (0: no clipping);
         returns the norm before clipping. Shards partition every parameter, so each element counts once. extra:
         more reduced gradients this rank alone holds (core/muon.py's owned matrices), counted and clipped too."""
-        grads = [e.shard.grad for e in self.entries] + list(extra)
-        # squares summed in fp64: the layouts split this sum differently (per shard, per pipeline rank, then an
-        # all-reduce), and in fp32 its last bit then depended on the layout. With clipping on, that bit moved the
-        # clip factor, and with it every weight by ~3e-8, which the next step's bf16 weight copies amplified into
-        # ~1e-5 loss differences. In fp64 every layout's norm rounds to the same fp32 value.
-        sq = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum()
-        if self.norm_group is not None:
-            dist.all_reduce(sq, group=self.norm_group)
-        norm = sq.sqrt().float()
-        if max_norm > 0:
-            torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
-        return norm
+        return clip_grad_norm_([e.shard.grad for e in self.entries] + list(extra), max_norm, self.norm_group)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -192,26 +220,10 @@ class ShardedAdamW:
             raise ValueError(f"reinit_: no parameter {name!r} in this optimizer; it has {len(known)}, e.g. "
                              f"{', '.join(map(repr, known[:4]))}")
         p = e.param
-        rows = p.shape[0] if p.ndim else 0
-        if isinstance(index, int) and not isinstance(index, bool):
-            if not -rows <= index < rows:
-                raise ValueError(f"reinit_: index {index} is out of range for dim 0 of {name} (size {rows})")
-            first = index % rows
-            last, part, where = first + 1, p[first], f"{name}[{first}]"
-        elif isinstance(index, slice):  # negative bounds count from the end, as in Python
-            first = 0 if index.start is None else index.start + rows * (index.start < 0)
-            last = rows if index.stop is None else index.stop + rows * (index.stop < 0)
-            if index.step not in (None, 1) or not 0 <= first < last <= rows:
-                raise ValueError(f"reinit_: {index} must select rows first:last (step 1) with 0 <= first < last <= "
-                                 f"{rows}, dim 0 of {name} {tuple(p.shape)}")
-            part, where = p[first:last], f"{name}[{first}:{last}]"
-        else:
-            raise ValueError(f"reinit_: index must be an int or a slice of dim 0 of {name}, got {index!r}")
+        first, last = reinit_rows(name, p.shape, index, values)
         if values is not None:
-            if not isinstance(values, torch.Tensor) or values.shape != part.shape:
-                got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
-                raise ValueError(f"reinit_: values for {where} must have shape {tuple(part.shape)}, got {got}")
-            part.copy_(values)  # the shard is a view of the parameter: it sees the new weights too
+            p[first:last].copy_(values.reshape(last - first, *p.shape[1:]))  # the shard is a view: it sees them too
+        rows = p.shape[0]
         # rows first:last of the contiguous parameter are flattened elements [first*row, last*row); this rank's
         # shard holds [start, start + shard numel); their intersection, relative to the shard, is what to zero
         row = p.numel() // rows

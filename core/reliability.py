@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from core.metrics import load_max_over_mean
 
@@ -244,8 +245,10 @@ class Watchdog:
 
 def grads_finite(model: torch.nn.Module) -> tuple[torch.Tensor, list[str]]:
     """(bool tensor: every local gradient finite, parameter names in order of the per-tensor check). One fused
-    norm per tensor: a non-finite element makes its tensor's norm non-finite."""
-    named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    norm per tensor: a non-finite element makes its tensor's norm non-finite. Under FSDP2 (core/fsdp.py) a
+    gradient is this rank's reduced shard (a DTensor): its local part is checked."""
+    named = [(n, p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()
+             if p.grad is not None]
     if not named:
         return torch.ones((), dtype=torch.bool), []
     norms = torch.stack(torch._foreach_norm([g for _, g in named]))

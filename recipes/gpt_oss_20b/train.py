@@ -41,6 +41,7 @@ from core.checkpoint import Checkpointer, complete_checkpoints, load_checkpoint,
 from core.context import cp_positions, split_for_cp
 from core.data import TokenLoader, load_tokenizer, open_dataset, parse_mixture, positions_in_documents, source_losses
 from core.kernels.cross_entropy import loss_groups
+from core.fsdp import FSDPAdamW, shard_model, whole_model
 from core.memory import check_train_args
 from core.mesh import build_mesh, destroy_mesh, resolve_layout
 from core.metrics import MetricsLogger, load_max_over_mean, peak_flops, peak_memory_gib, reduce_stats, timed
@@ -116,6 +117,7 @@ class Args:
     global_batch: int = 16  # sequences per optimizer step, all ranks together
     micro_batch: int = 4  # sequences per forward/backward on one rank
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon for the weight matrices, AdamW for the rest (core/muon.py)
+    shard: Literal["zero1", "fsdp"] = "zero1"  # zero1: Adam state sharded (core/optimizer.py); fsdp: weights, gradients and Adam state too, by FSDP2 (core/fsdp.py)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -206,6 +208,8 @@ def main(argv=None):
         enable_fp8(model)
     if args.compile if args.compile is not None else device.type == "cuda":
         compile_dense_parts(model, document_mask)
+    # --shard fsdp: fully_shard the experts over (dp, cp), the rest over (dp, cp, ep) (core/fsdp.py); one process: ZeRO-1
+    fsdp_units = shard_model(model, mesh, use_bf16) if args.shard == "fsdp" and mesh.world > 1 else None
     pipeline = None
     if args.pp > 1:
         step_ranks = mesh.world // args.pp  # global rank distance between pipeline neighbours
@@ -226,8 +230,11 @@ def main(argv=None):
                     ReplicaSet(experts, mesh.group("dp", "cp"), None, expert_ids)]
     adamw = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2), eps=args.adam_eps,
                  norm_group=dist.group.WORLD if mesh.world > 1 else None)
-    optimizer = MuonAdamW(replica_sets, model.muon_matrices, **adamw) if args.optimizer == "muon" else \
-        ShardedAdamW(replica_sets, **adamw)
+    if fsdp_units is not None:
+        optimizer = FSDPAdamW(model, fsdp_units, **adamw, pp=args.pp)
+    else:
+        optimizer = MuonAdamW(replica_sets, model.muon_matrices, **adamw) if args.optimizer == "muon" else \
+            ShardedAdamW(replica_sets, **adamw)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda s: lr_factor(s, **schedule))
 
     # ---- resume
@@ -240,6 +247,8 @@ def main(argv=None):
             if args.eval_only:  # the weights only
                 start_step = load_checkpoint(candidate, {"model": optimizer.checkpoint_state(model)["model"]}, {},
                                              mesh.rank)["step"]
+                if fsdp_units is not None:  # pp > 1: gather the loaded shards again
+                    optimizer.gather()
             else:
                 extra = load_checkpoint(candidate, optimizer.checkpoint_state(model),
                                         {"scheduler": scheduler.state_dict(), "data": loader.state_dict()}, mesh.rank)
@@ -434,6 +443,8 @@ def main(argv=None):
                   f"relaunch with --resume auto to continue", flush=True)
         destroy_mesh()
         return history, model
+    if fsdp_units is not None:  # this rank's part of the model whole again, for export, sampling and the caller
+        model = whole_model(model, lambda: Model(cfg, **parts))
     if pipeline is not None:  # the last step's schedule, one list of (op, start, end) per pp rank, for
         # python -m tools.pipeline_timeline --from-json <out>/pipeline_timeline.json
         timelines = [None] * mesh.world
@@ -522,6 +533,10 @@ def check_run(args: Args, world: int):
     if args.pp > 1:
         split_layers(cfg.num_hidden_layers, args.pp, flops_by_layer(cfg, args.seq_len))  # clear error if too few layers
     pp, dp, cp, ep = resolve_layout(world, args.pp, args.dp, args.cp, args.ep)
+    if args.shard == "fsdp" and (args.optimizer == "muon" or args.fp8):  # (core/fsdp.py)
+        flag = "--optimizer muon" if args.optimizer == "muon" else "--fp8"
+        raise ValueError(f"{flag} needs --shard zero1 (Muon's whole matrices, FP8's per-step weight copies); "
+                         "--shard fsdp runs AdamW in bf16 or fp32")
     Placement.parse(args.expert_placement, cfg.num_experts, ep)  # a bad table
     data_world = dp * ep  # ranks reading different sequences (cp ranks share theirs)
     if args.micro_batch < 1 or args.global_batch < 1 or args.global_batch % (data_world * args.micro_batch):

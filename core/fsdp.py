@@ -1,0 +1,203 @@
+"""Full sharding with FSDP2 (`torch.distributed.fsdp.fully_shard`, train.py `--shard fsdp`): fp32 master weights,
+gradients and AdamW state all on 1/n shards; the ZeRO-1 alternative (`--shard zero1`) is core/optimizer.py.
+
+Units and meshes (`shard_model`). Each MoE layer's routed experts (`layer.mlp.experts`) are one unit over the
+(dp, cp) mesh (each ep rank holds other experts); each decoder layer's other parameters one unit over
+(dp, cp, ep); the embedding one unit, and the root (final norm, head) one, over (dp, cp, ep). A parameter is a DTensor,
+Shard(0) of its full shape (FSDP2 chunks dim 0 as torch.chunk: ceil(d0 / n) rows; an expert tensor [L, H, J]
+therefore splits by whole experts when n divides L). Mixed precision: MixedPrecisionPolicy(param_dtype=bf16 on
+the bf16 path, reduce_dtype=fp32): weights gathered in bf16, gradients reduce-scattered and accumulated in fp32.
+Gradients are summed over the shard group (divide factor 1): losses are pre-divided by the global label count.
+
+When shards are gathered and gradients reduced, in a step of n_micro micro-batches:
+  pp = 1   FSDP2's own hooks: a unit is all-gathered before its forward, freed after it (reshard_after_forward),
+           gathered again for its backward, and its gradient reduce-scattered into the fp32 shard as soon as its
+           backward ends, once per micro-batch (FSDP2 accumulates the shards). Per step and parameter:
+           n_micro x (2 all-gathers in bf16 + 1 reduce-scatter in fp32), against ZeRO-1's one fp32
+           reduce-scatter and one fp32 all-gather; memory 16/n bytes per parameter + the units in flight.
+  pp > 1   DualPipeV calls a layer's steps (attention, routed_experts, finish), not its forward, so no hook of
+           the dense units fires, and its W slots write delayed expert weight gradients after autograd's backward
+           of the chunk ended, so a per-unit reduction would miss them. So `gather` all-gathers every unit of the
+           rank once before the schedule (kept through it: reshard_after_forward False), gradients accumulate on
+           the unsharded parameters through all F, B and W slots, and `FSDPAdamW.reduce_gradients` runs after the
+           last W slot: each unit's FSDP2 post-backward (reduce-scatter, reshard) by hand, as torch's own
+           pipelining schedules do (torch.distributed.pipelining.stage: perform_reduce_grad). One all-gather (bf16)
+           and one reduce-scatter (fp32) per parameter and step; memory 16/n + 2 (the gathered bf16 copy) + 4 (the
+           unsharded gradient) bytes per parameter.
+
+Optimizer (`FSDPAdamW`, ShardedAdamW's calls): torch's AdamW on the local shards (views of FSDP2's sharded
+storage, so the next all-gather reads the new weights); the global gradient norm sums every rank's local shards
+(they partition each parameter once). Checkpoints keep ZeRO-1's keys: dense weights as the DTensor parameters,
+routed experts per global expert id (`name[e]`, gathered over (dp, cp)), Adam moments of dense tensors as
+DTensors of the parameter's shape and of experts per id, so a checkpoint reshards to any layout and placement;
+a ZeRO-1 checkpoint's flat moments are read through their old layout (`after_load`).
+"""
+
+import math
+
+import torch
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+
+from core.optimizer import clip_grad_norm_, expert_checkpoint_entries, reinit_rows
+
+
+def shard_model(model: torch.nn.Module, mesh, bf16: bool) -> list[FSDPModule]:
+    """fully_shard the model's units in place (module docstring) over core.mesh.Mesh `mesh` (world > 1); returns
+    them, the root last."""
+    pp, dense_mesh = mesh.pp, mesh.replica_mesh()  # (dp, cp, ep) flattened
+    expert_mesh = mesh.device_mesh["dp", "cp"]._flatten("dp_cp")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    units = []
+    for layer in model.layers.values():
+        if layer.moe:
+            units.append(fully_shard(layer.mlp.experts, mesh=expert_mesh, mp_policy=policy,
+                                     reshard_after_forward=pp == 1))
+        units.append(fully_shard(layer, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=pp == 1))
+    if model.embed_tokens is not None:  # its own unit: FSDP2 keeps the root's gathered through the whole step
+        units.append(fully_shard(model.embed_tokens, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=pp == 1))
+    units.append(fully_shard(model, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=pp == 1))
+    register_fsdp_forward_method(model, "forward_train")  # train.py's pp=1 loop calls it, not forward
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)  # a sum over the shard group, not FSDP2's mean
+        unit.set_force_sum_reduction_for_comms(True)  # as ReduceOp.SUM (gloo has no PREMUL_SUM)
+    return units
+
+
+def whole_model(model: torch.nn.Module, make_model) -> torch.nn.Module:
+    """A plain copy of a sharded model (collective): make_model() built on meta, every tensor all-gathered whole
+    (this rank's part: all its dense tensors, its ep rank's experts), for export, sampling and the caller."""
+    state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    with torch.device("meta"):
+        plain = make_model()
+    plain.load_state_dict(state, assign=True)
+    return plain
+
+
+class FSDPAdamW:
+    def __init__(self, model, units: list[FSDPModule], lr: float, weight_decay: float, betas, eps: float,
+                 norm_group=None, pp: int = 1):
+        self.model, self.units, self.pp, self.norm_group = model, units, pp, norm_group
+        self.params = dict(model.named_parameters())  # DTensors, Shard(0)
+        with torch.no_grad():
+            self.local = {n: p.to_local() for n, p in self.params.items()}  # views of FSDP2's sharded storage
+        self.expert_ids = {n: model.get_submodule(n.rsplit(".", 1)[0]).expert_ids
+                           for n in self.params if ".mlp.experts." in n}
+        on_gpu = next(iter(self.local.values())).device.type == "cuda"
+        groups = [{"params": [self.local[n] for n, p in self.params.items() if p.ndim >= 2], "weight_decay": weight_decay},
+                  {"params": [self.local[n] for n, p in self.params.items() if p.ndim < 2], "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=on_gpu, foreach=not on_gpu)
+        self.gather()
+
+    def gather(self) -> None:
+        """pp > 1: all-gather every unit before the schedule; they stay gathered until reduce_gradients."""
+        if self.pp == 1:
+            return
+        fully_shard.state(self.units[-1])._lazy_init()  # what the root's first forward does (none runs here)
+        for unit in self.units:
+            unit.set_requires_gradient_sync(False, recurse=False)
+            unit.set_reshard_after_backward(False, recurse=False)
+            unit.reshard()  # (a no-op when sharded; after a load the gathered copy is stale)
+            unit.unshard()
+
+    def reduce_gradients(self) -> None:
+        """pp > 1: each unit's post-backward (reduce-scatter of the accumulated gradients, reshard). Then every
+        local shard's gradient (zeros for a parameter without one: it steps with g = 0, as under ZeRO-1)."""
+        if self.pp > 1:
+            for unit in self.units:
+                unit.set_requires_gradient_sync(True, recurse=False)
+                unit.set_reshard_after_backward(True, recurse=False)
+                for group in fully_shard.state(unit)._fsdp_param_groups:
+                    group.post_backward()
+            fully_shard.state(self.units[-1])._root_post_backward_final_callback()
+        for n, p in self.params.items():
+            local = self.local[n]
+            local.grad = torch.zeros_like(local) if p.grad is None else p.grad.to_local()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """ShardedAdamW.clip_grad_norm_ on the local shards (each element of each parameter on one rank)."""
+        return clip_grad_norm_([t.grad for t in self.local.values()], max_norm, self.norm_group)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.optimizer.step()  # in place on the shards: the next all-gather reads the new weights
+        self.gather()
+
+    def zero_grad(self) -> None:
+        for n, p in self.params.items():
+            p.grad = self.local[n].grad = None
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def state_bytes(self) -> tuple[int, int]:
+        """(bytes of Adam state on this rank, bytes it would take unsharded)."""
+        return (sum(8 * t.numel() for t in self.local.values()),
+                sum(2 * p.numel() * p.element_size() for p in self.params.values()))
+
+    @torch.no_grad()
+    def reinit_(self, name: str, index: int | slice, values: torch.Tensor | None = None) -> None:
+        """ShardedAdamW.reinit_ (the same arguments and contract; index: rows of dim 0 of this rank's parameter):
+        the rows of this rank's shard among them get `values` and zero moments; pp > 1 gathers again."""
+        if name not in self.params:
+            raise ValueError(f"reinit_: no parameter {name!r} in this optimizer; it has {len(self.params)}, e.g. "
+                             f"{', '.join(map(repr, list(self.params)[:4]))}")
+        p, local = self.params[name], self.local[name]
+        first, last = reinit_rows(name, p.shape, index, values)
+        start = self._first_row(name)
+        lo, hi = max(first, start), min(last, start + local.shape[0])  # rows in this rank's shard
+        if lo < hi and values is not None:
+            local[lo - start: hi - start].copy_(values.reshape(last - first, *p.shape[1:])[lo - first: hi - first])
+        state = self.optimizer.state.get(local)
+        if state and lo < hi:
+            state["exp_avg"][lo - start: hi - start].zero_()
+            state["exp_avg_sq"][lo - start: hi - start].zero_()
+        self.gather()
+
+    # ----------------------------------------------------------------------------------- checkpoints
+
+    def _init_state(self) -> None:
+        for t in self.local.values():
+            if t not in self.optimizer.state:
+                step = torch.zeros((), device=t.device) if self.optimizer.defaults["fused"] else torch.tensor(0.0)
+                self.optimizer.state[t] = {"step": step, "exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
+
+    def _first_row(self, n: str) -> int:
+        """Where parameter n's local shard starts in dim 0 (FSDP2: torch.chunk's split)."""
+        p = self.params[n]
+        return min(p.device_mesh.get_local_rank() * math.ceil(p.shape[0] / p.device_mesh.size()), p.shape[0])
+
+    def _expert_rows(self, n: str) -> list[int]:
+        """Global expert ids of the rows of parameter n's local shard (whole experts: FSDP2 splits dim 0)."""
+        start = self._first_row(n)
+        return self.expert_ids[n][start: start + self.local[n].shape[0]]
+
+    def checkpoint_state(self, model=None) -> dict:
+        """ZeRO-1's keys (core/optimizer.py:ShardedAdamW.checkpoint_state): 'model' the weights (dense: the DTensor
+        parameters; experts: name[e] for the experts of this rank's shard), 'optim' per parameter the step and the
+        moments (dense: DTensors of the parameter's shape; experts: per id). Expert entries are views of the
+        shards, so a load fills them in place."""
+        self._init_state()
+        model_sd, optim_sd = {}, {"lr": torch.tensor([g["lr"] for g in self.param_groups], dtype=torch.float64)}
+        for n, p in self.params.items():
+            state = self.optimizer.state[self.local[n]]
+            optim_sd[n] = {"step": state["step"]}
+            if n in self.expert_ids:
+                ids = self._expert_rows(n)
+                model_sd.update(expert_checkpoint_entries(n, self.local[n].detach(), ids))
+                for key in ("exp_avg", "exp_avg_sq"):
+                    for entry, row in expert_checkpoint_entries(n, state[key], ids).items():
+                        optim_sd.setdefault(entry, {})[key] = row
+                continue
+            model_sd[n] = p
+            for key in ("exp_avg", "exp_avg_sq"):
+                optim_sd[n][key] = DTensor.from_local(state[key], p.device_mesh, p.placements, run_check=False,
+                                                      shape=p.shape, stride=p.stride())
+        return {"model": model_sd, "optim": optim_sd}
+
+    @torch.no_grad()
+    def after_load(self, state: dict) -> None:
+        for g, lr in zip(self.param_groups, state["optim"]["lr"].tolist()):
+            g["lr"] = lr
+        self.gather()  # pp > 1: the loaded weights
