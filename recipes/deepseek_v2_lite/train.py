@@ -40,8 +40,8 @@ from core import fp8
 from core.checkpoint import Checkpointer, complete_checkpoints, load_checkpoint, resume_candidates
 from core.context import cp_positions, split_for_cp
 from core.data import TokenLoader, load_tokenizer, open_dataset, parse_mixture, positions_in_documents, source_losses
-from core.kernels.cross_entropy import loss_groups
 from core.fsdp import FSDPAdamW, shard_model, whole_model
+from core.kernels.cross_entropy import loss_groups
 from core.memory import check_train_args
 from core.mesh import build_mesh, destroy_mesh, resolve_layout
 from core.metrics import MetricsLogger, load_max_over_mean, peak_flops, peak_memory_gib, reduce_stats, timed
