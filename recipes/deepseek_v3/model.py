@@ -470,6 +470,30 @@ class DecoderLayer(nn.Module):
         return self.finish(state, out_TH)
 
 
+class MTP(nn.Module):
+    """DeepSeek-V3's multi-token prediction module of depth 1 (the paper's 2.2), training only: at position i it
+    combines the main model's final hidden state h_i (after the final norm: what the LM head reads) with the
+    embedding of token i+1, h'_i = eh_proj([enorm(Emb(t_{i+1})); hnorm(h_i)]) (the released weights' order, which
+    vLLM and SGLang use; the paper writes the two halves the other way round), runs one decoder layer (index
+    num_hidden_layers, a MoE layer) over h' with the main model's positions and mask, and its own final norm
+    (shared_head.norm); the caller applies the shared LM head to predict token i+2. The embedding and the head are
+    the main model's (Model.mtp_loss_sum), so the module lives where both are: the pipeline's pp rank 0."""
+
+    def __init__(self, cfg: ModelConfig, *layer_args):
+        super().__init__()
+        H = cfg.hidden_size
+        self.enorm, self.hnorm = RMSNorm(H, cfg.rms_norm_eps), RMSNorm(H, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.layer = DecoderLayer(cfg, cfg.num_hidden_layers, *layer_args)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+
+    def forward(self, h_BSH, e_BSH, aux_1):
+        """(final hidden state [B, S, H] of the MTP depth, balance loss aux_1 with its MoE layer's term added)."""
+        x_BSH = self.eh_proj(torch.cat([self.enorm(e_BSH), self.hnorm(h_BSH)], -1))
+        x_BSH, aux_1 = self.layer([x_BSH, aux_1])
+        return self.norm(x_BSH), aux_1
+
+
 # ----------------------------------------------------------------------------------------------- model
 
 
@@ -509,7 +533,23 @@ class Model(nn.Module):
                                      for i in layer_ids})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
+        # multi-token prediction: with the embedding and the head it shares (pp rank 0 holds both)
+        self.mtp = MTP(cfg, expert_ids, ep_group, cp_group, recompute, placement) \
+            if cfg.num_nextn_predict_layers and embed and head else None
         self.init_weights()
+
+    def decoder_layers(self) -> list:
+        """Every DecoderLayer this rank holds: its share of the main stack, then the MTP module's."""
+        return [*self.layers.values(), *([self.mtp.layer] if self.mtp is not None else [])]
+
+    def moe_layers(self) -> list[tuple[int, "DecoderLayer | None"]]:
+        """(layer id, the layer if this rank holds it) for every MoE layer of the whole model in order, the MTP
+        module's (id num_hidden_layers) last: the rows of expert_load and of the expert-bias update."""
+        L, held = self.cfg.num_hidden_layers, {int(i): layer for i, layer in self.layers.items()}
+        if self.mtp is not None:
+            held[L] = self.mtp.layer
+        ids = [i for i in range(L + (1 if self.cfg.num_nextn_predict_layers else 0)) if self.cfg.is_moe_layer(i)]
+        return [(i, held.get(i)) for i in ids]
 
     @torch.no_grad()
     def init_weights(self):
@@ -556,7 +596,7 @@ class Model(nn.Module):
             mask_BSK = None if cp == 1 and docs_BK is None else \
                 cp_attention_mask(S * cp, cp_rank, cp, doc_ids_BK=docs_BK, device=positions_BS.device)
             ropes.append((*rope_cos_sin(positions_BS, self.cfg, next(self.parameters()).dtype), mask_BSK))
-        for layer in self.layers.values():
+        for layer in self.decoder_layers():
             layer.rope = ropes
 
     def default_positions(self, B: int, S: int, device, cp_split: bool = True):
@@ -604,6 +644,31 @@ class Model(nn.Module):
             h_TH, w_VH = h_TH.to(dtype), cast_weight(w_VH, dtype)  # the weight cast once per step
         return linear_cross_entropy(h_TH, w_VH, labels_BS.flatten(), ignore_index=-100, reduction="sum")
 
+    def mtp_loss_sum(self, h_BSH, mtp_input_ids_BS, mtp_labels_BS, aux_1):
+        """The MTP module's summed cross-entropy over its valid targets (mtp_labels != -100) and aux_1 with its MoE
+        layer's balance term: h_BSH the main model's final-normed hidden state, mtp_input_ids the token after each
+        position, mtp_labels the one after that (prepare_batch). Same positions and mask as the main layers
+        (set_positions), the shared embedding and head."""
+        e_BSH = self.initial_state(mtp_input_ids_BS)[0]
+        g_BSH, aux_1 = self.mtp(h_BSH, e_BSH, aux_1)
+        return self.cross_entropy_sum(g_BSH, mtp_labels_BS), aux_1
+
+    def prepare_batch(self, input_ids_BS, labels_BS, doc_ids_BS=None, positions_BS=None) -> dict[str, torch.Tensor]:
+        """The MTP module's inputs, from whole sequences (train.py splits them like the ids, under cp too, where
+        position i + 1 may be on another cp rank): mtp_input_ids [B, S] the token at i + 1 (0 at the last
+        position), mtp_labels [B, S] the token at i + 2 = labels[i + 1], -100 where that label is not trained (a
+        loss mask, a document's last token, padding), at the last position and where i + 1 starts another document
+        (with doc_ids: the packed documents stay apart, as if each ran alone); mtp_targets the 0/1 mask of valid
+        MTP labels (the MTP loss's denominator). {} without an MTP module."""
+        if not self.cfg.num_nextn_predict_layers:
+            return {}
+        next_ids_BS = F.pad(input_ids_BS[:, 1:], (0, 1))
+        mtp_labels_BS = F.pad(labels_BS[:, 1:], (0, 1), value=-100)
+        if doc_ids_BS is not None:
+            mtp_labels_BS[:, :-1] = mtp_labels_BS[:, :-1].masked_fill(doc_ids_BS[:, 1:] != doc_ids_BS[:, :-1], -100)
+        return {"mtp_input_ids": next_ids_BS, "mtp_labels": mtp_labels_BS,
+                "mtp_targets": (mtp_labels_BS != -100).to(torch.float32)}
+
     @staticmethod
     def aux_loss(aux_1):
         """DeepSeek-V3's complementary sequence-wise balance loss (the paper's eq. 17-20), unscaled (train.py
@@ -639,19 +704,18 @@ class Model(nn.Module):
     def update_expert_bias(self, load_LE: torch.Tensor, rate: float) -> None:
         """Aux-loss-free balancing step of every router this rank holds, from the global expert load [MoE layers, E]
         (identical on every rank, so the biases stay identical too)."""
-        moe_ids = [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
-        for layer_id, load_E in zip(moe_ids, load_LE):
-            if str(layer_id) in self.layers:
-                update_expert_bias(self.layers[str(layer_id)].mlp.gate.expert_bias, load_E, rate)
+        for (_, layer), load_E in zip(self.moe_layers(), load_LE):
+            if layer is not None:
+                update_expert_bias(layer.mlp.gate.expert_bias, load_E, rate)
 
     def take_expert_load(self) -> torch.Tensor:
         """(token, slot) pairs per expert routed by this rank since the last call, [MoE layers of the whole
-        model, E] with zero rows for layers held by other pipeline stages."""
-        moe_ids = [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
+        model (the MTP module's last), E] with zero rows for layers held by other pipeline stages."""
+        layers = self.moe_layers()
         device = next(self.parameters()).device
-        load_LE = torch.zeros(len(moe_ids), self.cfg.num_choices, device=device)
-        for row, i in enumerate(moe_ids):
-            mlp = self.layers[str(i)].mlp if str(i) in self.layers else None
+        load_LE = torch.zeros(len(layers), self.cfg.num_choices, device=device)
+        for row, (_, layer) in enumerate(layers):
+            mlp = layer.mlp if layer is not None else None
             if mlp is not None and mlp.load_E is not None:
                 load_LE[row], mlp.load_E = mlp.load_E, None
         return load_LE
@@ -746,7 +810,7 @@ def compile_dense_parts(model: Model, document_mask: bool = False) -> None:
     dense MLPs. Left eager: the routed experts and the dispatch/combine around them, the residual adds, and
     attention with a cp group (it all-gathers the latents) or with document_mask (a CPMask). One layer's graphs
     serve all layers (same shapes)."""
-    for layer in model.layers.values():
+    for layer in model.decoder_layers():
         for module in (layer.input_layernorm, layer.post_attention_layernorm):
             module.compile(fullgraph=True)
         if layer.self_attn.cp_group is None and not document_mask:  # else its mask is a CPMask (flex on CUDA)
@@ -758,8 +822,10 @@ def compile_dense_parts(model: Model, document_mask: bool = False) -> None:
 def enable_fp8(model: Model) -> None:
     """FP8 GEMMs (core/fp8.py) for the attention projections, dense and shared MLPs and routed experts, in place.
     The embedding, router (fp32 softmax) and LM head stay in high precision. Call core.fp8.CACHE.invalidate()
-    after every optimizer step (the FP8 weight copies are made once per step)."""
-    for layer in model.layers.values():
+    after every optimizer step (the FP8 weight copies are made once per step). The MTP module's layer and eh_proj too."""
+    if model.mtp is not None:
+        convert_linears(model.mtp)  # eh_proj and its layer's projections
+    for layer in model.decoder_layers():
         convert_linears(layer.self_attn)
         if isinstance(layer.mlp, MoE):
             layer.mlp.experts.fp8 = True
@@ -770,28 +836,38 @@ def enable_fp8(model: Model) -> None:
 
 # ------------------------------------------------------------------------------------ checkpoint I/O
 # Our names are transformers' names without the "model." prefix, except the routed experts: transformers
-# writes one key per expert (experts.{e}.gate_proj.weight [I, H], ...) while we stack them.
+# writes one key per expert (experts.{e}.gate_proj.weight [I, H], ...) while we stack them, the routers' bias
+# (e_score_correction_bias), and the MTP module: the released checkpoints keep it as one more layer,
+# model.layers.{num_hidden_layers}.{enorm, hnorm, eh_proj, shared_head.norm, self_attn..., mlp...}, plus copies
+# of the shared embedding (.embed_tokens) and head (.shared_head.head), written for the inference engines that
+# read them there (vLLM, SGLang) and not read back. transformers drops that layer on load.
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, num_layers: int) -> str:
+    name = name.replace("gate.expert_bias", "gate.e_score_correction_bias")
+    if name.startswith("mtp."):  # mtp.layer.X -> layers.L.X, mtp.norm -> layers.L.shared_head.norm
+        rest = name.removeprefix("mtp.").removeprefix("layer.")
+        return f"model.layers.{num_layers}.{'shared_head.norm.weight' if rest == 'norm.weight' else rest}"
     return name if name.startswith("lm_head.") else "model." + name
 
 
 @torch.no_grad()
 def load_hf_checkpoint(model: Model, path) -> list[str]:
-    """Fill `model` (possibly partial) from a Hugging Face safetensors folder; returns the tensor names read."""
-    reader = CheckpointReader(path)
-    for name, p in model.named_parameters():
-        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
-            continue
-        p.copy_(reader.get(_hf_name(name), p.shape))
-    for name, b in model.named_buffers():  # the routers' bias (aux-loss-free balancing), trained by after_step
-        b.copy_(reader.get(_hf_name(name.replace("gate.expert_bias", "gate.e_score_correction_bias")), b.shape))
+    """Fill `model` (possibly partial) from a Hugging Face safetensors folder; returns the tensor names read. FP8
+    matrices with block scales are dequantised (core.hf_io.CheckpointReader). A folder without any MTP tensor
+    (written by transformers, or a model released without MTP) leaves the MTP module at its init_weights values."""
+    reader, L = CheckpointReader(path), model.cfg.num_hidden_layers
+    skip_mtp = model.mtp is not None and not any(n.startswith(f"model.layers.{L}.") for n in reader.weight_map)
     I, H = model.cfg.moe_intermediate_size, model.cfg.hidden_size
-    for lname, layer in model.layers.items():
-        if not isinstance(layer.mlp, MoE):
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:  # buffers: the routers' bias
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")) or (skip_mtp and name.startswith("mtp.")):
             continue
-        experts, prefix = layer.mlp.experts, f"model.layers.{lname}.mlp.experts"
+        t.copy_(reader.get(_hf_name(name, L), t.shape))
+    for layer in model.decoder_layers():
+        if not isinstance(layer.mlp, MoE) or (skip_mtp and layer is model.mtp.layer):
+            continue
+        experts = layer.mlp.experts
+        prefix = _hf_name(next(n for n, m in model.named_modules() if m is experts), L)
         if f"{prefix}.gate_up_proj" in reader:  # fused layout [E, J, H] / [E, H, I] (transformers in memory)
             E, ids = model.cfg.num_experts, experts.expert_ids  # read only this model's experts
             experts.gate_up_proj.copy_(reader.get_rows(f"{prefix}.gate_up_proj", (E, 2 * I, H), ids).transpose(1, 2))
@@ -806,23 +882,23 @@ def load_hf_checkpoint(model: Model, path) -> list[str]:
 
 @torch.no_grad()
 def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
-    """This model's tensors under the names transformers writes (per-expert keys)."""
-    out = {}
+    """This model's tensors under the names the released checkpoints use (per-expert keys, the MTP layer)."""
+    out, L = {}, model.cfg.num_hidden_layers
     I = model.cfg.moe_intermediate_size
-    for name, p in model.named_parameters():
-        if name.endswith("experts.gate_up_proj"):
-            prefix, ids = "model." + name.removesuffix(".gate_up_proj"), model.get_submodule(name.rsplit(".", 1)[0]).expert_ids
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            prefix, ids = _hf_name(name.rsplit(".", 1)[0], L), model.get_submodule(name.rsplit(".", 1)[0]).expert_ids
             for j, e in enumerate(ids):
-                out[f"{prefix}.{e}.gate_proj.weight"] = p[j, :, :I].T
-                out[f"{prefix}.{e}.up_proj.weight"] = p[j, :, I:].T
-        elif name.endswith("experts.down_proj"):
-            prefix, ids = "model." + name.removesuffix(".down_proj"), model.get_submodule(name.rsplit(".", 1)[0]).expert_ids
-            for j, e in enumerate(ids):
-                out[f"{prefix}.{e}.down_proj.weight"] = p[j].T
+                if name.endswith("gate_up_proj"):
+                    out[f"{prefix}.{e}.gate_proj.weight"] = p[j, :, :I].T
+                    out[f"{prefix}.{e}.up_proj.weight"] = p[j, :, I:].T
+                else:
+                    out[f"{prefix}.{e}.down_proj.weight"] = p[j].T
         else:
-            out[_hf_name(name)] = p
-    for name, b in model.named_buffers():
-        out[_hf_name(name.replace("gate.expert_bias", "gate.e_score_correction_bias"))] = b
+            out[_hf_name(name, L)] = p
+    if model.mtp is not None:  # the released layout's copies of the shared tensors
+        out[f"model.layers.{L}.embed_tokens.weight"] = model.embed_tokens.weight.clone()  # (safetensors: no shared storage)
+        out[f"model.layers.{L}.shared_head.head.weight"] = model.lm_head.weight.clone()
     return out
 
 
@@ -830,7 +906,8 @@ def save_hf_checkpoint(model: Model, path, dtype: torch.dtype | None = None, den
     """Write `model` as a folder that transformers' DeepseekV3ForCausalLM.from_pretrained loads. In a distributed
     run every rank calls it (see core.hf_io.write_hf_folder) and writes what it owns: `dense` / `experts` say
     whether this rank is the first replica of its dense / routed-expert tensors."""
-    tensors = {k: (v.to(dtype) if dtype else v) for k, v in hf_state_dict(model).items()
+    fp32 = ("e_score_correction_bias", "mlp.gate.weight")  # kept in fp32 (transformers' _keep_in_fp32_modules_strict)
+    tensors = {k: (v.to(dtype) if dtype and not k.endswith(fp32) else v) for k, v in hf_state_dict(model).items()
                if (experts if ".mlp.experts." in k else dense)}
     config = model.cfg.to_hf()
     if TRANSFORMERS_CLASS is None:  # a variant: its export must not pass for the base model (names the variant)
