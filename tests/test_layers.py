@@ -59,7 +59,7 @@ def test_the_check_catches_every_form(tmp_path):
     ]
 
 
-SHIPPED = ("qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b", "qwen3_5_35b_a3b")
+SHIPPED = ("qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b", "qwen3_5_35b_a3b", "deepseek_v3")
 
 
 def test_shipped_recipes_share_one_train_py():

@@ -154,7 +154,7 @@ def run_against_torch(name: str, workdir: Path, steps: int = 4) -> dict[str, tup
     return errors
 
 
-@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b", "qwen3_5_35b_a3b"])
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b", "qwen3_5_35b_a3b", "deepseek_v3"])
 def test_one_process_equals_torch_muon_and_adamw(name, tmp_path):
     """Bounds. Momentum and grad norm 1e-6: the same gradients, clipped by a norm summed in another order (~1e-7).
     AdamW 1e-5: tests/test_train.py:LAYOUT_TOLERANCE's reason (Adam's division turns the clip factor's ~1e-7 into

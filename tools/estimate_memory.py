@@ -15,7 +15,7 @@ import importlib
 
 from core.memory import GIB, Layout, estimate, fits, suggest
 
-RECIPES = ("qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b", "qwen3_5_35b_a3b")
+RECIPES = ("qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b", "qwen3_5_35b_a3b", "deepseek_v3")
 
 
 def recipe_module(recipe: str):
