@@ -10,7 +10,7 @@
 # GPUs:         one process per GPU with the released config.json; with no PP or EP (nor --pp/--ep/--cp/--dp)
 #               the layout (pp, cp, ep, micro-batch, recompute) is the fastest that fits by tools/plan.py, and
 #               launch.sh prints why; with PP and/or EP set: pp = PP (1), ep = EP (GPUs per node, at most 8).
-#               Set HF_CHECKPOINT=/path/to/DeepSeek-V3 (or Moonlight-16B-A3B with --config its config; FP8 dequantised)
+#               Set HF_CHECKPOINT=/path/to/DeepSeek-V3 (or R1, Kimi K2, Moonlight-16B-A3B; FP8 blocks dequantised)
 #               to start from the released weights (the demo data is then tokenized with its tokenizer), or
 #               DATA=/path/to/shards for data made by `python -m tools.prepare_data`.
 # Multi-node:   run the same command on every node (torchrun c10d rendezvous on node 0):
