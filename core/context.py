@@ -113,6 +113,19 @@ def gather_sequence(x: torch.Tensor, cp_group=None, dim: int = 1) -> torch.Tenso
     return x if cp_group is None else _GatherSequence.apply(x, cp_group, dim)
 
 
+def on_whole_sequence(fn, x: torch.Tensor, cp_group=None, dim: int = 1):
+    """fn on whole sequences under cp, for a decision that couples the tokens of a sequence (a capacity rule, an
+    expert choice: each expert keeping the top-C tokens of the sequence by score). x: this rank's split_for_cp part
+    of a per-token tensor; fn gets the whole sequences in global order (gather_sequence; every cp rank computes
+    the same) and returns a tensor or a tuple of them, of which this rank's part comes back (split_for_cp along
+    dim): the result equals one process's under any cp, gradients flow to every token's owner. None: fn(x)."""
+    if cp_group is None:
+        return fn(x)
+    out = fn(gather_sequence(x, cp_group, dim))
+    mine = lambda t: split_for_cp(t, dist.get_rank(cp_group), dist.get_world_size(cp_group), dim)
+    return tuple(mine(t) for t in out) if isinstance(out, tuple) else mine(out)
+
+
 def gather_kv(k_BGSD, v_BGSE, cp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """K [B, G, K, D] and V [B, G, K, E] of the whole sequence from this rank's parts: one all-gather, K and V
     side by side. `attention` calls it when given this rank's part; a variant that needs the whole sequence's

@@ -167,7 +167,8 @@ class MetricsLogger:
             self.writer = SummaryWriter(log_dir)
 
     def log(self, step: int, step_time: float, tokens: int, scalars: dict[str, float], stats: dict | None = None) -> dict:
-        """scalars: loss, aux_loss, lr, grad_norm, ... ; adds throughput, MFU, memory. stats: per-step statistics
+        """scalars: loss, every other loss term as NAME_loss (aux_loss, ...: each printed as NAME), lr, grad_norm, ... ;
+        adds throughput, MFU, memory. stats: per-step statistics
         (expert_load_max_over_mean and the model's own, Model.take_stats): a scalar or a 1-D tensor / list (one
         value per MoE layer, say) each; larger tensors are left out. Returns the full record (metrics.jsonl)."""
         self.step_times.append(step_time)
@@ -187,9 +188,10 @@ class MetricsLogger:
         load = extra.get("expert_load_max_over_mean", [])
         a2a = f" | a2a rows {100 * record['a2a_rows_vs_naive']:.0f}% of naive" if "a2a_rows_vs_naive" in record else ""
         opt = f" (optimizer {1000 * record['opt_time']:.0f} ms)" if "opt_time" in record else ""
+        terms = "".join(f" | {name.removesuffix('_loss')} {v:.4f}" for name, v in scalars.items() if name.endswith("_loss"))
         own = "".join(f" | {name} " + (" ".join(f"{x:.3g}" for x in v) if isinstance(v, list) else f"{v:.4g}")
                       for name, v in extra.items() if name != "expert_load_max_over_mean")
-        print(f"step {step:>5}/{self.total_steps} | loss {record['loss']:.4f} | aux {record['aux_loss']:.4f} | "
+        print(f"step {step:>5}/{self.total_steps} | loss {record['loss']:.4f}{terms} | "
               f"lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} | load max/mean per layer "
               f"{' '.join(f'{x:.2f}' for x in load) or '-'}{a2a}{own} | {tokens_per_s:,.0f} tok/s | "
               f"MFU {100 * record['mfu']:.2f}% | {1000 * step_time:.0f} ms{opt} | mem {record['peak_mem_gib']:.2f} GiB | "

@@ -11,7 +11,7 @@ Contract with a model.py (plain attributes, no registry). A stage object provide
     stage.layers                                   decoder layers, run in order
     stage.post(state, mb) -> outputs               last stage: [loss]; others: the state to send on
 `state` is a list of tensors (the hidden state, plus what the model carries along, e.g. aux-loss statistics);
-what crosses ranks has the shapes and dtypes of `p2p_specs`. A layer with `layer.moe` False exposes
+what crosses ranks has the shapes and dtypes of `p2p_specs`: by default those of what stage 0's pre creates. A layer with `layer.moe` False exposes
 `layer.dense(state) -> state`. A layer with routed experts exposes the three compute steps of the overlap,
 and this file runs the two all-to-alls between them (core/moe.py):
     (1) layer.attention(state) -> (state, x_TH, topk_ids_Tk, topk_weights_Tk)   norms, attention, router
@@ -50,14 +50,17 @@ from core.moe import AllToAll, DispatchPlan, weight_grads
 
 def split_layers(num_layers: int, pp: int, costs: list | None = None) -> list[list[int]]:
     """Layer ids of the 2*pp stages, balanced with the embedding and the head each counted as one layer, so the
-    first and last stages get fewer layers. costs: a recipe's flops_by_layer (one dict of FLOPs per token per
-    layer, then the head's; or one number per layer), for layers that differ (hybrid attention, dense first
-    layers): contiguous stages whose largest summed cost is smallest, the embedding and the head each counted as
-    one average layer (equal costs: the split by count)."""
+    first and last stages get fewer layers. costs: one number per layer, or a recipe's flops_by_layer (one dict
+    of FLOPs per token per layer, then those of the first stage's own modules, the embedding and whatever a recipe
+    adds there, and of the last stage's, final norm, LM head and whatever a recipe adds there): contiguous stages
+    whose largest summed cost, every module of the stage counted, is smallest (plain numbers: the embedding and
+    the head each counted as one average layer; equal costs: the split by count)."""
     stages = 2 * pp
-    per_layer = None if costs is None else [sum(c.values()) if isinstance(c, dict) else c for c in costs[:num_layers]]
-    if per_layer is not None and len(set(per_layer)) > 1 and num_layers >= stages - 2:
-        return _split_by_cost(per_layer, stages)
+    total = lambda c: sum(c.values()) if isinstance(c, dict) else c
+    per_layer = None if costs is None else [total(c) for c in costs[:num_layers]]
+    ends = [total(c) for c in costs[num_layers:]] if costs is not None and len(costs) == num_layers + 2 else None
+    if per_layer and (ends or len(set(per_layer)) > 1) and num_layers >= stages - 2:
+        return _split_by_cost(per_layer, stages, *(ends or [sum(per_layer) / num_layers] * 2))
     units = num_layers + 2
     sizes = [units // stages + (1 if 0 < s < stages - 1 and s - 1 < units % stages else 0) for s in range(stages)]
     sizes[0] -= 1
@@ -99,22 +102,22 @@ def _running_as(steps, micro_batch: int, stage: int, backward: bool):
         yield
 
 
-def _split_by_cost(costs: list, stages: int) -> list[list[int]]:
+def _split_by_cost(costs: list, stages: int, first: float, last: float) -> list[list[int]]:
     """The contiguous split of layers with these costs into `stages` (the first and the last may be empty, each
-    middle one holds a layer) whose largest stage cost, embedding and head counted as one mean layer each, is
-    smallest: dynamic programming over (stage, layers so far); ties go to the earliest cut."""
-    n, unit = len(costs), sum(costs) / len(costs)
+    middle one holds a layer) whose largest stage cost, the first stage's own modules costing `first` and the last
+    stage's `last`, is smallest: dynamic programming over (stage, layers so far); ties go to the earliest cut."""
+    n = len(costs)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    best = [[unit + prefix[i] for i in range(n + 1)]]  # best[s][i]: layers 0..i-1 on stages 0..s
+    best = [[first + prefix[i] for i in range(n + 1)]]  # best[s][i]: layers 0..i-1 on stages 0..s
     cut = [[0] * (n + 1)]
     for s in range(1, stages):
-        last = s == stages - 1
+        final = s == stages - 1
         row, row_cut = [float("inf")] * (n + 1), [0] * (n + 1)
         for i in range(n + 1):
-            for j in range(i + 1 if last else i):  # a middle stage holds layers j..i-1, at least one
-                load = max(best[-1][j], prefix[i] - prefix[j] + (unit if last else 0.0))
+            for j in range(i + 1 if final else i):  # a middle stage holds layers j..i-1, at least one
+                load = max(best[-1][j], prefix[i] - prefix[j] + (last if final else 0.0))
                 if load < row[i]:
                     row[i], row_cut[i] = load, j
         best.append(row)
@@ -183,9 +186,10 @@ def _backward_steps(tape: _Tape, outputs: list, grads: list):
 
 class DualPipeV:
     def __init__(self, stages, pp_rank: int, pp: int, prev_rank: int | None, next_rank: int | None, group,
-                 p2p_specs: list[tuple[tuple[int, ...], torch.dtype]], device, overlap: bool = True,
+                 p2p_specs: list[tuple[tuple[int, ...], torch.dtype]] | None, device, overlap: bool = True,
                  delay_weight_grads: bool = True):
-        """stages: (stage r, stage 2*pp-1-r); prev/next_rank: global ranks of the pp neighbours."""
+        """stages: (stage r, stage 2*pp-1-r); prev/next_rank: global ranks of the pp neighbours; p2p_specs: (shape,
+        dtype) of each state tensor crossing ranks, None: those of what stage 0 creates (_stage0_specs)."""
         self.stages, self.rank, self.pp, self.group = stages, pp_rank, pp, group
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.p2p_specs, self.device = p2p_specs, device
@@ -293,6 +297,17 @@ class DualPipeV:
 
     # ---------------------------------------------------------------------- point-to-point communication
 
+    def _stage0_specs(self):
+        """(shape, dtype) of each tensor stage 0's pre makes of micro-batch 0 (run once, without gradients, on pp
+        rank 0, inside the caller's autocast), broadcast to the pp group: a model declares a state entry in one
+        place, the state its first stage creates."""
+        specs = [None]
+        if self.first:
+            with torch.no_grad():
+                specs = [[(tuple(t.shape), t.dtype) for t in self.stages[0].pre([], 0)]]
+        dist.broadcast_object_list(specs, src=dist.get_global_rank(self.group, 0), group=self.group, device=self.device)
+        return specs[0]
+
     def _buffers(self, requires_grad: bool):
         return [torch.empty(shape, dtype=dtype, device=self.device).requires_grad_(requires_grad and dtype.is_floating_point)
                 for shape, dtype in self.p2p_specs]
@@ -375,6 +390,8 @@ class DualPipeV:
             raise ValueError(f"DualPipeV needs at least 2*pp = {2 * n} micro-batches per step, got {num_chunks}; "
                              f"raise --global-batch or lower --micro-batch")
         self.forward_only = forward_only
+        if self.p2p_specs is None:
+            self.p2p_specs = self._stage0_specs()
         self.inputs = ([[] for _ in range(num_chunks)] if self.first else [], [])
         self.outputs, self.tapes, self.output_grads, self.input_grads = ([], []), ([], []), ([], []), ([], [])
         self.f_chunk, self.b_chunk, self.sent_f, self.sent_b = [0, 0], [0, 0], [0, 0], [0, 0]

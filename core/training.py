@@ -1,6 +1,7 @@
 """What every train.py needs around the model: flags from a dataclass (--help shows each field's comment), the
 lr schedule (the optimizer, with gradient reduction and clipping, is core/optimizer.py), the check of the flags
-a model may not support (check_features) and what the model is told after each step (StepDone)."""
+a model may not support (check_features), the loss terms of the objective (LossTerm: weights, denominators) and
+what the model is told after each step (StepDone)."""
 
 import argparse
 import ast
@@ -12,6 +13,9 @@ import pathlib
 import textwrap
 import tokenize
 import typing
+
+import torch
+import torch.distributed as dist
 
 
 class _Parser(argparse.ArgumentParser):
@@ -120,6 +124,13 @@ def lr_factor(step: int, schedule: str, warmup: int, total: int, min_ratio: floa
     return 1.0 - (1 - min_ratio) * min(1.0, (step - decay_start + 1) / max(1, total - decay_start))
 
 
+def declared(model_class, cfg):
+    """A model of config cfg that holds no layer, embedding or head, built on the meta device (no memory): what a
+    model declares for a config before any is built, its features and loss terms (train.py's check_run)."""
+    with torch.device("meta"):
+        return model_class(cfg, layers=[], embed=False, head=False)
+
+
 def check_features(supported, requested: dict[str, tuple[str, bool]], where: str) -> None:
     """requested: optional model feature -> (the flag that asks for it, whether it is on). Raise, in one line, for
     the first feature asked for that the model's `supported` (its Model.features) lacks."""
@@ -141,3 +152,53 @@ class StepDone:
     args: object  # train.py's Args (every flag: expert_bias_rate, ...)
     skipped: bool  # the step was skipped (non-finite loss or gradient): weights and optimizer state unchanged
     mesh: object  # core/mesh.py:Mesh (is_main: write a shared file once; group(...): a collective of the model's own)
+
+
+@dataclasses.dataclass
+class LossTerm:
+    """One named term of the training objective (Model.loss_terms). The step's objective is the sum over the terms
+    of weight x (the term's sums over every rank and micro-batch) / (its denominator over the global batch), so
+    every layout trains the same objective as one process (train.py counts the denominators before the first
+    backward). A term's sum on a rank is TrainOutput.terms[name] (pp: PipelineStage.post's terms)."""
+
+    weight: float  # its coefficient; train.py --loss-weight NAME=W overrides it
+    per: str | None  # the denominator: "tokens" (trained labels, labels != -100), "micro_batches" (a mean per
+    # micro-batch: n_micro x dp x ep), the name of an extra from Model.prepare_batch (the global sum of that
+    # per-token tensor: a term's own targets), or None: a parameter-only term, counted once per step however many
+    # ranks and micro-batches compute it (n_micro x dp x cp x ep); each rank's sum is then the term over the
+    # parameters its layers hold, a part over routed experts counted ep times (its own experts' part x ep), so that
+    # the ep ranks' parts add up to ep x the whole
+
+
+def loss_weights(terms: dict[str, LossTerm], flag: str) -> dict[str, LossTerm]:
+    """terms with the weights of --loss-weight NAME=W[,NAME=W...] ('' keeps them); one-line error for a bad item."""
+    terms = dict(terms)
+    for item in filter(None, flag.split(",")):
+        name, _, weight = item.partition("=")
+        try:
+            terms[name] = dataclasses.replace(terms[name], weight=float(weight))
+        except (KeyError, ValueError):
+            raise ValueError(f"--loss-weight {item}: give NAME=WEIGHT with NAME one of the model's loss terms "
+                             f"({', '.join(terms)}) and WEIGHT a number") from None
+    return terms
+
+
+def loss_denominators(terms: dict[str, LossTerm], labels_BS, extras: list[dict], n_micro: int, mesh) -> dict:
+    """Each term's denominator over the global batch of the step (LossTerm.per), from this rank's labels and extras
+    (its cp part of the local batch; extras: one dict per micro-batch, Model.prepare_batch's): counts summed over the ranks holding other tokens (dp, cp, ep) in one
+    all-reduce, each at least 1; micro-batch counts as plain numbers."""
+    counted = sorted({t.per for t in terms.values()} - {"micro_batches", None})
+    counts = [(labels_BS != -100).sum() if per == "tokens" else sum(e[per].sum() for e in extras)
+              for per in counted]
+    counts = torch.stack(counts).float() if counts else torch.zeros(0, device=labels_BS.device)
+    group = mesh.group("dp", "cp", "ep")
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+    found = {per: count.clamp(min=1) for per, count in zip(counted, counts)}
+    found.update({"micro_batches": n_micro * mesh.data_world, None: n_micro * mesh.data_world * mesh.cp})
+    return {name: found[t.per] for name, t in terms.items()}
+
+
+def objective(sums: dict, terms: dict[str, LossTerm], denominators: dict):
+    """One micro-batch's share of the step's objective: sum of weight x sum / denominator over the terms."""
+    return sum(t.weight * sums[name] / denominators[name] for name, t in terms.items())

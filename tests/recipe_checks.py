@@ -40,6 +40,7 @@ from core.context import cp_positions, split_for_cp
 from core.data import TokenLoader, positions_in_documents, write_shards
 from core.mesh import build_mesh
 from core.pipeline import split_layers
+from core.training import declared, objective, parse_args
 from tests.multiproc import one_thread, run_ranks
 from tests.test_train import (
     LAYOUT_TOLERANCE,
@@ -147,6 +148,14 @@ def load_recipe(name: str, vocab_size: int = 0) -> Recipe:
                   model.BASE_RECIPE, widen(setup["config"]), setup["seq_len"], widen(setup.get("base_config")))
 
 
+def model_features(recipe: Recipe) -> frozenset[str]:
+    """Model.features (the optional features the shared checks exercise; a model may decline some) of the check
+    config's model, asked of one holding no layer on the meta device as train.py's check_run does: they may
+    depend on the config."""
+    path = write_config(Path(tempfile.mkdtemp()) / "config.json", recipe.config)
+    return declared(recipe.model.Model, recipe.model.load_config(path)).features
+
+
 def write_counting_data(out) -> Path:
     """~12k tokens of vocabulary 256 in 120 documents, each counting upwards from its own start with its own
     stride (learnable in a few steps), as token shards (core/data.py)."""
@@ -191,7 +200,7 @@ def check_args(recipe: Recipe, config, data, out, **extra) -> list[str]:
     (measured: grad norm 1.8e-5, weights 9.5e-6). dp splits whole sequences, keeps the shapes and is not affected;
     losses and grad norms match at either eps. A model without the expert_bias feature (Model.features) trains
     without the bias."""
-    bias = {"expert_bias_rate": 1e-2} if "expert_bias" in recipe.model.Model.features else {}
+    bias = {"expert_bias_rate": 1e-2} if "expert_bias" in model_features(recipe) else {}
     return train_args(config, data, out, **{"steps": 3, "micro_batch": 1, "adam_eps": 1e-6, **bias,
                                             "seq_len": recipe.seq_len, **extra})
 
@@ -215,7 +224,7 @@ def run_checks(name: str, data, workdir, groups=GROUPS) -> list[Result]:
         results += export_results(recipe, data, workdir, hf_in)
     if "buffers" in groups:
         results += buffer_results(recipe, hf_in)
-    if "documents" in groups and "document_mask" in recipe.model.Model.features:  # (a model may decline it)
+    if "documents" in groups and "document_mask" in model_features(recipe):  # (a model may decline it)
         results += document_results(recipe)
     if "layouts" in groups:
         results += layout_results(recipe, data, workdir)
@@ -351,7 +360,7 @@ def document_results(recipe: Recipe) -> list[Result]:
     forward_train's trunk under the document mask, with rope positions restarting per document: each document's
     cross-entropy and the gradients of their sum equal each document run alone (a batch of one short sequence,
     default positions, plain causal attention), fp32."""
-    cfg = recipe.model.ModelConfig.from_hf(write_config(Path(__import__("tempfile").mkdtemp()) / "c.json", recipe.config))
+    cfg = recipe.model.ModelConfig.from_hf(write_config(Path(tempfile.mkdtemp()) / "c.json", recipe.config))
     S = recipe.seq_len
     lengths = [[S // 2 - 3, 5, S - S // 2 - 2], [S // 4, S - S // 4 - 3, 3]]  # the last of row 1: padding
     torch.manual_seed(0)
@@ -399,10 +408,13 @@ def document_results(recipe: Recipe) -> list[Result]:
 def model_grads_worker(config_path, cp: int, ep: int, seq_len: int, recipe: str):
     """Model level at cp (x ep): each (ep) data rank has its own 2 sequences (one micro-batch) and each cp rank its
     2 of their 2*cp chunks; one process runs the same micro-batches whole over the full model, in fp32 and in
-    float64 from the same weights. {quantity: (error against the fp32 process, noise: the fp32 process's error
-    against the float64 one)} of the loss, aux loss, expert load, whole-sequence logits and every parameter's
-    gradient. Runs inside a process group the caller owns (layouts_worker)."""
+    float64 from the same weights. Both go train.py's way: Model.prepare_batch on the whole sequences (split for
+    cp like the ids), forward_train, the objective of Model.loss_terms over the global batch's denominators.
+    {quantity: (error against the fp32 process, noise: the fp32 process's error against the float64 one)} of
+    every loss term, the expert load, whole-sequence logits and every parameter's gradient. Runs inside a process
+    group the caller owns (layouts_worker)."""
     mod = importlib.import_module(f"recipes.{recipe}.model")
+    args = parse_args(importlib.import_module(f"recipes.{recipe}.train").Args, ["--aux-loss-coef", str(AUX_COEF)])
     mesh = build_mesh(dp=1, cp=cp, ep=ep)
     cp_group, cp_rank, r = mesh.group("cp"), mesh.coord("cp"), mesh.data_rank
     cfg = mod.ModelConfig.from_hf(config_path)
@@ -413,17 +425,22 @@ def model_grads_worker(config_path, cp: int, ep: int, seq_len: int, recipe: str)
     ids = torch.randint(0, cfg.vocab_size, (2 * ep, seq_len), generator=torch.Generator().manual_seed(3))
     labels = torch.roll(ids, -1, 1)
     labels[0, 5:9] = -100  # ignored labels inside a chunk
-    n_labels = (labels != -100).sum()
+    terms = full.loss_terms(args)
+    whole_positions = torch.arange(seq_len).expand(2, -1)
+    extras = [full.prepare_batch(ids[2 * d:2 * d + 2], labels[2 * d:2 * d + 2], None, whole_positions) for d in range(ep)]
+    counts = {"tokens": (labels != -100).sum(), "micro_batches": ep, **{n: sum(e[n].sum() for e in extras) for n in extras[0]}}
+    per_rank = lambda ranks: {n: counts[t.per] if t.per is not None else ep * ranks for n, t in terms.items()}
+    label = lambda name: {"lm": "loss", "aux": "aux loss"}.get(name, f"{name} loss")
 
     def one_process(m) -> dict:
-        """Rank r's loss, aux loss, expert load and logits and every gradient, computed by m alone."""
+        """Rank r's loss terms, expert load and logits and every gradient, computed by m alone."""
         outs, loads = [], []  # per micro-batch: TrainOutput, expert load [MoE layers, E]
         for d in range(ep):
-            outs.append(m.forward_train(ids[2 * d:2 * d + 2], labels[2 * d:2 * d + 2]))
+            outs.append(m.forward_train(ids[2 * d:2 * d + 2], labels[2 * d:2 * d + 2], extras=extras[d]))
             loads.append(m.take_expert_load())
-        sum(o.loss_sum / n_labels + AUX_COEF * o.aux_loss / ep for o in outs).backward()
+        sum(objective(o.terms, terms, per_rank(1)) for o in outs).backward()
         with torch.no_grad():
-            found = {"loss": outs[r].loss_sum.detach(), "aux loss": outs[r].aux_loss.detach(), "expert load": loads[r],
+            found = {**{label(n): outs[r].terms[n].detach() for n in terms}, "expert load": loads[r],
                      "logits (whole sequences)": m(ids[2 * r:2 * r + 2])}
         for name, p in m.named_parameters():
             experts = ".mlp.experts." in name
@@ -434,14 +451,19 @@ def model_grads_worker(config_path, cp: int, ep: int, seq_len: int, recipe: str)
     ref = one_process(full)
     positions_BS = cp_positions(seq_len, cp_rank, cp)[None].expand(2, -1)
     mine = [split_for_cp(t[2 * r:2 * r + 2], cp_rank, cp) for t in (ids, labels)]
-    out = model.forward_train(*mine, positions_BS)
-    (out.loss_sum / n_labels + AUX_COEF * out.aux_loss / ep).backward()
+    my_extras = {n: split_for_cp(t, cp_rank, cp) for n, t in
+                 model.prepare_batch(ids[2 * r:2 * r + 2], labels[2 * r:2 * r + 2], None, whole_positions).items()}
+    out = model.forward_train(*mine, positions_BS, extras=my_extras)
+    objective(out.terms, terms, per_rank(cp)).backward()
 
-    parts = torch.stack([out.loss_sum.detach(), out.aux_loss.detach()])  # each cp rank's part of the sums
     load = model.take_expert_load()
-    for t in (parts, load):
-        dist.all_reduce(t, group=cp_group)
-    got = {"loss": parts[0], "aux loss": parts[1], "expert load": load}
+    dist.all_reduce(load, group=cp_group)
+    got = {"expert load": load}
+    for n, t in out.terms.items():  # each cp rank's part of a per-token sum; a parameter-only term is whole on
+        # every rank but counts its routed experts' part ep times (core/training.py:LossTerm): the mean over (cp, ep)
+        t = t.detach().clone()
+        dist.all_reduce(t, group=cp_group if terms[n].per is not None else mesh.group("cp", "ep"))
+        got[label(n)] = t if terms[n].per is not None else t / (cp * ep)
     with torch.no_grad():  # whole sequences on every cp rank (sampling, evaluation)
         got["logits (whole sequences)"] = model(ids[2 * r:2 * r + 2])
     for name, p in model.named_parameters():
@@ -483,7 +505,7 @@ def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
         single64 = run_train(args("single64", hf_checkpoint=workdir / "hf_init", export_hf=workdir / "hf_single64"),
                              recipe.train.main)
     # conversations: whole documents with loss masks, --document-mask on by default for them (core/data.py)
-    documents = "document_mask" in recipe.model.Model.features  # (Model.features: what the model declines is skipped)
+    documents = "document_mask" in model_features(recipe)  # (Model.features: what the model declines is skipped)
     chats = write_counting_chats(workdir / "chats", recipe.seq_len)
     chat_args = lambda out, **extra: check_args(recipe, config, chats, workdir / out, **extra)
     if documents:
@@ -502,7 +524,7 @@ def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
                 "grads cp2": ("grads", (config, 2, 1, recipe.seq_len)),
                 "docs pp2 recompute": ("train", chat_args("docs_pp2r", pp=2, recompute="layer"))},
             4: {"grads cp2xep2": ("grads", (config, 2, 2, recipe.seq_len))}}
-    recompute = "recompute" in recipe.model.Model.features  # (Model.features: what the model declines is skipped)
+    recompute = "recompute" in model_features(recipe)  # (Model.features: what the model declines is skipped)
     if not recompute:
         del jobs[2]["pp2 recompute"], jobs[2]["cp2 recompute"]
     if not (recompute and documents):
@@ -536,7 +558,7 @@ def layout_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
         label = f"{name} {','.join(map(str, placements[name]))}" if name in placements else name
         results.append(Result(f"{label} = 1 process: losses, grad norms, weights", error, bound, where))
         bias = worst_error([bias, (worst["expert bias"][0], f"{name} {worst['expert bias'][1]}")])
-    if "expert_bias" in recipe.model.Model.features:
+    if "expert_bias" in model_features(recipe):
         results.append(Result("expert bias in every layout = 1 process", bias[0], 0.0, bias[1]))
     if documents:
         results.append(Result("documents: the document mask changes the 1-process losses", rel_err(

@@ -228,21 +228,27 @@ def test_running_names_the_chunk(overlap):
 
 
 def test_split_layers_by_cost():
-    """Layers of unequal cost: the split whose largest stage (embedding and head one mean layer each) is smallest,
-    found against every contiguous split written out here; equal costs split by count."""
+    """Layers of unequal cost: the split whose largest stage (plain numbers: embedding and head one mean layer
+    each; flops_by_layer's dicts: the first and last stage's own modules at their own cost) is smallest, found
+    against every contiguous split written out here; equal costs split by count."""
     import itertools
 
-    def largest(costs, stages):
-        unit = sum(costs) / len(costs)
-        return max(sum(costs[i] for i in s) + (unit if k in (0, len(stages) - 1) else 0) for k, s in enumerate(stages))
+    def largest(costs, stages, ends=None):
+        first, last = ends or [sum(costs) / len(costs)] * 2
+        return max(sum(costs[i] for i in s) + (first if k == 0 else last if k == len(stages) - 1 else 0)
+                   for k, s in enumerate(stages))
 
-    # a hybrid (every 4th layer costs 4), and costs where leaving out the embedding's or the head's share misplaces
-    # a cut
-    for costs, want in (([1, 1, 1, 4, 1, 1, 1, 4, 1, 1], 6), ([1, 4, 1, 2, 1, 2, 2, 2], 5.875)):
+    # a hybrid (every 4th layer costs 4), costs where leaving out the embedding's or the head's share misplaces
+    # a cut, and a head as costly as 5 layers with a free embedding (flops_by_layer's form: it moves layers off the
+    # last stage onto the first)
+    for costs, ends, want in (([1, 1, 1, 4, 1, 1, 1, 4, 1, 1], None, 6), ([1, 4, 1, 2, 1, 2, 2, 2], None, 5.875),
+                              ([1] * 12, [0, 5], 5)):
         n = len(costs)
-        best = min(largest(costs, [list(range(a, b)) for a, b in zip((0, *cuts), (*cuts, n))])
+        best = min(largest(costs, [list(range(a, b)) for a, b in zip((0, *cuts), (*cuts, n))], ends)
                    for cuts in itertools.combinations_with_replacement(range(n + 1), 3)
                    if all(b > a for a, b in zip(cuts, cuts[1:])))  # middle stages non-empty
-        split = split_layers(n, 2, costs)
-        assert sum(split, []) == list(range(n)) and all(split[1:-1]) and largest(costs, split) == best == want
-    assert split_layers(10, 2, [{"attention": 2, "dense": 3}] * 10 + [{"head": 9}]) == split_layers(10, 2)
+        given = costs if ends is None else [{"dense": c} for c in costs] + [{"embedding": ends[0]}, {"head": ends[1]}]
+        split = split_layers(n, 2, given)
+        assert sum(split, []) == list(range(n)) and all(split[1:-1]) and largest(costs, split, ends) == best == want
+    assert split[-1] == [] and len(split[0]) == 4  # the heavy head's stage holds no layer (by count: 2 of 12)
+    assert split_layers(10, 2, [{"attention": 2, "dense": 3}] * 10 + [{"embedding": 5}, {"head": 5}]) == split_layers(10, 2)

@@ -64,8 +64,9 @@ def test_flops_by_layer_matches_flop_counter(recipe):
     counted = counted_flops(mod, cfg, seq, batch)
     parts = mod.flops_by_layer(cfg, seq)
     tokens = seq * batch
-    gemm = tokens * (sum(p["dense"] + p["experts"] for p in parts[:-1]) + parts[-1]["head"])
-    attention = tokens * sum(p["attention"] for p in parts[:-1])
+    layers, (first, last) = parts[:cfg.num_hidden_layers], parts[cfg.num_hidden_layers:]  # + each end's own modules
+    gemm = tokens * (sum(p["dense"] + p["experts"] for p in layers) + first["embedding"] + last["head"])
+    attention = tokens * sum(p["attention"] for p in layers)
     # routing is data dependent but every token takes k experts (dropless): the grouped GEMMs' rows are T*k exactly
     assert gemm == pytest.approx(3 * counted["gemm"], rel=1e-9)  # integer counts; 1e-9 absorbs float sums
     causal_share = (seq + 1) / (2 * seq) if recipe == "gpt_oss_20b" else 0.5  # Qwen3 / DeepSeek count S/2 keys
@@ -81,7 +82,7 @@ def test_sliding_window_keys_match_a_brute_force_count():
     N, D = cfg.num_attention_heads, cfg.head_dim
     for seq in (16, 64, 100, 300):
         parts = mod.flops_by_layer(cfg, seq)
-        for i, p in enumerate(parts[:-1]):
+        for i, p in enumerate(parts[:cfg.num_hidden_layers]):
             w = cfg.window(i) or seq
             keys = sum(min(q + 1, w) for q in range(seq)) / seq
             assert p["attention"] == pytest.approx(12 * N * D * keys, rel=1e-12), (seq, i)

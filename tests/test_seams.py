@@ -11,21 +11,24 @@ weights of every token, gathered over the pp and ep ranks, must equal one proces
 import contextlib
 import io
 import json
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from core.context import on_whole_sequence, split_for_cp
 from core.metrics import load_max_over_mean, reduce_stats
 from core.pipeline import running
 from core.reliability import collapse_warning
+from core.training import LossTerm
 from recipes.qwen3_30b_a3b import model as qwen3
 from recipes.qwen3_30b_a3b import train
 from tests.conftest import TINY_TRAIN_CONFIG
 from tests.multiproc import run_ranks
-from tests.recipe_checks import Recipe, check_args, write_counting_data
-from tests.test_train import assert_matches_single, run_train, train_args
+from tests.recipe_checks import Recipe, check_args, model_grads_worker, write_counting_data
+from tests.test_train import assert_matches_single, noise_bound, run_train, train_args
 
 # ---------------------------------------------------------------------------- statistics gathered over ranks
 
@@ -259,3 +262,194 @@ def test_variant_export_names_the_variant(tmp_path, monkeypatch, capsys):
                          "8", "--micro-batch", "2", "--eval-batches", "1", "--out", str(tmp_path / "eval")])
     assert "export of the variant recipe deepseek_v2_lite" in capsys.readouterr().out
     assert 0 < val["val_loss"] < 10  # ln(256) = 5.5 for random weights
+
+
+# ------------------------------------------------ extensions through the seams, train.py and core untouched
+# Test-only code on the Qwen3 recipe's classes (patched here and in each spawned rank), each through one seam:
+#   loss term with its own targets: "ahead", the cross-entropy of the token two ahead, its targets and their 0/1
+#       mask made by Model.prepare_batch on whole sequences (under cp a target sits in another rank's chunk);
+#   parameter-only regulariser: "l2", the squared norm of every router and routed expert weight (per None), summed
+#       layer by layer into an extra state entry that Model.initial_state creates: through pp2 it crosses ranks;
+#   extra per-token input made on whole sequences: the previous token's embedding added to each token's;
+#   whole-sequence routing decision: each expert keeps the CAPACITY highest-scoring of the tokens that chose it in
+#       the whole sequence (core.context.on_whole_sequence under cp), the others' slots are dropped;
+#   a statistic logged by name: "dropped_slots".
+
+
+CAPACITY = 12  # kept slots per expert and sequence: 32 tokens x top-2 over 4 experts make 16 on average
+AHEAD_WEIGHT, L2_WEIGHT = 0.5, 1e-3
+EXT = {name: getattr(cls, name) for cls, names in ((qwen3.Model, ("loss_terms", "prepare_batch", "initial_state",
+                                                                    "loss_sums", "set_positions", "take_stats")),
+                                                   (qwen3.Router, ("forward",)), (qwen3.DecoderLayer, ("attention",)))
+       for name in names}
+
+
+def previous_tokens(ids_BS):
+    """The token before each (0 before the first) of whole sequences."""
+    return torch.cat([torch.zeros_like(ids_BS[:, :1]), ids_BS[:, :-1]], 1)
+
+
+def ext_loss_terms(self, args):
+    return {**EXT["loss_terms"](self, args), "ahead": LossTerm(AHEAD_WEIGHT, "ahead_valid"), "l2": LossTerm(L2_WEIGHT, None)}
+
+
+def ext_prepare_batch(self, input_ids_BS, labels_BS, doc_ids_BS, positions_BS):
+    valid_BS = torch.ones_like(input_ids_BS, dtype=torch.float32)
+    valid_BS[:, -2:] = 0  # the last two tokens have no token two ahead in the sequence
+    ahead_BS = torch.where(valid_BS.bool(), torch.roll(input_ids_BS, -2, 1), -100)
+    return {"ahead_ids": ahead_BS, "ahead_valid": valid_BS, "prev_ids": previous_tokens(input_ids_BS)}
+
+
+def ext_initial_state(self, input_ids_BS, extras):
+    """+ the previous token's embedding (whole sequences without extras: sampling, logits), + the l2 entry [1]."""
+    x_BSH, aux_2E = EXT["initial_state"](self, input_ids_BS, extras)
+    prev_BS = extras["prev_ids"] if "prev_ids" in extras else previous_tokens(input_ids_BS)
+    return [x_BSH + 0.5 * self.embed(prev_BS), aux_2E, torch.zeros(1, device=x_BSH.device)]
+
+
+def ext_attention(self, state):
+    """Step (1), + this layer's router and routed-expert squared norms into the l2 entry; the experts' part counted
+    ep times (core/training.py:LossTerm: the ep ranks hold 1/ep of them each)."""
+    state, x_TH, ids_Tk, weights_Tk = EXT["attention"](self, state)
+    ep = 1 if self.ep_group is None else dist.get_world_size(self.ep_group)
+    l2 = self.mlp.gate.weight.pow(2).sum() + ep * self.mlp.experts.gate_up_proj.pow(2).sum()
+    return [state[0], state[1], state[2] + l2], x_TH, ids_Tk, weights_Tk
+
+
+def ext_loss_sums(self, state, labels_BS, extras):
+    return {**EXT["loss_sums"](self, state, labels_BS, extras),
+            "ahead": self.cross_entropy_sum(state[0], extras["ahead_ids"]), "l2": state[2].sum()}
+
+
+def ext_set_positions(self, position_ids_BS, cp_split=True, doc_ids_BK=None):
+    """+ tell each router its sequences: (the cp group they are split over, None for whole ones; tokens per row)."""
+    EXT["set_positions"](self, position_ids_BS, cp_split, doc_ids_BK)
+    S = (position_ids_BS[0] if isinstance(position_ids_BS, list) else position_ids_BS).shape[1]
+    for layer in self.layers.values():
+        layer.mlp.gate.sequences = (self.cp_group if cp_split else None, S)
+
+
+def keep_top_capacity(score_BSE):
+    """Whole sequences: True for the CAPACITY highest finite scores of each (sequence, expert)."""
+    top_BCE = score_BSE.topk(CAPACITY, dim=1).indices
+    return torch.zeros_like(score_BSE, dtype=torch.bool).scatter(1, top_BCE, True) & score_BSE.isfinite()
+
+
+def capacity_router(self, x_TH):
+    """Router.forward, then the capacity rule over whole sequences: a dropped slot gets id -1 and weight 0."""
+    logits_TE, weights_Tk, ids_Tk = EXT["forward"](self, x_TH)
+    cp_group, S = self.sequences
+    E = logits_TE.shape[1]
+    chosen_TE = torch.zeros_like(logits_TE, dtype=torch.bool).scatter(1, ids_Tk, True)
+    score_TE = logits_TE.softmax(-1, dtype=torch.float32).masked_fill(~chosen_TE, float("-inf"))
+    keep_TE = on_whole_sequence(keep_top_capacity, score_TE.view(-1, S, E), cp_group).reshape(-1, E)
+    kept_Tk = keep_TE.gather(1, ids_Tk)
+    self.dropped = getattr(self, "dropped", 0) + (~kept_Tk).sum()
+    return logits_TE, weights_Tk * kept_Tk, torch.where(kept_Tk, ids_Tk, -1)
+
+
+def ext_take_stats(self):
+    dropped = sum(layer.mlp.gate.__dict__.pop("dropped", 0) for layer in self.layers.values())
+    return {**EXT["take_stats"](self), "dropped_slots": (torch.as_tensor(dropped, dtype=torch.float32), "sum")}
+
+
+EXTENSION = {(qwen3.Model, "loss_terms"): ext_loss_terms, (qwen3.Model, "prepare_batch"): ext_prepare_batch,
+             (qwen3.Model, "initial_state"): ext_initial_state, (qwen3.Model, "loss_sums"): ext_loss_sums,
+             (qwen3.Model, "set_positions"): ext_set_positions, (qwen3.Model, "take_stats"): ext_take_stats,
+             (qwen3.Router, "forward"): capacity_router, (qwen3.DecoderLayer, "attention"): ext_attention}
+
+
+def extension_worker(jobs: dict) -> dict:
+    """In a spawned rank: the extension patched in, then every job in one process group: ("train", argv) ->
+    (losses, grad norms, weights) of train.py, ("grads", args) -> model_grads_worker's errors (the shared checks'
+    model-level path: prepare_batch, the cp split of the extras, forward_train, the terms' objective), ("whole",
+    None) -> on_whole_sequence against the whole-sequence computation, values and gradients."""
+    for (cls, name), fn in EXTENSION.items():
+        setattr(cls, name, fn)
+    dist.init_process_group("gloo")
+    train.destroy_mesh = lambda: None  # one process group for every job (tests/recipe_checks.py:layouts_worker)
+    results = {}
+    for name, (kind, arg) in jobs.items():
+        if kind == "train":
+            with contextlib.redirect_stdout(io.StringIO()):
+                results[name] = run_train(arg)
+        elif kind == "grads":
+            results[name] = model_grads_worker(*arg, recipe="qwen3_30b_a3b")
+        else:
+            results[name] = whole_sequence_check()
+    dist.barrier()
+    dist.destroy_process_group()
+    return results
+
+
+def whole_sequence_check():
+    """cp2 over WORLD: a function coupling all tokens of a sequence (softmax over it, running sum) through
+    on_whole_sequence equals it on the whole sequence, and so do the gradients of a weighted sum of its output."""
+    rank, gen = dist.get_rank(), torch.Generator().manual_seed(0)
+    x_BSd, w_BSd = torch.randn(2, 8, 3, generator=gen, dtype=torch.float64), torch.randn(2, 8, 3, generator=gen, dtype=torch.float64)
+    couple = lambda t: t.softmax(dim=1) * t.cumsum(1)
+    whole = x_BSd.clone().requires_grad_()
+    (couple(whole) * w_BSd).sum().backward()
+    mine = split_for_cp(x_BSd, rank, 2).requires_grad_()
+    out = on_whole_sequence(couple, mine, dist.group.WORLD)
+    (out * split_for_cp(w_BSd, rank, 2)).sum().backward()
+    return (out - split_for_cp(couple(x_BSd), rank, 2)).abs().max().item(), \
+        (mine.grad - split_for_cp(whole.grad, rank, 2)).abs().max().item()
+
+
+def step_records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_extensions_through_the_seams(tiny_train_setup, tmp_path, monkeypatch, capsys):
+    """The extension (above) trains through train.py at pp2, cp2 and ep2 (one spawn of 2 ranks) equal to one
+    process: losses (their sum of all four terms), grad norms, every weight (LAYOUT_TOLERANCE), the dropped slots
+    exactly; every layout logs the first step's "ahead" and "l2" terms equal to a plain PyTorch computation from the
+    initial weights and the first batch; the one process logs each term and the statistic by name in the log line,
+    metrics.jsonl and TensorBoard; the model-level cp2 check of the shared checks passes with the extension; the
+    whole-sequence helper equals the whole computation; --loss-weight with an unknown term fails in one line."""
+    config, data = tiny_train_setup
+    for (cls, name), fn in EXTENSION.items():
+        monkeypatch.setattr(cls, name, fn)
+    args = lambda out, **extra: train_args(config, data, tmp_path / out, steps=3, adam_eps=1e-6, **extra)
+    single = run_train(args("single"))
+    log = capsys.readouterr().out
+    layouts = {"pp2": {"pp": 2}, "cp2": {"cp": 2}, "ep2": {"ep": 2}}
+    jobs = {name: ("train", args(name, **layout)) for name, layout in layouts.items()}
+    jobs |= {"grads cp2": ("grads", (config, 2, 1, 32)), "whole": ("whole", None)}
+    per_rank = run_ranks(2, extension_worker, jobs)
+
+    for name, layout in layouts.items():
+        assert_matches_single(single, [rank[name] for rank in per_rank], ep=layout.get("ep", 1))
+    for rank in per_rank:
+        # model level, through the shared checks' path: each quantity within its own rounding noise
+        assert all(e <= noise_bound(noise) for e, noise in rank["grads cp2"].values()), rank["grads cp2"]
+        assert max(rank["whole"]) < 1e-12  # float64, the same operations on the same numbers
+
+    # the first step's terms from the initial weights (the same seed builds them) and the first batch, by hand
+    cfg = qwen3.load_config(config)
+    torch.manual_seed(0)
+    model = qwen3.Model(cfg)
+    l2 = sum(model.layers[i].mlp.gate.weight.pow(2).sum() + model.layers[i].mlp.experts.gate_up_proj.pow(2).sum()
+             for i in model.layers)
+    ids_BS = train.TokenLoader(str(data), 32, 8, 0, 1, 0).next_batch()[0]
+    with torch.no_grad():
+        logits_BSV = model(ids_BS)
+    ahead = F.cross_entropy(logits_BSV[:, :-2].flatten(0, 1), ids_BS[:, 2:].flatten(), reduction="mean")
+    records = {name: step_records(tmp_path / name) for name in ["single", *layouts]}
+    for name, steps in records.items():
+        # fp32 sums of 8 x 30 cross-entropies / of 2 x (4 x 64 + 4 x 64 x 64) squares in another order: ~1e-7
+        assert steps[0]["ahead_loss"] == pytest.approx(ahead.item(), rel=1e-5), name
+        assert steps[0]["l2_loss"] == pytest.approx(l2.item(), rel=1e-5), name
+        assert [s["dropped_slots"] for s in steps] == [s["dropped_slots"] for s in records["single"]], name
+    assert all(s["dropped_slots"] > 0 for s in records["single"])  # the capacity rule drops slots
+
+    # logged by name: the log line, metrics.jsonl (above) and TensorBoard
+    assert re.search(r"step +1/3 \| loss [0-9.]+ \| aux [0-9.]+ \| ahead [0-9.]+ \| l2 [0-9.]+ \|", log), log
+    assert "dropped_slots" in log
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "single" / "tensorboard")).Reload()
+    assert {"train/ahead_loss", "train/l2_loss", "train/aux_loss", "train/dropped_slots"} <= set(events.Tags()["scalars"])
+
+    with pytest.raises(ValueError, match=r"--loss-weight nope=1: .*one of the model's loss terms \(lm, aux, ahead, l2\)"):
+        train.main(args("bad", dry_run=True, loss_weight="ahead=1,nope=1"))

@@ -450,7 +450,8 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
             out["B"]["CP gather"] += collective_s(machine, "reduce_scatter", gathered, layout.cp, cp_span, gpus_per_node)
     if embed or head:
         n_ops = ops["head_train"] * (0.5 if not (embed and head) else 1.0)
-        t_head = T * mod.flops_by_layer(cfg, S)[-1]["head"] / r["gemm"]["rate"] if head else 0.0
+        own = (sum(fpt[-2].values()) if embed else 0.0) + (sum(fpt[-1].values()) if head else 0.0)  # the first /
+        t_head = T * own / r["gemm"]["rate"]  # last stage's own modules (flops_by_layer: embedding, LM head, ...)
         t_other = 0.0 if machine.async_launch else n_ops * machine.op_latency
         if head and "cross_entropy" in r:  # a CPU: the loss over the logits at its calibrated rate
             t_other += T * cfg.vocab_size / r["cross_entropy"]["rate"]

@@ -19,10 +19,12 @@ Seams (skills/add-new-architecture/SKILL.md's table, in this file's order): a co
 `load_config`; attention `Attention.forward` (through core.context.attention), the linear attention
 `GatedDeltaNet.forward` (through core.linear_attention) and their masks `Model.set_positions`; the router `Router`,
 `MoE.route`; expert kinds `ModelConfig.num_choices` (the router's choices) vs `num_experts` (the dispatched ones),
-`DecoderLayer.finish`; state crossing pipeline stages: the `state` list of `DecoderLayer`,
-`PipelineStage.p2p_specs`; the running micro-batch `DecoderLayer.current_rope` (core.pipeline.running); optional
-flags `Model.features`; statistics `Model.take_stats`; after each step `Model.after_step`; the shared checks'
-config `check_setup` (end of file).
+`DecoderLayer.finish`; state crossing pipeline stages: the `state` list of `DecoderLayer` (entries after the first
+two pass through every base layer) made by `Model.initial_state` (what crosses pp ranks follows it); the running
+micro-batch `DecoderLayer.current_rope` (core.pipeline.running); loss terms `Model.loss_terms` (name -> weight,
+denominator) and their sums `Model.loss_sums`; per-token inputs made from whole sequences `Model.prepare_batch`;
+optional flags `Model.features`; statistics `Model.take_stats`; after each step `Model.after_step`; the shared
+checks' config `check_setup` (end of file).
 """
 
 import json
@@ -47,7 +49,7 @@ from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bi
 from core.pipeline import running
 from core.placement import Placement
 from core.precision import compute_dtype, upcast
-from core.training import check_args
+from core.training import LossTerm, check_args
 from core.weight_cache import cast_weight
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -381,7 +383,7 @@ class DecoderLayer(nn.Module):
     `attention` (norms, token mixer, router, shared expert), (3) `routed_experts`, (5) `finish` (residual add);
     the dispatch and combine all-to-alls (2) and (4) run between them in core/moe.py. The token mixer is a
     GatedDeltaNet (`linear_attn`) or a gated Attention (`self_attn`) by cfg.layer_types. `state` is [hidden x_BSH,
-    aux_2E]. `rope` holds (cos, sin, attention mask, whether the micro-batch is cp-split, document ids) of each
+    aux_2E, *more] (more: whatever a variant's Model.initial_state adds, passed through untouched). `rope` holds (cos, sin, attention mask, whether the micro-batch is cp-split, document ids) of each
     micro-batch of the step, set by Model.set_positions (one entry: the same for every micro-batch);
     `current_rope` picks the running one (linear layers read the cp flag and the document ids).
 
@@ -407,12 +409,12 @@ class DecoderLayer(nn.Module):
         self.rope = None
 
     def attention(self, state):  # (1)
-        x_BSH, aux_2E = state
+        x_BSH, aux_2E, *more = state
         layer = self.recompute == "layer"
         h_BSH, x_TH = _run(self._attention_and_norm, x_BSH, recompute=layer)
         weights_Tk, ids_Tk, aux_2E = self.mlp.route(x_TH, aux_2E)
         h_BSH = h_BSH + _run(self.mlp.shared, x_TH, recompute=layer).view_as(h_BSH)
-        return [h_BSH, aux_2E], x_TH, ids_Tk, weights_Tk
+        return [h_BSH, aux_2E, *more], x_TH, ids_Tk, weights_Tk
 
     def current_rope(self):
         """(cos, sin, mask, cp_split, doc_ids) of the micro-batch computing now (core.pipeline.running: under the
@@ -433,8 +435,8 @@ class DecoderLayer(nn.Module):
         return _run(self.mlp.experts, rows_RH, counts_L, recompute=self.recompute == "layer")
 
     def finish(self, state, out_TH):  # (5)
-        h_BSH, aux_2E = state
-        return [h_BSH + out_TH.view_as(h_BSH), aux_2E]
+        h_BSH, *more = state
+        return [h_BSH + out_TH.view_as(h_BSH), *more]
 
     def forward(self, state):
         """The five steps back to back (the pipeline schedule runs them interleaved instead)."""
@@ -449,16 +451,25 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class TrainOutput:
-    loss_sum: torch.Tensor  # summed cross-entropy over this rank's non-ignored labels
-    aux_loss: torch.Tensor  # load-balancing loss (unscaled), as transformers' load_balancing_loss_func; with cp,
-    # this rank's part of the micro-batch's loss (the cp ranks' parts sum to it, see Model.aux_loss)
+    terms: dict[str, torch.Tensor]  # each loss term's 0-d sum over this micro-batch on this rank (Model.loss_sums)
+
+    @property
+    def loss_sum(self) -> torch.Tensor:  # "lm": summed cross-entropy over this rank's non-ignored labels
+        return self.terms["lm"]
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        # "aux": load-balancing loss (unscaled), as transformers' load_balancing_loss_func; with cp, this
+        # rank's part of the micro-batch's loss (the cp ranks' parts sum to it, see Model.aux_loss)
+        return self.terms["aux"]
 
 
 class Model(nn.Module):
     # optional training features this model has; train.py's check_run refuses a flag asking for another (one
     # error: line before any rank starts) and tests/recipe_checks.py skips its checks: expert_bias
     # (--expert-bias-rate, after_step), aux_loss (--aux-loss-coef), recompute (--recompute), fp8 (--fp8), muon
-    # (--optimizer muon: muon_matrices), document_mask (--document-mask: set_positions' doc_ids_BK)
+    # (--optimizer muon: muon_matrices), document_mask (--document-mask). A variant whose features depend on the
+    # config makes this a property of self.cfg (train.py and the checks ask a model built on the meta device)
     features = frozenset({"expert_bias", "aux_loss", "recompute", "fp8", "muon", "document_mask"})
 
     def __init__(self, cfg: ModelConfig, layers=None, expert_ids: list[int] | None = None, embed: bool = True,
@@ -548,16 +559,36 @@ class Model(nn.Module):
         cp, cp_rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
         return cp_positions(S * cp, cp_rank, cp, device).expand(B, S)
 
-    def trunk(self, input_ids_BS, position_ids_BS=None, cp_split: bool = True, doc_ids_BK=None):
-        """Embedding + decoder layers + final norm: the hidden state [B, S, H] and the aux statistics [2, E]."""
+    def loss_terms(self, args) -> dict[str, LossTerm]:
+        """The terms of the training objective by name (core/training.py:LossTerm; train.py --loss-weight NAME=W
+        overrides a weight): "lm" the cross-entropy per trained token, "aux" the balance loss per micro-batch
+        (--aux-loss-coef, or the config's router_aux_loss_coef). Their sums per micro-batch: loss_sums."""
+        aux = self.cfg.router_aux_loss_coef if args.aux_loss_coef < 0 else args.aux_loss_coef
+        return {"lm": LossTerm(1.0, "tokens"), "aux": LossTerm(aux, "micro_batches")}
+
+    def prepare_batch(self, input_ids_BS, labels_BS, doc_ids_BS, positions_BS) -> dict[str, torch.Tensor]:
+        """Extra per-token inputs made from this rank's WHOLE sequences of the step, before the cp split ([B, S]
+        each; doc_ids_BS None without --document-mask; positions_BS the rope positions): {name: [B, S, ...]}.
+        train.py splits each for cp like the ids, then per micro-batch, and hands them to forward_train / the
+        pipeline stages (`extras`). A term's own targets (a LossTerm whose per names one of them) go here. None."""
+        return {}
+
+    def initial_state(self, input_ids_BS, extras: dict) -> list[torch.Tensor]:
+        """The state the layers carry, as the first pipeline stage creates it: [embedding x_BSH, aux statistics
+        [2, E]]; a variant appends entries here (base layers pass them through, and what crosses pp ranks is
+        what this returns: core/pipeline.py takes its shapes and dtypes from it)."""
+        return [self.embed(input_ids_BS), torch.zeros(2, self.cfg.num_choices, device=input_ids_BS.device)]
+
+    def trunk(self, input_ids_BS, position_ids_BS=None, cp_split: bool = True, doc_ids_BK=None, extras=None):
+        """Embedding + decoder layers + final norm: the final state, its hidden state normed: [h_BSH, aux_2E, ...]."""
         B, S = input_ids_BS.shape
         if position_ids_BS is None:
             position_ids_BS = self.default_positions(B, S, input_ids_BS.device, cp_split)
         self.set_positions(position_ids_BS, cp_split, doc_ids_BK)
-        state = [self.embed(input_ids_BS), torch.zeros(2, self.cfg.num_choices, device=input_ids_BS.device)]
+        state = self.initial_state(input_ids_BS, extras or {})
         for layer in self.layers.values():
             state = layer(state)
-        return self.norm(state[0]), state[1]
+        return [self.norm(state[0]), *state[1:]]
 
     def embed(self, input_ids_BS):
         """The embedding [B, S, H] in the compute dtype. Under bf16 autocast (which leaves the lookup in fp32) that
@@ -571,10 +602,16 @@ class Model(nn.Module):
         """Logits [B, S, V] of the whole model, for whole sequences (each cp rank computes them all)."""
         return self.lm_head(self.trunk(input_ids_BS, position_ids_BS, cp_split=False)[0])
 
-    def forward_train(self, input_ids_BS, labels_BS, position_ids_BS=None, doc_ids_BK=None) -> TrainOutput:
-        """doc_ids_BK: see set_positions (the whole sequences' documents under cp)."""
-        h_BSH, aux_2E = self.trunk(input_ids_BS, position_ids_BS, doc_ids_BK=doc_ids_BK)
-        return TrainOutput(self.cross_entropy_sum(h_BSH, labels_BS), self.aux_loss(aux_2E, labels_BS.numel()))
+    def forward_train(self, input_ids_BS, labels_BS, position_ids_BS=None, doc_ids_BK=None, extras=None) -> TrainOutput:
+        """doc_ids_BK: see set_positions (the whole sequences' documents under cp); extras: this micro-batch's
+        prepare_batch tensors (this rank's cp part)."""
+        state = self.trunk(input_ids_BS, position_ids_BS, doc_ids_BK=doc_ids_BK, extras=extras)
+        return TrainOutput(self.loss_sums(state, labels_BS, extras or {}))
+
+    def loss_sums(self, state, labels_BS, extras: dict) -> dict[str, torch.Tensor]:
+        """Each loss term's sum over this micro-batch (loss_terms' names) from the final state (hidden normed), on
+        the last pipeline stage: the cross-entropy summed over labels != -100 and the balance loss."""
+        return {"lm": self.cross_entropy_sum(state[0], labels_BS), "aux": self.aux_loss(state[1], labels_BS.numel())}
 
     def cross_entropy_sum(self, h_BSH, labels_BS):
         """LM head + cross-entropy without the [T, V] logits (Triton on GPU), summed over labels != -100."""
@@ -656,38 +693,29 @@ class Model(nn.Module):
 
 
 class PipelineStage:
-    """One pipeline stage over this rank's Model, as core/pipeline.py drives it: the embedding on the first
-    stage, a run of decoder layers, and the final norm, LM head and loss on the last. Before each step train.py
-    sets `input_ids` / `labels` (per micro-batch) and `loss_fn(cross_entropy_sum, aux_loss) -> loss`; the last
-    stage adds the micro-batches' (cross-entropy sum, aux loss) to `stats`."""
+    """One pipeline stage over this rank's Model, as core/pipeline.py drives it: the initial state (embedding) on
+    the first stage, a run of decoder layers, and the final norm, LM head and loss terms on the last. Before each
+    step train.py sets `input_ids` / `labels` / `extras` (per micro-batch: Model.prepare_batch's tensors) and
+    `loss_fn(terms) -> loss`; the last stage adds each micro-batch's detached term sums to `stats` by name. What
+    crosses pp ranks is the state stage 0 creates (Model.initial_state: core/pipeline.py takes its shapes and
+    dtypes). A loss term computed at a middle stage (a regulariser over its layers' parameters) rides in a state
+    entry to the last stage, so its gradient flows back through the stage hand-offs like the hidden state's."""
 
     def __init__(self, model: Model, layer_ids, first: bool, last: bool):
         self.model, self.first, self.last = model, first, last
         self.layers = [model.layers[str(i)] for i in layer_ids]
-        self.input_ids = self.labels = self.loss_fn = None
-        self.stats = 0
-
-    @staticmethod
-    def p2p_specs(cfg: ModelConfig, micro_batch: int, seq_len: int, hidden_dtype) -> list:
-        """(shape, dtype) of each tensor of `state` that crosses pp ranks: the hidden state [micro_batch, seq_len
-        (this rank's part under cp), H] in the compute dtype (bf16 on the bf16 path, Model.embed) and the aux
-        statistics [2, E] in fp32."""
-        return [((micro_batch, seq_len, cfg.hidden_size), hidden_dtype), ((2, cfg.num_choices), torch.float32)]
+        self.input_ids = self.labels = self.extras = self.loss_fn = None
+        self.stats = {}
 
     def pre(self, inputs, mb):
-        if not self.first:
-            return inputs
-        ids_BS = self.input_ids[mb]
-        return [self.model.embed(ids_BS), torch.zeros(2, self.model.cfg.num_choices, device=ids_BS.device)]
+        return self.model.initial_state(self.input_ids[mb], self.extras[mb]) if self.first else inputs
 
     def post(self, state, mb):
         if not self.last:
             return state
-        labels_BS = self.labels[mb]
-        ce = self.model.cross_entropy_sum(self.model.norm(state[0]), labels_BS)
-        aux = self.model.aux_loss(state[1], labels_BS.numel())
-        self.stats = self.stats + torch.stack([ce.detach(), aux.detach()])
-        return [self.loss_fn(ce, aux)]
+        terms = self.model.loss_sums([self.model.norm(state[0]), *state[1:]], self.labels[mb], self.extras[mb])
+        self.stats = {name: self.stats.get(name, 0.0) + t.detach() for name, t in terms.items()}
+        return [self.loss_fn(terms)]
 
 
 def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str, float]]:
@@ -695,9 +723,10 @@ def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str
     {attention: gated-attention layers QK^T and AV, 6 * S * N * D (2 * S/2 * N * D each on average, x3); Gated
     DeltaNet layers 3 x core/kernels/gated_delta.py:chunk_gated_delta_flops_per_token (no term in S: the state
     has a fixed size; under cp the kernel also carries the state-transition columns); dense: the token mixer's
-    projections and conv, router, shared expert and its gate, 6 x their parameters; experts: the k routed experts,
-    6 x k x 3HI}, then {head: 6 x V x H} (embedding lookup excluded). tools/plan.py times each class;
-    flops_per_token is their sum."""
+    projections and conv, router, shared expert and its gate, 6 x their parameters; experts: the k routed
+    experts, 6 x k x 3HI}, then the first stage's own modules {embedding: 0 (a lookup)} and the last stage's
+    {head: 6 x V x H} (final norm: no GEMM; core/pipeline.py:split_layers counts both). tools/plan.py times each
+    class; flops_per_token is their sum."""
     H, N, G, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     A, W, K, U = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     gated_attn = H * (2 * N + 2 * G) * D + N * D * H
@@ -710,7 +739,7 @@ def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str
         out.append({"attention": delta if linear else 6 * seq_len * N * D,
                     "dense": 6 * ((delta_net if linear else gated_attn) + moe_dense),
                     "experts": 6 * cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size})
-    return out + [{"head": 6 * cfg.vocab_size * H}]
+    return out + [{"embedding": 0.0}, {"head": 6 * cfg.vocab_size * H}]  # first stage's, last stage's
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
