@@ -1,5 +1,5 @@
-"""DeepSeek-V3's multi-token prediction (recipes/deepseek_v3/model.py: MTP, Model.prepare_batch,
-Model.mtp_loss_sum) against the paper's formula (section 2.2) computed here in float64 from transformers' parts:
+"""DeepSeek-V3's multi-token prediction (recipes/deepseek_v3/model.py: MTP, Model.prepare_batch, the "mtp" term
+of Model.loss_sums) against the paper's formula (section 2.2) computed here in float64 from transformers' parts:
 the main model is transformers' DeepseekV3ForCausalLM and the MTP block one transformers DeepseekV3DecoderLayer,
 both loaded from the recipe's export (the released layout: model.layers.{num_hidden_layers}.*), combined by hand:
     h'_i = eh_proj([enorm(Emb(t_{i+1})); hnorm(h_i)]),   g = shared_head.norm(Layer(h')),
@@ -96,8 +96,7 @@ def test_mtp_loss_equals_the_paper_formula_with_documents_and_loss_masks(tmp_pat
         labels[0, 2] = labels[0, 13] = labels[1, 0] = -100  # untrained (prompt) tokens: 51 - 2 MTP targets (labels[1, 0]
         # is only a main-head label)
         extras = model.prepare_batch(ids, labels, docs, positions_in_documents(docs))
-        h, aux = model.trunk(ids, positions_in_documents(docs), doc_ids_BK=docs)
-        loss, _ = model.mtp_loss_sum(h, extras["mtp_input_ids"], extras["mtp_labels"], aux)
+        loss = model.forward_train(ids, labels, positions_in_documents(docs), docs, extras).terms["mtp"]
         expected, count = 0.0, 0
         for b, lo, hi in spans[:-1]:
             part, n = mtp_loss_alone(ref, ids[b, lo:hi], labels[b, lo:hi])

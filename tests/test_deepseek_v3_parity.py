@@ -82,8 +82,10 @@ def test_released_config_parameter_count(file, expected):
     count = sum(p.numel() for p in model.parameters())
     assert count == sum(p.numel() for p in ref.parameters())
     assert expected is None or count == expected
-    if hf.get("num_nextn_predict_layers"):  # V3: eh_proj 2H x H, 2 norms, one MoE layer, shared_head.norm
-        assert sum(p.numel() for p in mtp.parameters()) - count == 11_507_286_016
+    if hf.get("num_nextn_predict_layers"):
+        # V3's MTP module: one MoE layer 11,507,286,016 + eh_proj 2H x H 102,760,448 + 3 norms of H; with the stored
+        # copies of the embedding and head (2 x 926,679,040) the checkpoint's 684.5B, published as "685B"
+        assert sum(p.numel() for p in mtp.parameters()) - count == 11_610_067_968
     if file == "config.json":
         mscale = 0.1 * math.log(40) + 1  # YaRN factor 40, mscale_all_dim 1
         assert model.layers["3"].self_attn.scale == pytest.approx(192**-0.5 * mscale**2)
@@ -105,12 +107,21 @@ def quantize_fp8_blocks(w_NK, block):
 def test_fp8_block_checkpoint_is_dequantized_on_load(tmp_path):
     """A transformers checkpoint rewritten in the released format: every matrix but the embedding, head and routers
     as float8_e4m3fn with weight_scale_inv per 128x128 block (sizes 200, 300, 136: partial last blocks); loading
-    gives, element by element, q * the scale of its block, computed here by a loop over the tiles."""
+    gives, element by element, q * the scale of its block, computed here by a loop over the tiles. The experts as
+    the release stores them, one key per expert and matrix."""
     path = save_tiny(tmp_path / "hf", hidden_size=200, intermediate_size=300, moe_intermediate_size=136,
-                     num_attention_heads=2, q_lora_rank=136, kv_lora_rank=136)
+                     num_attention_heads=2, num_key_value_heads=2, q_lora_rank=136, kv_lora_rank=136)
     from safetensors.torch import load_file
 
     tensors, expected = load_file(f"{path}/model.safetensors"), {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        t, prefix = tensors.pop(name), name.rsplit(".", 1)[0]
+        for e in range(t.shape[0]):
+            if name.endswith("gate_up_proj"):  # [E, 2I, H]: gate rows first
+                gate, up = t[e].chunk(2)
+                tensors[f"{prefix}.{e}.gate_proj.weight"], tensors[f"{prefix}.{e}.up_proj.weight"] = gate, up
+            else:
+                tensors[f"{prefix}.{e}.down_proj.weight"] = t[e]
     for name in list(tensors):
         t = tensors[name]
         if t.dim() == 2 and not name.endswith(("embed_tokens.weight", "lm_head.weight", "gate.weight")):
@@ -125,9 +136,9 @@ def test_fp8_block_checkpoint_is_dequantized_on_load(tmp_path):
     model = Model(ModelConfig.from_hf(path))
     load_hf_checkpoint(model, path)
     state = deepseek.hf_state_dict(model)
-    assert len(expected) == 16  # 2 dense layers' 7 attention + 3 MLP, the MoE layer's ... (per-expert keys too)
+    assert len(expected) == 8 + 2 * (5 + 3 + 8 * 3)  # dense layer: 5 attention + 3 MLP; MoE: + 3 shared, 8 x 3 experts
     for name, want in expected.items():
-        got = state[name][::5, ::7]
+        got = state[name][::5, ::7].contiguous()
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 

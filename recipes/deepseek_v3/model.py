@@ -21,11 +21,13 @@ holds the embedding and the final norm + LM head (and the MTP module, which shar
 touches only those tensors.
 
 Seams (skills/add-new-architecture/SKILL.md's table, in this file's order): a config field `ModelConfig`,
-`load_config`; attention `Attention.forward` (through core.context.attention) and its masks
-`Model.set_positions`; the router `Router`, `MoE.route`; expert kinds `ModelConfig.num_choices` (the router's
-choices) vs `num_experts` (the dispatched ones), `DecoderLayer.finish`; state crossing pipeline stages: the
-`state` list of `DecoderLayer`, `PipelineStage.p2p_specs`; the running micro-batch `DecoderLayer.current_rope`
-(core.pipeline.running); optional flags `Model.features`; statistics `Model.take_stats`; after each step
+`load_config`; attention `Attention.forward` (through core.context.attention) and its masks `Model.set_positions`;
+the router `Router`, `MoE.route`; expert kinds `ModelConfig.num_choices` (the router's choices) vs `num_experts`
+(the dispatched ones), `DecoderLayer.finish`; state crossing pipeline stages: the `state` list of `DecoderLayer`
+(entries after the first two pass through every base layer) made by `Model.initial_state` (what crosses pp ranks
+follows it); the running micro-batch `DecoderLayer.current_rope` (core.pipeline.running); loss terms
+`Model.loss_terms` (name -> weight, denominator) and their sums `Model.loss_sums`; per-token inputs made from whole
+sequences `Model.prepare_batch`; optional flags `Model.features`; statistics `Model.take_stats`; after each step
 `Model.after_step`; the shared checks' config `check_setup` (end of file).
 """
 
@@ -50,7 +52,7 @@ from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bi
 from core.pipeline import running
 from core.placement import Placement
 from core.precision import compute_dtype, upcast
-from core.training import check_args
+from core.training import LossTerm, check_args
 from core.weight_cache import cast_weight
 
 
@@ -386,6 +388,7 @@ class MoE(nn.Module):
 
 
 RECOMPUTE = ("none", "attention", "layer")
+MTP_WEIGHT = 0.3  # lambda of the MTP loss (Model.loss_terms)
 
 
 def _run(fn, *args, recompute: bool):
@@ -403,9 +406,9 @@ class DecoderLayer(nn.Module):
     `attention` (norms, attention, router, shared experts), (3) `routed_experts`, (5) `finish` (residual add);
     the dispatch and combine all-to-alls (2) and (4) run between them in core/moe.py. The shared experts run in
     (1), so under the pipeline's overlap they compute while another micro-batch's all-to-all is in flight.
-    `state` is [hidden x_BSH, balance loss aux_1]. `rope` holds (cos, sin, attention mask) of each
-    micro-batch of the step, set by Model.set_positions (one entry: the same for every micro-batch);
-    `current_rope` picks the running one.
+    `state` is [hidden x_BSH, balance loss aux_1, *more] (more: whatever a variant's Model.initial_state adds,
+    passed through untouched). `rope` holds (cos, sin, attention mask) of each micro-batch of the step, set by
+    Model.set_positions (one entry: the same for every micro-batch); `current_rope` picks the running one.
 
     recompute (RECOMPUTE): "attention" keeps only the input of each attention block (input norm, projections,
     latent norm, rope, expansion, attention, output projection) and recomputes the rest in backward; "layer" keeps
@@ -426,12 +429,12 @@ class DecoderLayer(nn.Module):
         self.rope = None
 
     def attention(self, state):  # (1)
-        x_BSH, aux_1 = state
+        x_BSH, aux_1, *more = state
         layer = self.recompute == "layer"
         h_BSH, x_TH = _run(self._attention_and_norm, x_BSH, recompute=layer)
         weights_Tk, ids_Tk, aux_1 = self.mlp.route(x_TH, h_BSH.shape[0], aux_1)
         h_BSH = h_BSH + _run(self.mlp.shared_experts, x_TH, recompute=layer).view_as(h_BSH)
-        return [h_BSH, aux_1], x_TH, ids_Tk, weights_Tk
+        return [h_BSH, aux_1, *more], x_TH, ids_Tk, weights_Tk
 
     def current_rope(self):
         """(cos, sin, mask...) of the micro-batch computing now (core.pipeline.running: under the pipeline's
@@ -449,12 +452,12 @@ class DecoderLayer(nn.Module):
         return _run(self.mlp.experts, rows_MH, counts_L, recompute=self.recompute == "layer")
 
     def finish(self, state, out_TH):  # (5)
-        h_BSH, aux_1 = state
-        return [h_BSH + out_TH.view_as(h_BSH), aux_1]
+        h_BSH, *more = state
+        return [h_BSH + out_TH.view_as(h_BSH), *more]
 
     def dense(self, state):  # a layer without routed experts, whole
-        x_BSH, aux_1 = state
-        return [_run(self._dense, x_BSH, recompute=self.recompute == "layer"), aux_1]
+        x_BSH, *more = state
+        return [_run(self._dense, x_BSH, recompute=self.recompute == "layer"), *more]
 
     def _dense(self, x_BSH):
         h_BSH = x_BSH + _run(self._attention_block, x_BSH, recompute=self.recompute == "attention")
@@ -499,16 +502,25 @@ class MTP(nn.Module):
 
 @dataclass
 class TrainOutput:
-    loss_sum: torch.Tensor  # summed cross-entropy over this rank's non-ignored labels
-    aux_loss: torch.Tensor  # sequence-wise balance loss (unscaled, see Model.aux_loss); with cp, this rank's part
-    # of the micro-batch's loss (the cp ranks' parts sum to it)
+    terms: dict[str, torch.Tensor]  # each loss term's 0-d sum over this micro-batch on this rank (Model.loss_sums)
+
+    @property
+    def loss_sum(self) -> torch.Tensor:  # "lm": summed cross-entropy over this rank's non-ignored labels
+        return self.terms["lm"]
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        # "aux": sequence-wise balance loss (unscaled, see Model.aux_loss); with cp, this rank's part of the
+        # micro-batch's loss (the cp ranks' parts sum to it)
+        return self.terms["aux"]
 
 
 class Model(nn.Module):
     # optional training features this model has; train.py's check_run refuses a flag asking for another (one
     # error: line before any rank starts) and tests/recipe_checks.py skips its checks: expert_bias
     # (--expert-bias-rate, after_step), aux_loss (--aux-loss-coef), recompute (--recompute), fp8 (--fp8), muon
-    # (--optimizer muon: muon_matrices), document_mask (--document-mask)
+    # (--optimizer muon: muon_matrices), document_mask (--document-mask). A variant whose features depend on the
+    # config makes this a property of self.cfg (train.py and the checks ask a model built on the meta device)
     features = frozenset({"expert_bias", "aux_loss", "recompute", "fp8", "muon", "document_mask"})
 
     def __init__(self, cfg: ModelConfig, layers=None, expert_ids: list[int] | None = None, embed: bool = True,
@@ -606,35 +618,66 @@ class Model(nn.Module):
         cp, cp_rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
         return cp_positions(S * cp, cp_rank, cp, device).expand(B, S)
 
-    def initial_state(self, input_ids_BS):
-        """[embedding, balance loss 0 [1]]: what the first decoder layer reads. The embedding is in the compute
+    def loss_terms(self, args) -> dict[str, LossTerm]:
+        """The terms of the training objective by name (core/training.py:LossTerm; train.py --loss-weight NAME=W
+        overrides a weight): "lm" the cross-entropy per trained token, "aux" the sequence-wise balance loss per
+        micro-batch (--aux-loss-coef; ModelConfig.router_aux_loss_coef), and with an MTP module "mtp": its
+        cross-entropy per valid MTP target (the paper's L_MTP, eq. 25, depth 1), weight lambda = MTP_WEIGHT (the
+        paper's 0.3 of its first 10T tokens; it then used 0.1: --loss-weight mtp=0.1). Their sums: loss_sums."""
+        aux = self.cfg.router_aux_loss_coef if args.aux_loss_coef < 0 else args.aux_loss_coef
+        mtp = {"mtp": LossTerm(MTP_WEIGHT, "mtp_targets")} if self.cfg.num_nextn_predict_layers else {}
+        return {"lm": LossTerm(1.0, "tokens"), "aux": LossTerm(aux, "micro_batches"), **mtp}
+
+    def initial_state(self, input_ids_BS, extras: dict):
+        """[embedding, balance loss 0 [1]]: the state the first decoder layer reads, as the first pipeline stage
+        creates it; a variant appends entries here (base layers pass them through, and what crosses pp ranks is
+        what this returns: core/pipeline.py takes its shapes and dtypes from it). The embedding is in the compute
         dtype: under bf16 autocast (which leaves the lookup in fp32) that is bf16, and with it the residual stream,
         every norm's output and all that crosses ranks (hidden states between pipeline stages, dispatched and
         combined rows, the cp-gathered latents); fp32 stays where numerics need it: norm statistics, rope, router
         softmax, loss, the balance loss."""
-        h_BSH, device = self.embed_tokens(input_ids_BS), input_ids_BS.device.type
-        h_BSH = h_BSH.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else h_BSH
-        return [h_BSH, torch.zeros(1, device=input_ids_BS.device)]
+        return [self.embed(input_ids_BS), torch.zeros(1, device=input_ids_BS.device)]
 
-    def trunk(self, input_ids_BS, position_ids_BS=None, cp_split: bool = True, doc_ids_BK=None):
-        """Embedding + decoder layers + final norm: the hidden state [B, S, H] and the balance loss [1]."""
+    def embed(self, input_ids_BS):
+        h_BSH, device = self.embed_tokens(input_ids_BS), input_ids_BS.device.type
+        return h_BSH.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else h_BSH
+
+    def trunk(self, input_ids_BS, position_ids_BS=None, cp_split: bool = True, doc_ids_BK=None, extras=None):
+        """Embedding + decoder layers + final norm: the final state, its hidden state normed: [h_BSH, balance loss
+        [1], ...]."""
         B, S = input_ids_BS.shape
         if position_ids_BS is None:
             position_ids_BS = self.default_positions(B, S, input_ids_BS.device, cp_split)
         self.set_positions(position_ids_BS, cp_split, doc_ids_BK)
-        state = self.initial_state(input_ids_BS)
+        state = self.initial_state(input_ids_BS, extras or {})
         for layer in self.layers.values():
             state = layer(state)
-        return self.norm(state[0]), state[1]
+        return [self.norm(state[0]), *state[1:]]
 
     def forward(self, input_ids_BS, position_ids_BS=None):
         """Logits [B, S, V] of the whole model, for whole sequences (each cp rank computes them all)."""
         return self.lm_head(self.trunk(input_ids_BS, position_ids_BS, cp_split=False)[0])
 
-    def forward_train(self, input_ids_BS, labels_BS, position_ids_BS=None, doc_ids_BK=None) -> TrainOutput:
-        """doc_ids_BK: see set_positions (the whole sequences' documents under cp)."""
-        h_BSH, aux_1 = self.trunk(input_ids_BS, position_ids_BS, doc_ids_BK=doc_ids_BK)
-        return TrainOutput(self.cross_entropy_sum(h_BSH, labels_BS), self.aux_loss(aux_1))
+    def forward_train(self, input_ids_BS, labels_BS, position_ids_BS=None, doc_ids_BK=None, extras=None) -> TrainOutput:
+        """doc_ids_BK: see set_positions (the whole sequences' documents under cp); extras: this micro-batch's
+        prepare_batch tensors (this rank's cp part); None: made here from these ids and labels, as whole sequences
+        without documents."""
+        if extras is None:
+            extras = self.prepare_batch(input_ids_BS, labels_BS, None, None)
+        state = self.trunk(input_ids_BS, position_ids_BS, doc_ids_BK=doc_ids_BK, extras=extras)
+        return TrainOutput(self.loss_sums(state, labels_BS, extras))
+
+    def loss_sums(self, state, labels_BS, extras: dict) -> dict[str, torch.Tensor]:
+        """Each loss term's sum over this micro-batch (loss_terms' names) from the final state (hidden normed), on
+        the last pipeline stage: the cross-entropy summed over labels != -100, the MTP module's over its targets
+        (it adds its MoE layer's term to the balance loss), and the balance loss."""
+        h_BSH, aux_1 = state[0], state[1]
+        terms = {"lm": self.cross_entropy_sum(h_BSH, labels_BS)}
+        if self.mtp is not None and torch.is_grad_enabled():  # training only: evaluation reads the main head alone
+            terms["mtp"], aux_1 = self.mtp_loss_sum(h_BSH, extras["mtp_input_ids"], extras["mtp_labels"], aux_1)
+        elif self.mtp is not None:
+            terms["mtp"] = torch.zeros((), device=h_BSH.device)
+        return {**terms, "aux": self.aux_loss(aux_1)}
 
     def cross_entropy_sum(self, h_BSH, labels_BS):
         """LM head + cross-entropy without the [T, V] logits (Triton on GPU), summed over labels != -100."""
@@ -649,7 +692,7 @@ class Model(nn.Module):
         layer's balance term: h_BSH the main model's final-normed hidden state, mtp_input_ids the token after each
         position, mtp_labels the one after that (prepare_batch). Same positions and mask as the main layers
         (set_positions), the shared embedding and head."""
-        e_BSH = self.initial_state(mtp_input_ids_BS)[0]
+        e_BSH = self.embed(mtp_input_ids_BS)
         g_BSH, aux_1 = self.mtp(h_BSH, e_BSH, aux_1)
         return self.cross_entropy_sum(g_BSH, mtp_labels_BS), aux_1
 
@@ -737,44 +780,40 @@ class Model(nn.Module):
 
 
 class PipelineStage:
-    """One pipeline stage over this rank's Model, as core/pipeline.py drives it: the embedding on the first
-    stage, a run of decoder layers, and the final norm, LM head and loss on the last. Before each step train.py
-    sets `input_ids` / `labels` (per micro-batch) and `loss_fn(cross_entropy_sum, aux_loss) -> loss`; the last
-    stage adds the micro-batches' (cross-entropy sum, aux loss) to `stats`."""
+    """One pipeline stage over this rank's Model, as core/pipeline.py drives it: the initial state (embedding) on
+    the first stage, a run of decoder layers, and the final norm, LM head and loss terms on the last. Before each
+    step train.py sets `input_ids` / `labels` / `extras` (per micro-batch: Model.prepare_batch's tensors) and
+    `loss_fn(terms) -> loss`; the last stage adds each micro-batch's detached term sums to `stats` by name. What
+    crosses pp ranks is the state stage 0 creates (Model.initial_state: core/pipeline.py takes its shapes and
+    dtypes). A loss term computed at a middle stage (a regulariser over its layers' parameters) rides in a state
+    entry to the last stage, so its gradient flows back through the stage hand-offs like the hidden state's."""
 
     def __init__(self, model: Model, layer_ids, first: bool, last: bool):
         self.model, self.first, self.last = model, first, last
         self.layers = [model.layers[str(i)] for i in layer_ids]
-        self.input_ids = self.labels = self.loss_fn = None
-        self.stats = 0
-
-    @staticmethod
-    def p2p_specs(cfg: ModelConfig, micro_batch: int, seq_len: int, hidden_dtype) -> list:
-        """(shape, dtype) of each tensor of `state` that crosses pp ranks: the hidden state [micro_batch, seq_len
-        (this rank's part under cp), H] in the compute dtype (bf16 on the bf16 path, Model.embed) and
-        the balance loss so far [1] in fp32 (Model.initial_state)."""
-        return [((micro_batch, seq_len, cfg.hidden_size), hidden_dtype), ((1,), torch.float32)]
+        self.input_ids = self.labels = self.extras = self.loss_fn = None
+        self.stats = {}
 
     def pre(self, inputs, mb):
-        return self.model.initial_state(self.input_ids[mb]) if self.first else inputs
+        return self.model.initial_state(self.input_ids[mb], self.extras[mb]) if self.first else inputs
 
     def post(self, state, mb):
         if not self.last:
             return state
-        ce = self.model.cross_entropy_sum(self.model.norm(state[0]), self.labels[mb])
-        aux = self.model.aux_loss(state[1])
-        self.stats = self.stats + torch.stack([ce.detach(), aux.detach()])
-        return [self.loss_fn(ce, aux)]
+        terms = self.model.loss_sums([self.model.norm(state[0]), *state[1:]], self.labels[mb], self.extras[mb])
+        self.stats = {name: self.stats.get(name, 0.0) + t.detach() for name, t in terms.items()}
+        return [self.loss_fn(terms)]
 
 
 def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str, float]]:
     """Training FLOPs per token (forward + backward = 3x forward) by operation class: one dict per decoder layer,
     {attention: causal QK^T over D = P + R dims and AV over U, 3 * S * N * (D + U) (2 * S/2 * N * dims each, x3);
     dense: the MLA projections (q or q_a/q_b, kv_a, kv_b, o), router, shared experts and dense MLP, 6 x their
-    parameters; experts: the k routed experts, 6 x k x 3HI}, then {head: 6 x V x H} (embedding lookup excluded).
-    tools/plan.py times each class; flops_per_token is their sum. cp > 1: every cp rank expands the gathered
-    latent of the whole sequence (kv_b_proj on cp x its own tokens, Attention.forward), so that projection counts
-    cp times per local token."""
+    parameters; experts: the k routed experts, 6 x k x 3HI}, then the first stage's own modules {embedding: 0 (a
+    lookup)} and the last stage's {head: 6 x V x H} (final norm: no GEMM; core/pipeline.py:split_layers counts
+    both). tools/plan.py times each class; flops_per_token is their sum. cp > 1: every cp rank expands the
+    gathered latent of the whole sequence (kv_b_proj on cp x its own tokens, Attention.forward), so that
+    projection counts cp times per local token."""
     H, N, C, P, R, U = (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
                         cfg.qk_rope_head_dim, cfg.v_head_dim)
     Q, I = cfg.q_lora_rank, cfg.moe_intermediate_size
@@ -785,7 +824,7 @@ def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str
         mlp = cfg.n_shared_experts * 3 * H * I + H * cfg.num_choices if moe else 3 * H * cfg.intermediate_size
         out.append({"attention": 3 * seq_len * N * (P + R + U), "dense": 6 * (attn + mlp),
                     "experts": 6 * cfg.num_experts_per_tok * 3 * H * I if moe else 0})
-    return out + [{"head": 6 * cfg.vocab_size * H}]
+    return out + [{"embedding": 0.0}, {"head": 6 * cfg.vocab_size * H}]  # first stage's, last stage's
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -953,7 +992,7 @@ def check_setup() -> dict:
               "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "n_routed_experts": 8,
               "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
               "norm_topk_prob": True, "moe_intermediate_size": 32, "n_shared_experts": 2, "intermediate_size": 64,
-              "first_k_dense_replace": 2, "num_nextn_predict_layers": 0, "rope_theta": 10000.0,
+              "first_k_dense_replace": 2, "num_nextn_predict_layers": 1, "rope_theta": 10000.0,
               "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 16, "mscale": 1.0,
                                "mscale_all_dim": 0.707}, "max_position_embeddings": 64}
     return {"config": config, "seq_len": 32, "base_config": None}

@@ -6,13 +6,16 @@ loop (log, checkpoint) -> export.
 
 This file is the same in every shipped recipe (tests/test_layers.py compares them); what differs between
 architectures lives in model.py: the config and its checks (`load_config`), the layers, the pipeline hand-off
-(`PipelineStage.p2p_specs`), the balance loss (`Model.aux_loss`), the step statistics (`Model.take_stats`), the
-optional features it supports (`Model.features`: a flag for another is refused) and what it does after each
-step (`Model.after_step`: the expert bias, a router's own changes, per-step files).
+(`PipelineStage`: what stage 0 creates crosses the pp ranks), the loss terms (`Model.loss_terms`: name -> weight
+and denominator, core/training.py:LossTerm; their sums `TrainOutput.terms`), per-token inputs made from whole
+sequences (`Model.prepare_batch`), the step statistics (`Model.take_stats`), the optional features it supports
+(`Model.features`: a flag for another is refused) and what it does after each step (`Model.after_step`: the
+expert bias, a router's own changes, per-step files).
 
-The loss of a step is the cross-entropy summed over every non-ignored label of the global batch, divided by
-their number (counted across all ranks before the forward), plus aux_loss_coef x the mean per-micro-batch
-balance loss of the model. With loss masks (datasets of conversations, tools/prepare_data.py --chat) the labels
+The loss of a step is the sum over the model's loss terms of weight x the term summed over the global batch /
+its denominator over the global batch (counted across all ranks before the forward): the cross-entropy ("lm")
+over every non-ignored label, divided by their number, plus aux_loss_coef x the mean per-micro-batch balance
+loss ("aux"), plus whatever terms the model adds. With loss masks (datasets of conversations, tools/prepare_data.py --chat) the labels
 of untrained tokens (prompts, padding) are ignored, so the loss is the mean over the trained tokens of the global
 batch, whatever the layout; the balance loss still counts every token, trained or not, since every token is
 routed and loads the experts. Each micro-batch's backward adds its share, and gradients are *summed* over the ranks
@@ -56,7 +59,17 @@ from core.reliability import (
     run_main,
     step_is_finite,
 )
-from core.training import StepDone, check_args, check_features, lr_factor, parse_args
+from core.training import (
+    StepDone,
+    check_args,
+    declared,
+    check_features,
+    loss_denominators,
+    loss_weights,
+    lr_factor,
+    objective,
+    parse_args,
+)
 
 from .model import (
     Model,
@@ -114,6 +127,7 @@ class Args:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     aux_loss_coef: float = -1.0  # weight of the balance loss; < 0: the config's (model.py: ModelConfig.router_aux_loss_coef)
+    loss_weight: str = ""  # NAME=W[,NAME=W...]: weights of the model's loss terms (model.py: Model.loss_terms; lm, aux, ...)
     expert_bias_rate: float = 0.0  # > 0: aux-loss-free balancing, bias += rate * sign(mean - load) per step
     seed: int = 0
     load_heatmap_every: int = 50  # TensorBoard image of the (MoE layer, expert) load every this many steps; 0: never
@@ -152,7 +166,6 @@ def main(argv=None):
     # ---- mesh
     stage_layers = split_layers(cfg.num_hidden_layers, args.pp, flops_by_layer(cfg, args.seq_len)) if args.pp > 1 else None
     mesh = build_mesh(args.pp, args.dp, args.cp, args.ep, args.device, timeout_s=max(PG_TIMEOUT_S, args.step_timeout + 60))
-    data_group = mesh.group("dp", "cp", "ep")  # ranks that hold different tokens of the batch
     device = mesh.device
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     n_micro = args.global_batch // mesh.data_world // args.micro_batch
@@ -193,10 +206,9 @@ def main(argv=None):
         pipeline = DualPipeV([PipelineStage(model, stage_layers[s], s == 0, s == 2 * args.pp - 1) for s in stages],
                              pp_rank, args.pp, mesh.rank - step_ranks if pp_rank > 0 else None,
                              mesh.rank + step_ranks if pp_rank < args.pp - 1 else None, mesh.group("pp"),
-                             PipelineStage.p2p_specs(cfg, args.micro_batch, args.seq_len // args.cp,
-                                                     torch.bfloat16 if use_bf16 else torch.float32), device,
+                             None, device,  # what crosses pp ranks: what stage 0 creates (Model.initial_state)
                              overlap=args.overlap, delay_weight_grads=args.delay_wgrad)
-    aux_coef = cfg.router_aux_loss_coef if args.aux_loss_coef < 0 else args.aux_loss_coef
+    loss_terms = loss_weights(model.loss_terms(args), args.loss_weight)  # name -> LossTerm (weight, denominator)
     n_params = sum(p.numel() for p in model.parameters())
 
     # ---- optimizer (ZeRO-1: Adam state sharded over each parameter's replicas; Muon: each matrix on one replica)
@@ -251,7 +263,8 @@ def main(argv=None):
     # global positions of this rank's tokens for rope [micro_batch, seq_len / cp] (None: 0..seq_len-1)
     positions_BS = cp_positions(args.seq_len, mesh.coord("cp"), mesh.cp, device).expand(args.micro_batch, -1) \
         if mesh.cp > 1 else torch.arange(args.seq_len, device=device).expand(args.micro_batch, -1)
-    batch_inputs = dict(args=args, mesh=mesh, positions_BS=positions_BS, document_mask=document_mask)
+    batch_inputs = dict(args=args, mesh=mesh, positions_BS=positions_BS, document_mask=document_mask,
+                        prepare=model.prepare_batch)
     model.train()
     if args.eval_only:
         val = evaluate(model, pipeline, eval_loader, batch_inputs, use_bf16)
@@ -270,16 +283,13 @@ def main(argv=None):
         watchdog.arm(step, "data")
         inject_fault("hang", step)  # MOE_TRAIN_FAULT (tests only; core/reliability.py)
         profiler.begin(step)
-        input_ids, labels, positions, docs = rank_batch(loader, **batch_inputs)
-        num_labels = (labels != -100).sum().float()  # the trained tokens
-        if data_group is not None:
-            dist.all_reduce(num_labels, group=data_group)
-        num_labels = num_labels.clamp(min=1)
+        input_ids, labels, positions, docs, extras = rank_batch(loader, **batch_inputs)
+        denominators = loss_denominators(loss_terms, labels, extras, n_micro, mesh)  # over the global batch
 
-        def micro_batch_loss(loss_sum, aux_loss, num_labels=num_labels):
-            return loss_sum / num_labels + aux_coef * aux_loss / (n_micro * mesh.data_world)
+        def micro_batch_loss(terms, denominators=denominators):
+            return objective(terms, loss_terms, denominators)
 
-        stats = torch.zeros(2, device=device)  # summed cross-entropy, summed aux loss (pp: on pp rank 0 only)
+        stats = torch.zeros(len(loss_terms), device=device)  # each term's sum (pp: on pp rank 0 only)
         watchdog.set_phase("forward-backward" if pipeline is None else "DualPipeV schedule")
         if pipeline is None:  # micro-batches one after the other, in one autocast region (as the pipeline runs:
             # autocast casts each nn.Linear weight once per region, and backwards compute alike in both)
@@ -287,19 +297,21 @@ def main(argv=None):
                 for mb in range(n_micro):  # `running` tells the layers which micro-batch (core/pipeline.py)
                     rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
                     running.set(mb)
-                    out = model.forward_train(input_ids[rows], labels[rows], positions[mb], docs[mb])
+                    out = model.forward_train(input_ids[rows], labels[rows], positions[mb], docs[mb], extras[mb])
                     running.set(mb, backward=True)
-                    micro_batch_loss(out.loss_sum, out.aux_loss).backward()
-                    stats += torch.stack([out.loss_sum.detach(), out.aux_loss.detach()])
+                    micro_batch_loss(out.terms).backward()
+                    stats += torch.stack([out.terms[name].detach() for name in loss_terms])
                 running.set(None)
         else:  # DualPipeV over the pp ranks (core/pipeline.py); each layer picks its micro-batch's positions and mask
             model.set_positions(positions, doc_ids_BK=docs) if document_mask else model.set_positions(positions_BS)
             for stage in pipeline.stages:
                 stage.input_ids, stage.labels = input_ids.split(args.micro_batch), labels.split(args.micro_batch)
-                stage.loss_fn, stage.stats = micro_batch_loss, stats
+                stage.extras, stage.loss_fn, stage.stats = extras, micro_batch_loss, {}
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
                 pipeline.run(n_micro)
-            stats, timeline = pipeline.stages[1].stats, pipeline.timeline
+            timeline = pipeline.timeline
+            stats += torch.stack([torch.as_tensor(pipeline.stages[1].stats.get(name, 0.0), dtype=stats.dtype,
+                                                  device=device) for name in loss_terms])
 
         # ---- reliability: a step with a non-finite loss or gradient on any rank is skipped on every rank
         for fault in ("nan", "kill"):
@@ -339,13 +351,15 @@ def main(argv=None):
             torch.cuda.synchronize()
         profiler.end(step)  # (writes the traces after the window's last step)
         load_per_layer = load_max_over_mean(load_LE, live_LE)  # over the experts the router could choose
-        scalars = {"loss": (stats[0] / num_labels).item(), "aux_loss": (stats[1] / (n_micro * mesh.data_world)).item(),
-                   "lr": lr, "grad_norm": grad_norm.item(), "peak_mem_gib": peak_memory_gib(device),
-                   "skipped_steps": skipped, "opt_time": opt_time}
+        scalars = {"loss" if name == "lm" else f"{name}_loss": float(total / denominators[name])
+                   for name, total in zip(loss_terms, stats)}  # every term: its sum / its denominator
+        scalars.update({"lr": lr, "grad_norm": grad_norm.item(), "peak_mem_gib": peak_memory_gib(device),
+                   "skipped_steps": skipped, "opt_time": opt_time})
         if a2a_rows[1] > 0:  # rows sent to other ranks, deduplicated vs one per (token, expert)
             scalars["a2a_rows_vs_naive"] = (a2a_rows[0] / a2a_rows[1]).item()
         history.append(logger.log(step, time.perf_counter() - start, args.global_batch * args.seq_len, scalars,
-                                  {"expert_load_max_over_mean": load_per_layer, "trained_tokens": int(num_labels),
+                                  {"expert_load_max_over_mean": load_per_layer,
+                                   "trained_tokens": int(denominators["lm"]),
                                    **logged}))
         watchdog.step_done(history[-1]["step_time"])
         logger.log_load_heatmap(step, load_LE, args.load_heatmap_every)
@@ -462,7 +476,9 @@ def check_run(args: Args, world: int):
         raise ValueError(f"--seq-len {args.seq_len} is not divisible by 2*cp = {2 * args.cp}: context parallelism "
                          f"cuts each sequence into 2*cp chunks; use a --seq-len that is a multiple of {2 * args.cp}")
     cfg = load_config(args.hf_checkpoint or args.config)
-    check_features(Model.features, {  # optional features: each model.py says which it has (Model.features)
+    model = declared(Model, cfg)  # a model holding no layer: what this config's model declares
+    loss_weights(model.loss_terms(args), args.loss_weight)  # an unknown term or a bad weight
+    check_features(model.features, {  # optional features: each model.py says which it has (Model.features)
         "expert_bias": (f"--expert-bias-rate {args.expert_bias_rate}", args.expert_bias_rate > 0),
         "aux_loss": (f"--aux-loss-coef {args.aux_loss_coef}", args.aux_loss_coef > 0),
         "recompute": (f"--recompute {args.recompute}", args.recompute != "none"),
@@ -489,7 +505,7 @@ def check_run(args: Args, world: int):
             data_loader = TokenLoader(path, args.seq_len, args.global_batch, 0, data_world, args.seed)
             meta, vocab = data_loader.meta, data_loader.meta["vocab_size"]
             if what == "dataset":  # on by default for a dataset of whole documents (conversations)
-                check_features(Model.features, {"document_mask": (
+                check_features(model.features, {"document_mask": (
                     "--document-mask" if args.document_mask else "a dataset of whole documents (--document-mask is "
                     "its default: pass --no-document-mask)", data_loader.documents if args.document_mask is None
                     else args.document_mask)}, f"recipes/{Path(__file__).parent.name}/model.py")
@@ -534,22 +550,29 @@ def report_bad_step(step, bad_ranks, bad_names, bad_in_a_row, args, mesh, ckpt_d
                       + " with a lower --lr or --grad-clip, or check the data around this step")
 
 
-def rank_batch(loader, args, mesh, positions_BS, document_mask: bool):
+def rank_batch(loader, args, mesh, positions_BS, document_mask: bool, prepare):
     """This rank's part of the loader's next global batch: input ids and labels [local batch, seq_len / cp] (under
-    cp, chunks r and 2cp-1-r of every sequence), and per micro-batch the rope positions [micro_batch, seq_len / cp]
+    cp, chunks r and 2cp-1-r of every sequence), per micro-batch the rope positions [micro_batch, seq_len / cp]
     and the document ids of the whole sequences [micro_batch, seq_len] (the block-causal mask, which cp_attention_mask
-    splits itself) with document_mask; without, positions_BS (0..seq_len-1, or their cp part) and None."""
+    splits itself) with document_mask (without: positions_BS, 0..seq_len-1 or their cp part, and None), and the
+    extras per micro-batch: prepare (Model.prepare_batch) of the whole sequences, each tensor split for cp like the
+    ids."""
     device, cp_rank = positions_BS.device, mesh.coord("cp")
     n_micro = args.global_batch // mesh.data_world // args.micro_batch
     input_ids, labels, *docs = (t.to(device) for t in loader.next_batch(documents=document_mask))
+    whole_positions = positions_in_documents(docs[0]) if document_mask else \
+        torch.arange(args.seq_len, device=device).expand_as(input_ids)  # rope restarts at every document
+    extras = prepare(input_ids, labels, docs[0] if document_mask else None, whole_positions)
     if mesh.cp > 1:  # this rank's chunks r and 2cp-1-r of every sequence: [local_batch, seq_len / cp]
         input_ids, labels = (split_for_cp(t, cp_rank, mesh.cp) for t in (input_ids, labels))
+        extras = {name: split_for_cp(t, cp_rank, mesh.cp) for name, t in extras.items()}
+    extras = [{name: t[mb * args.micro_batch:(mb + 1) * args.micro_batch] for name, t in extras.items()}
+              for mb in range(n_micro)]
     if not document_mask:
-        return input_ids, labels, [positions_BS] * n_micro, [None] * n_micro
-    positions_BK = positions_in_documents(docs[0])  # rope restarts at every document
-    if mesh.cp > 1:
-        positions_BK = split_for_cp(positions_BK, cp_rank, mesh.cp)
-    return input_ids, labels, list(positions_BK.split(args.micro_batch)), list(docs[0].split(args.micro_batch))
+        return input_ids, labels, [positions_BS] * n_micro, [None] * n_micro, extras
+    positions_BK = split_for_cp(whole_positions, cp_rank, mesh.cp) if mesh.cp > 1 else whole_positions
+    return (input_ids, labels, list(positions_BK.split(args.micro_batch)), list(docs[0].split(args.micro_batch)),
+            extras)
 
 
 @torch.no_grad()
@@ -563,20 +586,20 @@ def evaluate(model, pipeline, loader, batch_inputs: dict, use_bf16) -> dict:
     totals = torch.zeros(2, device=device)  # summed cross-entropy, labels (pp: on pp rank 0, which holds the loss)
     loader.step = 0
     for _ in range(max(1, min(args.eval_batches, loader.num_samples // args.global_batch))):
-        input_ids, labels, positions, docs = rank_batch(loader, **batch_inputs)
+        input_ids, labels, positions, docs, extras = rank_batch(loader, **batch_inputs)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
             if pipeline is None:
                 for mb, (ids, lab) in enumerate(zip(input_ids.split(args.micro_batch), labels.split(args.micro_batch))):
                     running.set(mb)
-                    totals[0] += model.forward_train(ids, lab, positions[mb], docs[mb]).loss_sum.float()
+                    totals[0] += model.forward_train(ids, lab, positions[mb], docs[mb], extras[mb]).terms["lm"].float()
                 running.set(None)
             else:
                 model.set_positions(positions, doc_ids_BK=docs if batch_inputs["document_mask"] else None)
                 for stage in pipeline.stages:
                     stage.input_ids, stage.labels = input_ids.split(args.micro_batch), labels.split(args.micro_batch)
-                    stage.loss_fn, stage.stats = (lambda ce, aux: ce), torch.zeros(2, device=device)
+                    stage.extras, stage.loss_fn, stage.stats = extras, (lambda terms: terms["lm"]), {}
                 pipeline.run(n_micro, forward_only=True)
-                totals[0] += pipeline.stages[1].stats[0]
+                totals[0] += pipeline.stages[1].stats.get("lm", 0.0)
         if pipeline is None or mesh.coord("pp") == 0:
             totals[1] += (labels != -100).sum()
     stats = reduce_stats(model.take_stats(), dist.group.WORLD if mesh.world > 1 else None)
