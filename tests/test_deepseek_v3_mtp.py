@@ -138,3 +138,26 @@ def test_mtp_weights_load_and_export_where_the_release_keeps_them(tmp_path):
     load_hf_checkpoint(fresh, tmp_path / "transformers")
     assert all(torch.equal(p, start[n]) for n, p in fresh.named_parameters() if n.startswith("mtp."))
     assert len(start) == 4 + 7 + 2 + 1 + 3 + 2  # enorm, hnorm, eh_proj, norm; attention; layer norms; router; shared; experts
+
+
+def test_flops_by_layer_counts_the_mtp_module():
+    """The last stage's entry of flops_by_layer holds the MTP module (its layer, eh_proj, its head): the whole list
+    equals torch's FLOP counter over forward_train with MTP x 3 (GEMMs exactly, attention half the counted S x S as
+    tests/test_plan.py counts it), and the MTP part is the counter's difference with MTP switched off."""
+    from recipes.deepseek_v3 import model as mod
+    from tests.test_plan import counted_flops
+
+    seq, batch = 16, 2
+    totals = {}
+    for mtp in (1, 0):
+        cfg = ModelConfig.from_hf(mod.tiny_config_path())
+        cfg.num_nextn_predict_layers = mtp
+        torch.manual_seed(0)
+        counted = counted_flops(mod, cfg, seq, batch)
+        parts = mod.flops_by_layer(cfg, seq)
+        assert len(parts) == cfg.num_hidden_layers + 2 and (set(parts[-1]) > {"head"}) == bool(mtp)
+        totals[mtp] = 3 * (counted["gemm"] + counted["attention"] / 2)
+        assert seq * batch * sum(sum(p.values()) for p in parts) == pytest.approx(totals[mtp], rel=1e-9)
+    mtp_part = sum(v for k, v in mod.flops_by_layer(ModelConfig.from_hf(mod.tiny_config_path()), seq)[-1].items()
+                   if k.startswith("mtp_"))
+    assert seq * batch * mtp_part == pytest.approx(totals[1] - totals[0], rel=1e-9)

@@ -811,20 +811,25 @@ def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str
     dense: the MLA projections (q or q_a/q_b, kv_a, kv_b, o), router, shared experts and dense MLP, 6 x their
     parameters; experts: the k routed experts, 6 x k x 3HI}, then the first stage's own modules {embedding: 0 (a
     lookup)} and the last stage's {head: 6 x V x H} (final norm: no GEMM; core/pipeline.py:split_layers counts
-    both). tools/plan.py times each class; flops_per_token is their sum. cp > 1: every cp rank expands the
-    gathered latent of the whole sequence (kv_b_proj on cp x its own tokens, Attention.forward), so that
-    projection counts cp times per local token."""
+    both), with the MTP module there too (it runs on the last stage, Model.mtp): {mtp_layer: its MoE layer's
+    three classes, mtp_eh_proj: 6 x 2H x H, mtp_head: 6 x V x H}. tools/plan.py times each class; flops_per_token
+    is their sum. cp > 1: every cp rank expands the gathered latent of the whole sequence (kv_b_proj on cp x its
+    own tokens, Attention.forward), so that projection counts cp times per local token."""
     H, N, C, P, R, U = (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
                         cfg.qk_rope_head_dim, cfg.v_head_dim)
     Q, I = cfg.q_lora_rank, cfg.moe_intermediate_size
     attn = (H * N * (P + R) if Q is None else H * Q + Q * N * (P + R)) + H * (C + R) + cp * C * N * (P + U) + N * U * H
     out = []
-    for i in range(cfg.num_hidden_layers):
+    for i in range(cfg.num_hidden_layers + 1):  # the last: the MTP module's layer
         moe = cfg.is_moe_layer(i)
         mlp = cfg.n_shared_experts * 3 * H * I + H * cfg.num_choices if moe else 3 * H * cfg.intermediate_size
         out.append({"attention": 3 * seq_len * N * (P + R + U), "dense": 6 * (attn + mlp),
                     "experts": 6 * cfg.num_experts_per_tok * 3 * H * I if moe else 0})
-    return out + [{"embedding": 0.0}, {"head": 6 * cfg.vocab_size * H}]  # first stage's, last stage's
+    mtp_layer = out.pop()
+    head = {"head": 6 * cfg.vocab_size * H}
+    if cfg.num_nextn_predict_layers:
+        head |= {"mtp_layer": sum(mtp_layer.values()), "mtp_eh_proj": 6 * 2 * H * H, "mtp_head": 6 * cfg.vocab_size * H}
+    return out + [{"embedding": 0.0}, head]  # first stage's, last stage's
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
