@@ -77,9 +77,14 @@ if [[ "$GPUS" -gt 0 ]]; then
 else
   NPROC="${NPROC:-4}"
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one core per rank
-  # aux-loss-free balancing on: with the aux loss alone, near-uniform router probabilities hide a collapsed top-k
   DEFAULTS=(--pp "${PP:-2}" --ep "${EP:-2}" --seq-len 256 --global-batch 8 --micro-batch 1 --lr 3e-3 --warmup-steps 20 --steps 300
-            --ckpt-every 100 --expert-bias-rate 1e-2)
+            --ckpt-every 100)
+  # aux-loss-free balancing on where the model has it (Model.features; a variant may decline it): with the aux
+  # loss alone, near-uniform router probabilities hide a collapsed top-k
+  if python -c "import sys; from core.training import declared; from recipes.$RECIPE import model as m
+sys.exit('expert_bias' not in declared(m.Model, m.load_config(m.tiny_config_path())).features)"; then
+    DEFAULTS+=(--expert-bias-rate 1e-2)
+  fi
 fi
 DATA="${DATA:-data/stdlib}"
 
