@@ -74,6 +74,7 @@ def test_launch_sh_and_a_copied_recipe(tmp_path):
                  *FAST, "--export-hf", str(tmp_path / "hf"))
     assert (data / "meta.json").is_file() and (data / "tokenizer.model").is_file()
     assert "mesh pp=2 dp=1 cp=1 ep=2" in out and "a2a rows" in out and "trained steps 1-4" in out
+    assert "--expert-bias-rate 1e-2" in out  # a CPU default the model accepts (Model.features)
     assert "FutureWarning" not in out and "DeprecationWarning" not in out  # e.g. a deprecated collective
     first_loss = float(re.search(r"step +1/4 \| loss ([0-9.]+)", out).group(1))
     vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
@@ -147,3 +148,24 @@ def test_the_callers_environment_does_not_change_a_launch(tiny_train_setup, tmp_
     assert "--standalone" in torchrun and "--nproc-per-node 2 --max-restarts 3" in torchrun, torchrun
     assert f"--data {tiny_train_setup[1]} --out runs/my_arch" in torchrun, torchrun
     assert not (copy.parents[2] / "runs/my_arch/checkpoints").exists()
+
+
+def test_launch_passes_only_flags_the_model_accepts(tiny_train_setup, tmp_path):
+    """launch.sh's CPU defaults ask the recipe's Model.features (the shipped recipe's turn on --expert-bias-rate:
+    test_launch_sh_and_a_copied_recipe): once a copy's features depend on the config (a property declining
+    expert_bias for 8 experts, the tiny config's) the flag is left out and the launch passes its dry run and starts
+    torchrun (a stand-in that prints its flags)."""
+    copy = copy_recipe("qwen3_30b_a3b", tmp_path)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin/torchrun").write_text('#!/bin/sh\necho "torchrun: $*"\n')
+    (tmp_path / "bin/torchrun").chmod(0o755)
+    env = {"DATA": str(tiny_train_setup[1]), "NPROC": "2", "PP": "1", "EP": "2", "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+    torchrun = lambda out: next(line for line in out.splitlines() if line.startswith("torchrun: "))
+    model_py = copy.with_name("model.py")
+    line = '    features = frozenset({"expert_bias", "aux_loss", "recompute", "fp8", "muon", "document_mask"})\n'
+    assert line in model_py.read_text()
+    model_py.write_text(model_py.read_text().replace(line, (
+        "    @property\n    def features(self):\n"
+        '        return frozenset({"aux_loss", "recompute", "fp8", "muon", "document_mask"}'
+        ' | ({"expert_bias"} if self.cfg.num_experts > 8 else set()))\n')))
+    assert "--expert-bias-rate" not in torchrun(launch(copy, env))

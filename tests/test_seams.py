@@ -82,16 +82,20 @@ def test_load_over_live_experts():
                                           (["--recompute", "layer"], "recompute"), (["--fp8"], "fp8"),
                                           (["--optimizer", "muon"], "muon")])
 def test_unsupported_feature_flag_fails_in_check_run(tiny_train_setup, tmp_path, monkeypatch, flag, feature):
-    """--dry-run (launch.sh runs it before torchrun starts a rank) refuses the flag in one line naming the feature;
-    the shared layout checks leave out the flag and the checks of a feature the model declines."""
+    """--dry-run (launch.sh runs it before torchrun starts a rank) refuses the flag in one line naming the feature,
+    also where the features depend on the config; the shared layout checks leave out the flag and the checks of a
+    feature the model declines."""
     config, data = tiny_train_setup
     argv = train_args(config, data, tmp_path / "out", dry_run=True) + flag
     assert train.main(argv) == ([], None)  # supported
-    monkeypatch.setattr(qwen3.Model, "features", qwen3.Model.features - {feature})
+    # a feature that depends on the config (Model.features a property): declined for this config's 4 experts
+    every = qwen3.Model.features
+    monkeypatch.setattr(qwen3.Model, "features", property(
+        lambda self: every - ({feature} if self.cfg.num_experts == 4 else set())))
     with pytest.raises(ValueError, match=f"needs the model feature '{feature}'.*drop the flag") as e:
         train.main(argv)
     assert "\n" not in str(e.value)
-    recipe = Recipe("qwen3_30b_a3b", qwen3, train, None, None, {}, 32, None)
+    recipe = Recipe("qwen3_30b_a3b", qwen3, train, None, None, TINY_TRAIN_CONFIG, 32, None)
     assert ("--expert-bias-rate" in check_args(recipe, config, data, tmp_path)) == (feature != "expert_bias")
 
 
