@@ -21,11 +21,19 @@ compiler and runs its Python at run time).
 
 Paths: on CUDA, torch._scaled_mm and torch._scaled_grouped_mm (Hopper, out dtype bf16). Elsewhere the reference:
 torch._scaled_mm runs float8_e4m3fn on CPU (seen in torch 2.13), and the grouped GEMM is a loop over experts of it.
+
+Blockwise (SCALING = "blockwise", train.py --fp8 --fp8-recipe blockwise; DeepSeek-V3's recipe, its paper's 3.3):
+  activations and gradients in 1x128 tiles along the reduction dim (one scale per 128 consecutive elements of a
+  row), weights in 128x128 blocks (one quantisation serves forward and dgrad: a block's scale is its transpose's),
+  and the wgrad in FP8 too, both operands in 1x128 tiles along the tokens; the last tile / block may be partial.
+  CUDA: torch.nn.functional.scaled_mm with BlockWise1x128 / BlockWise128x128 scales (Hopper; the experts one GEMM
+  each); elsewhere the reference, operands dequantised to fp32 and multiplied (block_scaled_mm).
 """
 
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from core.moe import GROUPED_MM
@@ -34,6 +42,60 @@ from core.weight_cache import CACHE
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
 SCALED_GROUPED_MM = getattr(torch, "_scaled_grouped_mm", None)  # CUDA only (no CPU kernel in torch 2.13)
+SCALING = "rowwise"  # or "blockwise": set once before the first FP8 GEMM (set_scaling)
+BLOCK = 128
+
+
+def set_scaling(recipe: str, device) -> None:
+    """Choose the FP8 recipe of every FP8 GEMM (train.py --fp8-recipe); blockwise on CUDA needs torch's
+    block-scaled scaled_mm (torch.nn.functional.ScalingType.BlockWise1x128, torch >= 2.10)."""
+    global SCALING
+    if recipe == "blockwise" and torch.device(device).type == "cuda" and not hasattr(getattr(F, "ScalingType", None),
+                                                                                     "BlockWise1x128"):
+        raise ValueError(f"--fp8-recipe blockwise needs torch.nn.functional.scaled_mm with BlockWise1x128 scales "
+                         f"(torch >= 2.10), torch {torch.__version__} has none; use --fp8-recipe rowwise")
+    SCALING = recipe
+
+
+def quantize_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (q [..., K] e4m3, scale [..., ceil(K/128)] fp32): one scale per 1x128 tile of a row."""
+    K = x.shape[-1]
+    x_XkB = F.pad(x.detach().float(), (0, -K % BLOCK)).unflatten(-1, (-1, BLOCK))
+    scale = x_XkB.abs().amax(-1).clamp(min=1e-12) / E4M3_MAX
+    q = (x_XkB / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).flatten(-2)[..., :K]
+    return q.contiguous(), scale
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (q [..., N, K] e4m3, scale [..., ceil(N/128), ceil(K/128)] fp32): one per 128x128 block."""
+    N, K = w.shape[-2:]
+    w_XnBkB = F.pad(w.detach().float(), (0, -K % BLOCK, 0, -N % BLOCK)).unflatten(-1, (-1, BLOCK)).unflatten(-3, (-1, BLOCK))
+    scale = w_XnBkB.abs().amax((-3, -1)).clamp(min=1e-12) / E4M3_MAX
+    q = (w_XnBkB / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).flatten(-4, -3).flatten(-2)
+    return q[..., :N, :K].contiguous(), scale
+
+
+def _expand(scale, rows: int, cols: int, row_block: int) -> torch.Tensor:
+    return scale.repeat_interleave(row_block, -2)[..., :rows, :].repeat_interleave(BLOCK, -1)[..., :cols]
+
+
+def block_scaled_mm(qa_MK, sa, qb_NK, sb, out_dtype, b_tiles: bool = False) -> torch.Tensor:
+    """(qa * sa) @ (qb * sb).T -> [M, N]: a in 1x128 tiles (sa [M, k]), b in 128x128 blocks (sb [n, k]) or, with
+    b_tiles, in 1x128 tiles too (sb [N, k]). CUDA: one block-scaled GEMM (fp32 accumulation); else the fp32
+    reference."""
+    (M, K), N = qa_MK.shape, qb_NK.shape[0]
+    if qa_MK.is_cuda:
+        kind = F.ScalingType  # tile scales outer-dim major, as torch's block-scaled kernels read them
+        return F.scaled_mm(qa_MK, qb_NK.T, sa.T.contiguous().T, kind.BlockWise1x128,
+                           (sb.T.contiguous().T if b_tiles else sb).T,
+                           kind.BlockWise1x128 if b_tiles else kind.BlockWise128x128, output_dtype=out_dtype)
+    a = qa_MK.float() * _expand(sa, M, K, 1)
+    return (a @ (qb_NK.float() * _expand(sb, N, K, 1 if b_tiles else BLOCK)).T).to(out_dtype)
+
+
+def _tiled_mm(a_MK: torch.Tensor, b_NK: torch.Tensor, out_dtype) -> torch.Tensor:
+    """a @ b.T with both operands quantised here in 1x128 tiles along K (the wgrad: K = tokens)."""
+    return block_scaled_mm(*quantize_tiles(a_MK), *quantize_tiles(b_NK), out_dtype, b_tiles=True)
 
 
 def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,8 +123,12 @@ def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A weight, [N, K] (nn.Linear) or [E, K, N] (stacked experts, y = x @ w[e]), as the two FP8 operands:
-    (q_NK, s_N1) quantised over K for the forward, (q_KN, s_K1) quantised over N for the dgrad ([E, ...] leading)."""
+    (q_NK, s_N1) quantised over K for the forward, (q_KN, s_K1) quantised over N for the dgrad ([E, ...] leading).
+    Blockwise: the 128x128 blocks once, the dgrad's operand their transpose (s_nk, s_kn the block scales)."""
     w_NK = w if w.dim() == 2 else w.transpose(-2, -1)
+    if SCALING == "blockwise":
+        q_NK, s_nk = quantize_blocks(w_NK)
+        return q_NK, s_nk, q_NK.transpose(-2, -1).contiguous(), s_nk.transpose(-2, -1).contiguous()
     return (*_quantize(w_NK), *_quantize(w_NK.transpose(-2, -1)))
 
 
@@ -76,7 +142,10 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _scaled_mm(a_MK: torch.Tensor, q_NK: torch.Tensor, s_N1: torch.Tensor) -> torch.Tensor:
     """a [M, K] (high precision, quantised here per row) @ (q * s)[N, K].T -> [M, N] in a's dtype. q_NK.T is the
-    column-major operand cuBLAS wants; the scales are fp32, [M, 1] and [1, N]."""
+    column-major operand cuBLAS wants; the scales are fp32, [M, 1] and [1, N]. Blockwise: a in 1x128 tiles, s_N1
+    the weight's block scales [n, k]."""
+    if SCALING == "blockwise":
+        return block_scaled_mm(*quantize_tiles(a_MK), q_NK, s_N1, a_MK.dtype)
     qa_MK, sa_M1 = _quantize(a_MK)
     return torch._scaled_mm(qa_MK, q_NK.T, scale_a=sa_M1, scale_b=s_N1.T, out_dtype=a_MK.dtype)
 
@@ -89,13 +158,13 @@ def _scaled_mm(a_MK: torch.Tensor, q_NK: torch.Tensor, s_N1: torch.Tensor) -> to
 
 @torch.library.custom_op("moe_fp8::linear", mutates_args=())
 def _linear(x_TK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    q_NK, s_N1, _, _ = CACHE.get(w_NK, "fp8", quantize_weight)
+    q_NK, s_N1, _, _ = CACHE.get(w_NK, "fp8" + SCALING, quantize_weight)
     return _scaled_mm(x_TK, q_NK, s_N1)
 
 
 @torch.library.custom_op("moe_fp8::linear_dgrad", mutates_args=())
 def _linear_dgrad(dy_TN: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    _, _, q_KN, s_K1 = CACHE.get(w_NK, "fp8", quantize_weight)
+    _, _, q_KN, s_K1 = CACHE.get(w_NK, "fp8" + SCALING, quantize_weight)
     return _scaled_mm(dy_TN, q_KN, s_K1)
 
 
@@ -117,7 +186,9 @@ def _linear_backward(ctx, dy_TN):
     x_TK, w_NK = ctx.saved_tensors
     dy_TN = dy_TN.contiguous()
     dx = _linear_dgrad(dy_TN, w_NK) if ctx.needs_input_grad[0] else None  # FP8
-    dw = (dy_TN.T @ x_TK).to(w_NK.dtype) if ctx.needs_input_grad[1] else None  # high precision
+    dw = None
+    if ctx.needs_input_grad[1]:  # high precision; blockwise: FP8, 1x128 tiles along the tokens
+        dw = (_tiled_mm(dy_TN.T, x_TK.T, x_TK.dtype) if SCALING == "blockwise" else dy_TN.T @ x_TK).to(w_NK.dtype)
     return dx, dw
 
 
@@ -158,7 +229,7 @@ def _grouped(x_RK, q_ENK, s_EN1, counts_E):
     """x [R, K] grouped by expert @ (q * s)[e].T for each expert's rows -> [R, N] in x's dtype. CUDA: one
     torch._scaled_grouped_mm (q_ENK.transpose is its column-major [E, K, N] operand); elsewhere the reference,
     one row-wise _scaled_mm per expert (a host sync on counts)."""
-    if x_RK.is_cuda and SCALED_GROUPED_MM is not None:
+    if x_RK.is_cuda and SCALED_GROUPED_MM is not None and SCALING == "rowwise":
         qx_RK, sx_R1 = _quantize(x_RK)
         return SCALED_GROUPED_MM(qx_RK, q_ENK.transpose(-2, -1), sx_R1.squeeze(-1), s_EN1.squeeze(-1),
                                  offs=counts_E.cumsum(0, dtype=torch.int32), out_dtype=x_RK.dtype)
@@ -168,13 +239,13 @@ def _grouped(x_RK, q_ENK, s_EN1, counts_E):
 
 @torch.library.custom_op("moe_fp8::grouped_mm", mutates_args=())
 def _grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    q_ENK, s_EN1, _, _ = CACHE.get(w_EKN, "fp8", quantize_weight)
+    q_ENK, s_EN1, _, _ = CACHE.get(w_EKN, "fp8" + SCALING, quantize_weight)
     return _grouped(x_RK, q_ENK, s_EN1, counts_E)
 
 
 @torch.library.custom_op("moe_fp8::grouped_mm_dgrad", mutates_args=())
 def _grouped_mm_dgrad(dy_RN: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    _, _, q_EKN, s_EK1 = CACHE.get(w_EKN, "fp8", quantize_weight)
+    _, _, q_EKN, s_EK1 = CACHE.get(w_EKN, "fp8" + SCALING, quantize_weight)
     return _grouped(dy_RN, q_EKN, s_EK1, counts_E)
 
 
@@ -197,8 +268,11 @@ def _grouped_backward(ctx, dy_RN):
     dy_RN = dy_RN.contiguous()
     dx = _grouped_mm_dgrad(dy_RN, w_EKN, counts_E) if ctx.needs_input_grad[0] else None  # FP8
     dw = None
-    if ctx.needs_input_grad[1]:  # high precision: dw[e] = x[rows of e].T @ dy[rows of e]
-        if x_RK.is_cuda and GROUPED_MM is not None:
+    if ctx.needs_input_grad[1]:  # high precision: dw[e] = x[rows of e].T @ dy[rows of e] (blockwise: FP8 tiles)
+        if SCALING == "blockwise":
+            sizes = counts_E.tolist()
+            dw = torch.stack([_tiled_mm(x_e.T, dy_e.T, x_RK.dtype) for x_e, dy_e in zip(x_RK.split(sizes), dy_RN.split(sizes))])
+        elif x_RK.is_cuda and GROUPED_MM is not None:
             dw = GROUPED_MM(x_RK.T, dy_RN, offs=counts_E.cumsum(0, dtype=torch.int32))
         else:
             sizes = counts_E.tolist()

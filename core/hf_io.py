@@ -4,7 +4,9 @@ A checkpoint is either one `model.safetensors` or shards listed by `model.safete
 Reading goes tensor by tensor through `safe_open`, so a pipeline stage or an expert shard never
 materialises the rest of the checkpoint. Each recipe's load/save functions map its own parameter
 names onto these readers and writers; nothing here knows about a model. Released checkpoints may store
-matrices in MXFP4 (OCP microscaling FP4: GPT-OSS experts); `dequantize_mxfp4` decodes that storage format.
+matrices in MXFP4 (OCP microscaling FP4: GPT-OSS experts); `dequantize_mxfp4` decodes that storage format. FP8
+e4m3 matrices with a `*_scale_inv` per block (DeepSeek-V3, Kimi K2) are dequantised by the reader itself
+(`dequantize_fp8_blocks`), so every recipe loads them.
 """
 
 import json
@@ -67,6 +69,8 @@ class CheckpointReader:
                 raise FileNotFoundError(f"{index_file} lists {file}, which is missing from {self.path}")
         self.weight_map: dict[str, str] = weight_map
         self.names_read: list[str] = []
+        config = read_hf_config(self.path) if (self.path / "config.json").is_file() else {}
+        self.fp8_block = tuple((config.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
 
     def _open(self, file: str):
         if file not in self._handles:
@@ -94,6 +98,9 @@ class CheckpointReader:
             )
         self.names_read.append(name)
         handle = self._open(self.weight_map[name])
+        if name + "_scale_inv" in self.weight_map and handle.get_slice(name).get_dtype() == "F8_E4M3":
+            t = dequantize_fp8_blocks(handle.get_tensor(name), self.get(name + "_scale_inv"), self.fp8_block)
+            return t if rows is None else t[rows]
         return handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows]
 
     def get_rows(self, name: str, expected_shape: tuple[int, ...], ids) -> torch.Tensor:
@@ -125,6 +132,18 @@ def dequantize_mxfp4(blocks_XG16: torch.Tensor, scales_XG: torch.Tensor, dtype=t
     lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks_XG16.device)
     codes = torch.stack([blocks_XG16 & 0x0F, blocks_XG16 >> 4], dim=-1).flatten(-2).long()  # [..., G, 32]
     return torch.ldexp(lut[codes], scales_XG.int()[..., None] - 127)
+
+
+def dequantize_fp8_blocks(q_NK: torch.Tensor, scale_inv_nk: torch.Tensor, block=(128, 128), dtype=torch.float32):
+    """FP8 e4m3 [N, K] with one scale per block of block[0] x block[1] ([ceil(N / b0), ceil(K / b1)]; the last
+    row and column of blocks may be partial) -> q * its block's scale, in dtype (the checkpoints' weight_scale_inv
+    multiplies: DeepSeek-V3's weight_dequant)."""
+    (N, K), (b0, b1) = q_NK.shape, block
+    if q_NK.dtype != torch.float8_e4m3fn or scale_inv_nk.shape != (-(-N // b0), -(-K // b1)):
+        raise ValueError(f"FP8 blocks expect float8_e4m3fn [N, K] and scales [ceil(N/{b0}), ceil(K/{b1})], got "
+                         f"{list(q_NK.shape)} {q_NK.dtype} and scales {list(scale_inv_nk.shape)}")
+    scale_NK = scale_inv_nk.to(dtype).repeat_interleave(b0, 0)[:N].repeat_interleave(b1, 1)[:, :K]
+    return q_NK.to(dtype) * scale_NK
 
 
 def write_hf_folder(path: str | os.PathLike, tensors: dict[str, torch.Tensor], config: dict,

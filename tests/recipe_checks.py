@@ -35,9 +35,11 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from core.context import cp_positions, split_for_cp
 from core.data import TokenLoader, positions_in_documents, write_shards
+from core.hf_io import CheckpointReader
 from core.mesh import build_mesh
 from core.pipeline import split_layers
 from core.training import declared, objective, parse_args
@@ -250,7 +252,19 @@ def reference_folder(recipe: Recipe, out: Path) -> Path:
     if cls is None or getattr(cls.config_class, "model_type", None) != recipe.config["model_type"]:
         raise ValueError(f"recipes/{recipe.name}/model.py: TRANSFORMERS_CLASS {recipe.transformers_class!r} is not a "
                          f"transformers class for model_type {recipe.config['model_type']!r}")
-    return make_tiny_hf_model(recipe.config, out)
+    make_tiny_hf_model(recipe.config, out)
+    # tensors the recipe keeps beyond the class, which transformers drops on load (a training-only module such as
+    # DeepSeek-V3's multi-token prediction layer): added at the recipe's start values, so that the folder holds
+    # everything the recipe reads and writes
+    model = recipe.model.Model(recipe.model.ModelConfig.from_hf(out))
+    recipe.model.load_hf_checkpoint(model, out)
+    weight_map = CheckpointReader(out).weight_map
+    extra = {n: t.contiguous() for n, t in recipe.model.hf_state_dict(model).items() if n not in weight_map}
+    if extra:
+        save_file(extra, out / "model-extra.safetensors", metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(extra, "model-extra.safetensors")
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
 
 
 def parity_results(recipe: Recipe, hf_dir: Path) -> list[Result]:

@@ -38,7 +38,8 @@ def is_muon_matrix(hf_name: str, t: torch.Tensor) -> bool:
     """Moonlight's split, by transformers checkpoint name: weight matrices of attention (linear attention's
     projections too), dense MLPs and experts go to Muon; embeddings, the LM head, norms, biases, routers, gates of
     one row (shared_expert_gate), depthwise conv kernels, sinks, A_log and dt_bias to AdamW."""
-    if t.ndim < 2 or "embed_tokens" in hf_name or "lm_head" in hf_name or hf_name.endswith("bias"):
+    if t.ndim < 2 or "embed_tokens" in hf_name or "lm_head" in hf_name or hf_name.endswith("bias") or \
+            "shared_head.head" in hf_name:  # (DeepSeek-V3's MTP layer stores a copy of the LM head)
         return False
     return not hf_name.endswith(("mlp.gate.weight", "mlp.router.weight", "shared_expert_gate.weight", "conv1d.weight"))
 
@@ -111,7 +112,8 @@ def run_against_torch(name: str, workdir: Path, steps: int = 4) -> dict[str, tup
                 g["lr"] = lr
             ids = torch.randint(0, recipe.config["vocab_size"], (2, recipe.seq_len))
             out = model.forward_train(ids, torch.roll(ids, -1, 1))
-            (out.loss_sum / ids.numel() + 0.01 * out.aux_loss).backward()
+            # every term the model trains (DeepSeek-V3's MTP term reaches parameters the others do not)
+            (sum(t / ids.numel() for n, t in out.terms.items() if n != "aux") + 0.01 * out.aux_loss).backward()
             grads = {n: p.grad.clone() for n, p in params.items()}
             for k, g in hf_matrices(recipe, model, grads).items():
                 ref_matrices[k].grad = g.clone()

@@ -112,6 +112,8 @@ class Args:
     # for datasets of whole documents (tools/prepare_data.py --chat), off for raw text (then documents end at eos)
     recompute: Literal["none", "attention", "layer"] = "none"  # activations recomputed in backward instead of kept (model.py)
     fp8: bool = False  # FP8 GEMMs (Hopper) for attention, dense MLP and expert weights; on CPU the same numerics
+    fp8_recipe: Literal["rowwise", "blockwise"] = "rowwise"  # with --fp8: one scale per row (weight gradients in bf16),
+    # or DeepSeek-V3's 1x128 tiles for activations and gradients, 128x128 blocks for weights, FP8 weight gradients
     steps: int = 300
     seq_len: int = 256
     global_batch: int = 16  # sequences per optimizer step, all ranks together
@@ -503,6 +505,7 @@ def check_arguments(args: Args) -> None:
         "--sample-chat samples without the pipeline: use --pp 1 (or export with --export-hf and sample that)":
             not (args.sample_chat and args.pp > 1),
         f"--export-hf {args.export_hf} is a file; name a folder": not os.path.isfile(args.export_hf),
+        f"--fp8-recipe {args.fp8_recipe} chooses the recipe of --fp8: add --fp8": args.fp8 or args.fp8_recipe == "rowwise",
     })
     try:
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -530,6 +533,8 @@ def check_run(args: Args, world: int):
         "recompute": (f"--recompute {args.recompute}", args.recompute != "none"),
         "fp8": ("--fp8", args.fp8), "muon": ("--optimizer muon", args.optimizer == "muon")},
         f"recipes/{Path(__file__).parent.name}/model.py")
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    fp8.set_scaling(args.fp8_recipe, "cuda" if cuda else "cpu")  # every FP8 GEMM's recipe (core/fp8.py)
     if args.pp > 1:
         split_layers(cfg.num_hidden_layers, args.pp, flops_by_layer(cfg, args.seq_len))  # clear error if too few layers
     pp, dp, cp, ep = resolve_layout(world, args.pp, args.dp, args.cp, args.ep)
