@@ -7,20 +7,13 @@ Masks are built from global positions, once per forward and reused by every laye
 and optional document boundaries of packed sequences (same document only). Attention sinks (GPT-OSS: one logit per
 head in the softmax denominator, with no value) are applied over the gathered keys.
 
-Two backends read one CPMask. On CUDA: flex_attention (compiled, flash-class) with a BlockMask built from the
-positions block by block (empty key blocks skipped, fully visible ones run without the mask function): memory
-O(S + K) per head plus an int32 [S/128, K/128] block table, instead of SDPA's math kernel that a boolean mask
-with GQA falls back to ([B, N, S, K] fp32 scores). Sinks enter through flex's log-sum-exp. Elsewhere (CPU
-training, tests): the explicit reference over a dense boolean [B, S, K] (`attention_reference`). flex_attention
-has no backward on CPU (torch 2.13), so the CPU cannot train on it; its forward runs there (unfused) and is
-tested against the reference. Per-chunk SDPA calls merged by log-sum-exp were not used: public SDPA returns no
-log-sum-exp to merge with, and window or document blocks would need a mask, which sends SDPA back to the math
-kernel.
-
-A CPMask may also be per head: a block selection (block-sparse attention: for each batch, head and block of
-queries, the key blocks it attends, in global key positions; `select_from_indices`) or a per-head mask (blocks of
-1). On CUDA the BlockMask then has a head dimension, and a tile no head-block selects is never loaded; on CPU the
-reference.
+On CUDA flex_attention (compiled) reads the CPMask as a BlockMask (empty key blocks skipped, fully visible ones
+unmasked): O(S + K) memory per head plus an int32 [S/128, K/128] block table, not the [B, N, S, K] fp32 scores of
+SDPA's math kernel (where a boolean mask with GQA falls back); sinks enter through flex's log-sum-exp. Elsewhere the
+reference over a dense boolean [B, S, K] (`attention_reference`): flex_attention has no CPU backward (torch 2.13).
+Not per-chunk SDPA merged by log-sum-exp: public SDPA returns none, and window or document blocks need a mask.
+A CPMask may be per head: a block selection (block-sparse attention, `select_from_indices`) or a per-head mask
+(blocks of 1); on CUDA the BlockMask then has a head dimension and unselected tiles are never loaded.
 
 Legend: B batch, S local sequence (this rank's queries, = K / cp), K whole sequence (gathered keys), N query
 heads, G key/value heads, n = N / G query heads per kv head, D head dim of q and k, E head dim of v.

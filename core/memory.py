@@ -3,33 +3,27 @@ Model-agnostic: every function receives the recipe's model module (its `Model`, 
 and a config; `check_train_args` is train.py's guard, `python -m tools.estimate_memory` prints the table.
 
 Components of the most loaded pipeline rank (every pp rank is built; the largest total is reported):
-  weights      fp32 master parameters: the recipe's Model built on `meta` for this rank's part (the layers of its
-               two DualPipeV stages from core.pipeline.split_layers, the routed experts of the ep rank holding
-               the most under the expert placement, embedding and head on pp rank 0), so the count is the model's own, not a formula
+  weights      fp32 master parameters of the recipe's Model built on `meta` for this rank's part (its two
+               DualPipeV stages, the ep rank holding the most experts, embedding and head on pp rank 0)
   gradients    fp32, one per parameter (the full gradient lives until ShardedAdamW.reduce_gradients)
   optimizer    AdamW's two fp32 moments of this rank's ZeRO-1 shard: dense parameters sharded over dp*cp*ep,
                routed experts over dp*cp, ceil(numel / n) elements each (core/optimizer.py)
   weight cache bf16 casts of the routed experts and the LM head (core/weight_cache.py); with fp8, two 1-byte
                copies of every attention / dense MLP / expert matrix instead (core/fp8.py)
   activations  bytes saved for backward, measured once with torch.autograd.graph.saved_tensors_hooks on the
-               recipe's tiny config on CPU (per token and layer, and per token and vocab entry for the head),
-               scaled by tokens (micro_batch * seq_len / cp), layers held, hidden_size / tiny hidden_size,
-               vocab, 1/2 for bf16, and micro-batches in flight: pp + 1 under DualPipeV
-               (core/pipeline.py), 1 without pp
+               recipe's tiny config on CPU (per token and layer, per token and vocab entry for the head), scaled
+               by tokens (micro_batch * seq_len / cp), layers, hidden_size / tiny's, vocab, 1/2 for bf16, and
+               micro-batches in flight (pp + 1 under DualPipeV, else 1)
   comm buffers dispatch + combine rows of the MoE all-to-alls (send and receive, tokens * top-k * hidden) and
                the reduce-scatter bucket of the gradients (ShardedAdamW.bucket_bytes, at most)
-With `shard="fsdp"` (train.py --shard fsdp, core/fsdp.py; world > 1) every parameter lies on 1/n shards of
-ceil(d0 / n) rows (FSDP2 pads every rank's to that; rank 0 holds the most): fp32 weights, fp32 gradients and
-Adam's moments, 16 bytes per shard element, and no bf16 cache. pp = 1 gathers each unit (a layer's routed
-experts, a layer's rest, the embedding, the root) around its use, so the comm buffers hold the two largest units gathered in
-the compute dtype and the largest unit's gradient before its reduce-scatter (compute dtype + fp32); pp > 1
-gathers the stage once per step: the weight cache is then the gathered copy (compute dtype), the gradients add
-the unsharded ones (compute dtype for dense units, fp32 for experts, whose FSDP2 hooks accumulate in fp32) and
-the comm buffers the largest unit's fp32 reduce-scatter input.
-Plus a reserve for the CUDA context and allocator fragmentation. The weights, gradients and optimizer are exact
-(the tests compare them with a built model and a real ShardedAdamW); activations are exact on the tiny configs
-up to the tolerance the tests state, and a first-order estimate for the full configs (the measured per-token bytes
-scale with the hidden size, while the expert and attention widths of a real config scale differently).
+With `shard="fsdp"` (core/fsdp.py: units and when they are gathered) every parameter lies on 1/n shards of
+ceil(d0 / n) rows (rank 0 holds the most): 16 bytes per shard element, no bf16 cache. pp = 1: the comm buffers hold
+the two largest units gathered and the largest unit's gradient before its reduce-scatter (compute dtype + fp32);
+pp > 1: the weight cache is the gathered stage, the gradients add the unsharded ones (compute dtype for dense
+units, fp32 for experts) and the comm buffers the largest unit's fp32 reduce-scatter input.
+Plus a reserve for the CUDA context and allocator fragmentation. Weights, gradients and optimizer are exact (tested
+against a built model and a real ShardedAdamW); activations are exact on the tiny configs and a first-order estimate
+for full ones (the measured bytes scale with the hidden size; a real config's expert and attention widths differ).
 Parameter names follow the recipes' convention: routed experts under `.mlp.experts.`, the head is `lm_head`.
 """
 

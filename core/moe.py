@@ -2,32 +2,23 @@
 grouping rows by expert, grouped GEMM, and the aux-loss-free expert-bias update.
 
 Router contract (what a recipe's router hands to this file; E experts, k slots per token):
-  topk_ids_Tk      int [T, k], global expert ids in [0, E), or negative (-1) for "no expert in this slot". The
-                   width k is fixed; how many slots a token keeps (0..k) may differ per token and per step. A
-                   masked slot moves no row and costs no compute; a token with every slot masked gets a zero
-                   routed output (the model adds whatever it computes outside the routed experts).
+  topk_ids_Tk      int [T, k], global expert ids in [0, E), or -1 for "no expert in this slot" (k is fixed; the
+                   slots a token keeps may differ per token and step). A masked slot moves no row and costs no
+                   compute; a token with every slot masked gets a zero routed output.
   topk_weights_Tk  float [T, k], each slot's output weight, used as given (normalise in the router if wanted);
                    a masked slot's weight is ignored and gets a zero gradient. Kept weights get exact gradients.
-  Statistics: expert load (log line, expert bias) counts kept slots only: `expert_counts(ids, E)` skips
-  negative ids and never syncs with the host. Balance losses are the recipe's own, computed in its router
-  (Qwen3: transformers' aux loss over the top-k of the router probabilities; DeepSeek-V2: the sequence-wise
-  balance loss over the chosen experts).
-  Inactive experts: an expert with no rows gets a zero weight gradient from the grouped GEMM; a .grad left None
-  is reduced as zero by ShardedAdamW, so AdamW steps every parameter with g = 0 (moments decay, weight decay
-  applies) identically on every rank and layout.
+  Expert load (log line, expert bias) counts kept slots only (`expert_counts` skips negative ids, no host sync).
+  Balance losses are the recipe's own, computed in its router. An expert with no rows gets a zero weight
+  gradient; a .grad left None is reduced as zero by ShardedAdamW, so every rank and layout steps alike.
   Example, k = 2, E = 4: ids [[2, 0], [3, -1], [-1, -1]], weights [[.7, .3], [1., .5], [0., 0.]] give
   out[0] = .7 expert2(x0) + .3 expert0(x0), out[1] = expert3(x1), out[2] = 0.
-  Two counts, two names: E = `num_experts` (a layer's `layer.num_experts`, the ModelConfig field read from
-  config.json) is the routed experts this file dispatches, ids 0..E-1, whose weights the ep ranks hold;
-  `num_choices` (ModelConfig.num_choices, >= E) is the router's choice space: its logits, expert bias, load
-  statistics (expert_counts(ids, num_choices)) and balance loss. Equal in the shipped recipes. Choices kept on
-  the token's rank (zero-computation experts, ids E..num_choices-1: e.g. a copy of x or zero) never reach this
-  file: the router counts its load over all choices, then hands those slots to core as -1 (ids.masked_fill(ids
-  >= E, -1)) and the recipe adds their weighted output itself in its step (5) (`finish`: + w * x for a copy).
+  E = `num_experts` (`layer.num_experts`, from config.json) counts the routed experts dispatched here, whose
+  weights the ep ranks hold; `num_choices` (>= E) is the router's choice space (logits, expert bias, load, balance
+  loss). Choices kept on the token's rank (zero-computation experts, ids E..num_choices-1) never reach this file:
+  the router hands them to core as -1 (ids.masked_fill(ids >= E, -1)) and adds their output itself in `finish`.
 
 Legend: T tokens on this rank, H hidden, k slots per token, E experts in the model, n ranks in the ep group,
-L experts on this rank (core/placement.py: which rank holds each expert at which local index; by default rank d
-holds a contiguous block, as even as possible, and a rank may hold none), P (token, destination rank) pairs this
+L experts on this rank (core/placement.py; a rank may hold none), P (token, destination rank) pairs this
 rank sends, Q pairs it receives, R (received row, local expert) pairs = rows of the grouped GEMM,
 X = H + k (a dispatched row carries the token and its k routing weights for that rank).
 
