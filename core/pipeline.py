@@ -10,10 +10,9 @@ Contract with a model.py (plain attributes, no registry). A stage object provide
     stage.pre(inputs, mb) -> state                 stage 0: [] -> embedding output; other stages: the inputs
     stage.layers                                   decoder layers, run in order
     stage.post(state, mb) -> outputs               last stage: [loss]; others: the state to send on
-`state` is a list of tensors (the hidden state, plus what the model carries along, e.g. aux-loss statistics);
-what crosses ranks has the shapes and dtypes of `p2p_specs`: by default those of what stage 0's pre creates. A layer with `layer.moe` False exposes
-`layer.dense(state) -> state`. A layer with routed experts exposes the three compute steps of the overlap,
-and this file runs the two all-to-alls between them (core/moe.py):
+`state` is a list of tensors (the hidden state, plus e.g. aux-loss statistics) of the shapes and dtypes of
+`p2p_specs` (default: what stage 0's pre creates). A layer with `layer.moe` False exposes `layer.dense(state) ->
+state`; one with routed experts the three compute steps, this file running the two all-to-alls (core/moe.py):
     (1) layer.attention(state) -> (state, x_TH, topk_ids_Tk, topk_weights_Tk)   norms, attention, router
     (2) dispatch all-to-all                          [here]
     (3) layer.routed_experts(rows_RH, counts_L) -> [R, H]   routed experts (GEMMs: core.moe.expert_matmul)
@@ -21,22 +20,17 @@ and this file runs the two all-to-alls between them (core/moe.py):
     (5) layer.finish(state, out_TH) -> state         residual add (the weighted sum happened in the combine)
 plus `layer.num_experts`, `layer.ep_group` and `layer.placement` (core/placement.py; None: the even split).
 
-Overlap: a chunk's forward runs as a generator that yields right after starting an all-to-all; its backward
-runs segment by segment (the forward is cut into autograd segments at the all-to-alls) and yields right after
-starting a reverse all-to-all. In the steady phase the engine alternates one forward and one backward
-generator, so each waits on a transfer only when it needs the result, with the other's compute in between.
+Overlap: a chunk's forward is a generator that yields right after starting an all-to-all; its backward runs
+segment by segment (autograd segments cut at the all-to-alls), yielding after starting a reverse all-to-all. The
+steady phase alternates one forward and one backward generator, so each waits on a transfer only when it needs it.
+Weight-gradient delay: in zero-bubble backward chunks, expert GEMMs compute the input gradient at once and queue
+the weight gradient (core.moe.weight_grads); the schedule's W steps run the queue, oldest chunk first.
+Recompute: a torch.utils.checkpoint region (non-reentrant) inside a compute step lies inside one segment, so it is
+recomputed when that segment's backward runs.
 
-Weight-gradient delay: during zero-bubble backward chunks, expert GEMMs compute the input gradient at once and
-queue the weight gradient (core.moe.weight_grads); the schedule's W steps run the queue, oldest chunk first.
-
-Recompute: a layer may wrap parts of its compute steps in torch.utils.checkpoint (non-reentrant); each such region
-lies inside one autograd segment (never across an all-to-all), so it is recomputed when that segment's backward runs.
-
-Which chunk is running: `running` (a Running) names the micro-batch, stage and direction whose code runs right now.
-The engine sets it each time it advances a chunk's forward or backward generator, so under overlap a layer sees
-its own chunk's micro-batch, and a forward recomputed inside a backward sees the backward chunk's (backward True).
-train.py's plain loop (pp=1) and evaluate() set it too. Read it, never set it, from a layer (e.g. to pick the
-micro-batch's document mask): `from core.pipeline import running; running.micro_batch`.
+`running` (a Running) names the chunk whose code runs now; the engine sets it whenever it advances a generator, so
+a layer sees its own chunk's micro-batch, also in a forward recomputed inside a backward (backward True). train.py's
+plain loop (pp=1) and evaluate() set it too. Layers read it, never set it: `running.micro_batch`.
 """
 
 import time
@@ -49,12 +43,10 @@ from core.moe import AllToAll, DispatchPlan, weight_grads
 
 
 def split_layers(num_layers: int, pp: int, costs: list | None = None) -> list[list[int]]:
-    """Layer ids of the 2*pp stages, balanced with the embedding and the head each counted as one layer, so the
-    first and last stages get fewer layers. costs: one number per layer, or a recipe's flops_by_layer (one dict
-    of FLOPs per token per layer, then those of the first stage's own modules, the embedding and whatever a recipe
-    adds there, and of the last stage's, final norm, LM head and whatever a recipe adds there): contiguous stages
-    whose largest summed cost, every module of the stage counted, is smallest (plain numbers: the embedding and
-    the head each counted as one average layer; equal costs: the split by count)."""
+    """Layer ids of the 2*pp stages, the embedding and the head each counted as one layer. costs: one number per
+    layer, or a recipe's flops_by_layer (a dict of FLOPs per token per layer, then one for the first stage's own
+    modules and one for the last's): the contiguous split whose largest stage cost is smallest (plain numbers: the
+    embedding and head each cost one average layer; equal costs: the split by count)."""
     stages = 2 * pp
     total = lambda c: sum(c.values()) if isinstance(c, dict) else c
     per_layer = None if costs is None else [total(c) for c in costs[:num_layers]]
@@ -77,9 +69,8 @@ def split_layers(num_layers: int, pp: int, costs: list | None = None) -> list[li
 
 @dataclass
 class Running:
-    """The chunk whose compute runs now: micro_batch (index within the step, 0..n-1; None outside any loop and
-    in W slots, which run queued weight gradients of several chunks), stage (pipeline stage 0..2*pp-1; None without a pipeline), backward (True while its backward runs, recompute
-    included). One instance, `running`, per process."""
+    """micro_batch: index within the step (None outside any loop and in W slots, which serve several chunks);
+    stage: 0..2*pp-1 (None without a pipeline); backward: its backward runs (recompute included)."""
 
     micro_batch: int | None = None
     stage: int | None = None
