@@ -1,21 +1,16 @@
 """ZeRO-1 AdamW: gradients reduce-scattered and optimizer state sharded over the ranks that replicate a
 parameter, weights all-gathered after the step.
 
-Why ZeRO-1 rather than FSDP2 `fully_shard`: every rank keeps its full (fp32) weights, so nothing is gathered
-per micro-batch and the pipeline schedule can run forwards, backwards and delayed weight gradients in any
-order without per-module hooks; all sharding work happens once per optimizer step, in three visible calls
-(`reduce_gradients`, `clip_grad_norm_`, `step`). Adam's two moments (8 bytes per parameter) shrink by the
-replica count; the cost is one reduce-scatter and one all-gather per step, the same traffic as an
-all-reduce.
+Why not FSDP2 (core/fsdp.py, --shard fsdp): every rank keeps its full fp32 weights, so nothing is gathered per
+micro-batch and the pipeline can run forwards, backwards and delayed weight gradients in any order without hooks;
+the sharding work is three calls per step (`reduce_gradients`, `clip_grad_norm_`, `step`). Adam's moments shrink
+by the replica count for one reduce-scatter and one all-gather per step (an all-reduce's traffic).
 
-A `ReplicaSet` is a set of parameters replicated over the same ranks: dense parameters over (dp, cp, ep),
-routed experts over (dp, cp) (each ep rank holds different experts). Rank i of a set's n ranks owns
-elements [i*c, (i+1)*c) of each flattened parameter, c = ceil(numel / n) (the last shards are shorter or
-empty: DTensor's Shard(0) split). The shard is a view into the parameter, so AdamW updates the weights in
-place. Checkpoints describe a dense tensor as a DTensor over the set's mesh and store routed experts per global
-expert id (see `checkpoint_state`), so a checkpoint written at one (dp, ep) layout and expert placement loads at
-another. `reinit_` re-initialises part of a parameter (say one
-routed expert) and zeroes its Adam moments in whichever shards hold them, for a recipe that replaces a dead expert.
+A `ReplicaSet` is a set of parameters replicated over the same ranks: dense parameters over (dp, cp, ep), routed
+experts over (dp, cp). Rank i of n owns elements [i*c, (i+1)*c) of each flattened parameter, c = ceil(numel / n)
+(DTensor's Shard(0) split); the shard is a view into the parameter, so AdamW updates the weights in place.
+Checkpoints (`checkpoint_state`) reshard to any (dp, ep) layout and expert placement. `reinit_` resets part of a
+parameter (a dead expert) and its Adam moments.
 """
 
 import math
@@ -200,20 +195,12 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def reinit_(self, name: str, index: int | slice, values: torch.Tensor | None = None) -> None:
-        """Re-initialise part of a parameter together with its Adam moments, e.g. a dead routed expert that a
-        router replaces by a fresh one mid-run: param[index] = values on this rank, and exp_avg = exp_avg_sq = 0
-        for the elements of that part that lie in this rank's shard (possibly none).
-
-        name: a parameter name as given in the ReplicaSets (model.named_parameters()). index: an int or a slice
-        (step 1) of dim 0 of this rank's local parameter, e.g. local expert j of a stacked [L, H, J] tensor.
-        values: the new weights, a tensor of shape param[index].shape (copied, cast to the parameter's dtype), or
-        None to keep the weights and reset only the moments. Call it between two steps, on every replica of the
-        parameter with the same arguments (as everything else here): each replica writes the weights and zeroes
-        the moments of its own shard, so no collective is needed. Torch's AdamW keeps one `step` per tensor (here
-        per shard, shared with the rest of the parameter), so the step count is not reset: once it is large the
-        bias corrections are ~1 and the part's first update is (1 - beta1) / sqrt(1 - beta2) * lr per element
-        (0.45 lr at betas (0.9, 0.95)) where a fresh Adam would take lr. Weights and moments change in place,
-        where `checkpoint_state` reads them, so a checkpoint saved afterwards holds the reset part."""
+        """param[index] = values (e.g. a dead routed expert replaced mid-run) and exp_avg = exp_avg_sq = 0 for the
+        elements of that part in this rank's shard (possibly none). name: as in the ReplicaSets; index: an int or
+        a slice (step 1) of dim 0 of the local parameter (e.g. local expert j of [L, H, J]); values: of shape
+        param[index].shape (cast), or None to reset only the moments. Call it between steps on every replica with
+        the same arguments (no collective). AdamW's `step` is per shard and not reset: its bias corrections are ~1,
+        so the part's first update is (1 - beta1) / sqrt(1 - beta2) * lr (0.45 lr at betas (0.9, 0.95))."""
         e = self.by_name.get(name)
         if e is None:
             known = list(self.by_name)
@@ -256,13 +243,11 @@ class ShardedAdamW:
         return full[: e.param.numel()].view(e.param.shape).cpu()
 
     def checkpoint_state(self, model: torch.nn.Module, replicas: dict[str, ReplicaSet] | None = None) -> dict:
-        """{'model', 'optim'} for torch.distributed.checkpoint. Collective over the replicas of routed experts.
-        Dense: sharing storage with the live tensors (a load fills them in place); a parameter of a set with a
-        mesh is a DTensor replicated over it, its Adam moments DTensors over the flattened parameter, split over
-        the replicas. Routed experts (a set with expert_ids): one entry per global expert
-        (expert_checkpoint_entries), the weights as views of the parameter, the moments as rows of the whole
-        moments (all-gathered over the replicas, on the CPU; `after_load` puts this rank's shard back). replicas:
-        the ReplicaSet of each parameter name, when some are trained by another optimizer (core/muon.py)."""
+        """{'model', 'optim'} for torch.distributed.checkpoint (collective over the experts' replicas). Dense: the
+        live tensors (a load fills them in place), as DTensors over the set's mesh, Adam moments split over the
+        replicas. Routed experts: one entry per global expert (expert_checkpoint_entries), moments all-gathered on
+        the CPU (`after_load` puts this rank's shard back). replicas: each parameter's ReplicaSet, when some are
+        trained by another optimizer (core/muon.py)."""
         self._init_state()
         replicas = replicas or {e.name: e.replicas for e in self.entries}
         model_sd = {}
