@@ -5,9 +5,8 @@ Model-agnostic; with cp_group None both are the plain single-device operations.
 A cp rank holds chunks r and 2cp-1-r of the 2cp chunks of every sequence. Nothing of the layer's activations is
 gathered over the sequence; two small things cross ranks per layer:
 
-- Conv tails. A causal conv of width W reads the W-1 inputs before each token. Every rank contributes the last
-  W-1 inputs of each of its two chunks, one all-gather puts the 2cp tails in global order on every rank, and chunk
-  j is convolved after the tail of chunk j-1 (zeros for chunk 0). Backward: gather_sequence's reduce-scatter.
+- Conv tails. A causal conv of width W reads the W-1 inputs before each token: one all-gather of the last W-1
+  inputs of every chunk, and chunk j is convolved after chunk j-1's tail (zeros for chunk 0).
 - Chunk summaries. Per (batch, head), a chunk's effect on the state S [K, V] is affine: S_out = M S_in + C_, with
   M [K, K] the product of the chunk's transitions exp(g_t)(I - beta_t k_t k_t^T) and C_ [K, V] the state the
   chunk builds from zero. The recurrence acts on each column of S alone, so one kernel pass with values
@@ -18,17 +17,13 @@ gathered over the sequence; two small things cross ranks per layer:
   matmuls, no sequential hops between ranks). Backward flows through the same gather (reduce-scatter of the
   summaries' gradients).
 
-Documents (doc_ids_BK, int [B, K], the ids of the WHOLE sequence as the attention masks take them: K = S, or
-S * cp under cp): the state entering a document's first token is 0 and the conv reads no input of an earlier
-document. Under cp a chunk's kernel pass gets the resets at its global positions (the chunk's first token too, when
-a document starts there); a reset inside chunk j zeroes M_j's columns from there on, so the same composition
-S_{j+1} = M_j S_j + C_j carries nothing across it. The conv's tails come from the same global ids: a tap of token
-t that reaches before t's document start contributes 0.
+Documents (doc_ids_BK, int [B, K], ids of the WHOLE sequence: K = S * cp): the state entering a document is 0 and
+the conv reads no earlier document's input. Under cp a chunk's pass gets the resets at its global positions; a
+reset inside chunk j zeroes M_j's columns from there on, so the composition carries nothing across it, and a conv
+tap reaching before its token's document start contributes 0.
 
-Cost: the kernel runs with value width V + K (with K = V about twice its FLOPs,
-core/kernels/gated_delta.py:chunk_gated_delta_flops_per_token with cp > 1) plus 2cp [K, K] x [K, V] matmuls per
-head. Bytes per layer: `cp_linear_attention_bytes_received_per_layer` (independent of the sequence length; it grows
-with cp - 1, like an all-gather of 2 summaries per rank).
+Cost: the kernel at value width V + K (about twice the FLOPs at K = V, chunk_gated_delta_flops_per_token) plus 2cp
+[K, K] x [K, V] matmuls per head; bytes: `cp_linear_attention_bytes_received_per_layer` (grows with cp - 1, not S).
 
 Legend: B batch, S local sequence (the rank's two chunks side by side, 2 * h), h tokens of one chunk, Hk key
 heads, Hv value heads, K key dim, V value dim, X = V + K, Ch conv channels, W conv width, R = 2 cp chunks.

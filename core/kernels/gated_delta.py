@@ -19,28 +19,23 @@ and only S crosses chunks (a loop over S/C chunks of small matmuls). Decays are 
 space before exp, so no exp grows (every exponent is <= 0) however strong the decay. The sequence is padded to a
 multiple of the chunk with g = 0, beta = 0, k = v = 0 tokens, which leave the state unchanged.
 
-Documents (reset_BS, bool [B, S]): a packed row holds several documents, and the state entering a document's
-first token must be 0, as if the document ran alone. A reset at token t is the recurrence with g_t = -inf (the
-decay wipes the state before t's update), so in the chunked form every decay product that spans a reset is 0:
-with seg_t = the number of resets in the chunk up to and including t, D_tj = 0 unless seg_t = seg_j,
-Gam_t = 0 unless seg_t = 0 (no reset since the chunk start), and likewise towards the chunk end. That is a mask
-on the same matrices (no split of the row, no host sync, any number of documents per chunk); the given
-initial_state reaches only the tokens before a row's first reset. gam then restarts at each reset (the sum of
-the token's own document's decays), so its differences cancel no other document's decays, and the masked log
-decays become -inf before exp (a difference across a reset may be > 0). `core.context.document_starts(doc_ids)` makes
-reset_BS. On fla, documents run as its varlen form (cu_seqlens; one host sync per call).
+Documents (reset_BS, bool [B, S], from core.context.document_starts): the state entering a document's first token
+is 0. A reset at t is g_t = -inf, so every decay product spanning a reset is 0: with seg_t the resets in the chunk
+up to t, D_tj = 0 unless seg_t = seg_j, Gam_t = 0 unless seg_t = 0, likewise towards the chunk end. A mask on the
+same matrices (no split, no host sync); initial_state reaches only the tokens before a row's first reset. gam
+restarts at each reset, and masked log decays become -inf before exp (a difference across a reset may be > 0).
+On fla, documents run as its varlen form (cu_seqlens; one host sync per call).
 
 Grouped value heads: q and k may have fewer heads than v (Qwen3.5: 16 key heads, 32 value heads); key head h
 serves value heads h*n .. h*n+n-1 (n = Hv / Hk), as transformers' repeat_interleave. g and beta are per value
 head. use_qk_l2norm_in_kernel=True L2-normalises q and k over K (x * rsqrt(sum x^2 + 1e-6), in fp32), as fla's
 flag and transformers' torch_chunk_gated_delta_rule do; the model passes it (Gated DeltaNet always normalises).
 
-Backends: on CUDA with bf16/fp16 inputs and fla-core installed, fla's chunk_gated_delta_rule (chunk 64, its own
-Triton kernels); elsewhere (CPU, fp32, no fla) the reference below, autograd through it. fla is wrapped in two
-torch.library custom ops (forward; backward = fla's forward recomputed under autograd): the recipes compile layers
-with fullgraph=True, where a torch.compiler.disable region (how fla 0.6 marks its own entry point) is an error, and
-dynamo cannot trace fla's autotuned Triton launchers; an opaque op with a fake (shape) implementation keeps one
-graph. Only fla's public function is called, so any fla release with the [B, T, H, *] API works.
+Backends: on CUDA with bf16/fp16 inputs and fla-core installed, fla's chunk_gated_delta_rule (chunk 64); else the
+reference below, autograd through it. fla sits in two torch.library custom ops (forward; backward = fla's forward
+recomputed under autograd) with fake (shape) implementations: the recipes compile with fullgraph=True, where fla
+0.6's torch.compiler.disable entry is an error and its autotuned launchers untraceable. Only fla's public function
+is called (any release with the [B, T, H, *] API).
 
 Legend: B batch, S sequence, Hk key/query heads, Hv value heads (H after grouping), K key dim, V value dim,
 N chunks, C chunk size.
