@@ -8,19 +8,15 @@ adjust_lr_fn="match_rms_adamw") updates each weight matrix W (A x B) from its gr
     O <- NS5(U / ||U||_F)                           5 quintic Newton-Schulz steps (3.4445, -4.7750, 2.0315): ~U V^T
     W <- W (1 - lr wd) - lr 0.2 sqrt(max(A, B)) O   decoupled weight decay; the update's RMS matched to AdamW's
 
-so one learning rate and schedule serve both groups. Which parameters are such matrices, and how a stored tensor
-splits into them, the model says (`split(name, t)`, each recipe's `Model.muon_matrices`): the matrices of the
-transformers checkpoint layout, so a stacked expert tensor [L, H, 2I] is 2L matrices (one per expert, gate and up
-apart). Newton-Schulz runs in bf16 on GPU (Moonlight's and torch's choice) and in fp32 on CPU, where it keeps the
-comparison with torch.optim.Muon exact to fp32 rounding; weights and momentum stay fp32.
+so one learning rate and schedule serve both groups. The model says which tensors split into which matrices
+(`split(name, t)`, each recipe's `Model.muon_matrices`: transformers' layout, so [L, H, 2I] experts are 2L
+matrices). Newton-Schulz runs in bf16 on GPU (Moonlight's and torch's choice), in fp32 on CPU (exact against
+torch.optim.Muon to fp32 rounding); weights and momentum stay fp32.
 
-Distribution. Newton-Schulz needs a whole matrix, so Muon cannot use ZeRO-1's element shards. Within each
-ReplicaSet (dense parameters over dp*cp*ep, routed experts over dp*cp) every matrix has one owner rank, chosen so
-that the owners' Newton-Schulz FLOPs balance (greedy, largest matrix first). Per bucket of parameters, the send
-buffer is laid out owner by owner ([n, segment]: row r holds the matrices rank r owns), so one reduce-scatter hands
-every owner the summed gradients of its matrices; the owner updates its momentum and weights, and one all-gather
-of the same layout brings the new weights to every replica. Each owner orthogonalises all its matrices of one
-shape (say, its share of the local experts' gate and up matrices) as one batched stack. The global gradient norm
+Distribution. Newton-Schulz needs a whole matrix, so within each ReplicaSet every matrix has one owner rank (the
+owners' FLOPs balanced greedily, largest first). A bucket's send buffer is laid out owner by owner ([n, segment]),
+so one reduce-scatter hands each owner its matrices' summed gradients and one all-gather of the same layout brings
+back the new weights. An owner orthogonalises its matrices of one shape as one batched stack. The gradient norm
 sums the AdamW shards and the owned matrices over all ranks: each element once.
 
 Checkpoints: the weights and the AdamW state as ShardedAdamW writes them (DTensors, reshardable), and every
