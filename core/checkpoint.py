@@ -1,17 +1,14 @@
 """Distributed training checkpoints with torch.distributed.checkpoint (DCP).
 
-Layout: <dir>/step_00000100/ holds one DCP checkpoint (model, optimizer, scheduler, data position, RNG of
-every rank, step). It is written as step_00000100.tmp/ and renamed only after every rank has finished, so
-a crash during a save leaves the previous step_* folder as the newest complete one; a leftover .tmp folder
-is ignored and overwritten. Checkpointer also writes in the background (DCP async_save), renaming in the same way
-once every rank's write has finished. Before loading, every shard .metadata names must exist at its full size
-(check_files); `--resume auto` falls back to the previous checkpoint, with one warning line naming the file, if the
-newest is damaged or cannot be read, and an explicit --resume folder fails in one line.
-After a torchrun restart an empty --resume means auto; on a first attempt it refuses to start over a folder that
-already holds checkpoints (it would overwrite them). The model and optimizer state comes from `ShardedAdamW.checkpoint_state`:
-tensors named by parameter, sharded ones as DTensors with their global shapes, so DCP reshards a checkpoint
-onto another (dp, ep) layout at load. Loading unpickles nothing but DCP's own metadata classes, torch.Size and
-dtypes (.metadata), and plain values with torch.load(weights_only=True) (the scheduler, data and RNG state).
+Layout: <dir>/step_00000100/ holds one DCP checkpoint (model, optimizer, scheduler, data position, RNG of every
+rank, step), written as step_00000100.tmp/ (also in the background, DCP async_save) and renamed once every rank
+has finished, so a crash leaves the previous step_* folder the newest complete one (a leftover .tmp is overwritten).
+Before loading, every shard .metadata names must exist at its full size (check_files); `--resume auto` falls back
+to the previous checkpoint with one warning line if the newest is damaged, an explicit --resume folder fails in one
+line. After a torchrun restart an empty --resume means auto; a first attempt refuses a folder that already holds
+checkpoints. The state comes from `ShardedAdamW.checkpoint_state` (DTensors with global shapes), so DCP reshards it
+onto another layout. Loading unpickles only DCP's metadata classes, torch.Size and dtypes, and plain values with
+torch.load(weights_only=True).
 """
 
 import io

@@ -10,10 +10,8 @@ rank, zero included, contiguous or not. Every MoE layer of a model uses the same
     Placement([0, 1, 0, 1, 1], 2)   rank 0 holds experts 0, 2 (local 0, 1); rank 1 holds 1, 3, 4
     Placement.parse("0,0,1,1,2,3", 6, 4)   the --expert-placement flag; "" is the even split
 
-Where it is used: core/moe.py:DispatchPlan sends a token's slot for expert e to rank_of[e] with local id
-local_index[e] (the router keeps global ids); each recipe's Model builds the experts `experts[ep rank]` (its
-Experts module's `expert_ids`); checkpoints store routed experts per global id (core/optimizer.py), so they load
-under any placement; exports gather every rank's experts back into global order (`gather_experts`).
+Used by core/moe.py:DispatchPlan (a slot for expert e goes to rank_of[e], local id local_index[e]), each recipe's
+Model (builds `experts[ep rank]`, its Experts' `expert_ids`) and exports (`gather_experts`: back to global order).
 """
 
 import functools

@@ -1,12 +1,10 @@
 """Low-precision copies of weights, made once per optimizer step and reused by every micro-batch: the FP8 pairs of
 core/fp8.py and the bf16 casts of the bf16 path (routed experts, LM head).
 
-An entry is keyed by the parameter's storage address, shape and dtype and by the kind of copy (torch.compile may hand
-an op an alias of the parameter; aliases share the version counter), and keeps the parameter alive. It is stale when
-the parameter's version counter moved (any in-place update through autograd-visible ops) or after `invalidate()`,
-which the training loop calls after each optimizer.step() (updates through `.data` do not move the counter).
-Autocast caches its own casts of nn.Linear weights, but only within one autocast region; train.py therefore runs a
-whole step (every micro-batch's forward and backward) in one region.
+An entry is keyed by storage address, shape, dtype and kind of copy (torch.compile may hand an op an alias; aliases
+share the version counter) and keeps the parameter alive. It is stale when the version counter moved or after
+`invalidate()`, which the training loop calls after each optimizer.step() (updates through `.data` do not move the
+counter). Autocast caches nn.Linear casts only within one region, so train.py runs a whole step in one.
 """
 
 from collections import Counter

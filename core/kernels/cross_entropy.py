@@ -2,20 +2,16 @@
 
 Legend: T tokens, H hidden, V vocab, Tc tokens per chunk.
 
-Design (Liger-kernel style): forward walks over token chunks; for each chunk, logits_TcV = h_TcH @ w_VH.T
-(a torch GEMM in the input dtype, fp32 accumulation inside), then one Triton program per row computes the
-logsumexp by an online softmax over vocab tiles, the row's loss lse - logit[label], and overwrites the logits
-in place with their gradient softmax - onehot (zero for ignored rows). The chunk's input gradients follow at
-once, grad_h[chunk] = dlogits @ w and grad_w += dlogits.T @ h_chunk (fp32 accumulator), so only [T, H] +
-[V, H] gradients are kept; backward just scales them by grad_output. Peak extra memory: one [Tc, V] chunk
-plus the [V, H] fp32 accumulator. The GEMMs are torch's; the kernel is memory-bound and reads each
-logit twice (lse pass, gradient pass) and writes it once.
+Design (Liger-kernel style): per token chunk, logits_TcV = h_TcH @ w_VH.T (torch GEMM), then one Triton program
+per row computes the logsumexp by an online softmax over vocab tiles, the loss lse - logit[label], and overwrites
+the logits with their gradient softmax - onehot (zero for ignored rows). The chunk's input gradients follow at once,
+grad_h[chunk] = dlogits @ w and grad_w += dlogits.T @ h_chunk (fp32), so backward only scales them by grad_output.
+Peak extra memory: one [Tc, V] chunk plus the [V, H] fp32 accumulator; each logit is read twice and written once.
 
-The loss is summed over non-ignored tokens (the training script divides by a global token count), or
-averaged with reduction="mean". Triton runs for CUDA tensors, or anywhere under TRITON_INTERPRET=1;
-otherwise the PyTorch reference runs, and always for float64 (a reference model on CPU), whose loss is float64.
-On the Triton path a label outside [0, V) that is not ignore_index
-gives a NaN loss (checking it would need a host sync on GPU); the CPU paths raise ValueError.
+The loss is summed over non-ignored tokens (train.py divides by a global token count), or averaged with
+reduction="mean". Triton runs for CUDA tensors, or anywhere under TRITON_INTERPRET=1; otherwise the PyTorch
+reference runs, and always for float64 (loss in float64). On the Triton path a label outside [0, V) that is not
+ignore_index gives a NaN loss (checking it would need a host sync); the CPU paths raise ValueError.
 """
 
 import os

@@ -10,10 +10,9 @@ group_by_expert(ids_Qk, E) -> order_R, counts_E serves both ends of dispatch:
     expand, order % k the slot (for its routing weight), so the expansion is rows[order // k].
 order is stable (pairs keep their flat order inside an expert), identical to the reference's argsort.
 
-Triton path (CUDA, or TRITON_INTERPRET=1): (1) per-block histograms hist[NB, E]; (2) torch exclusive cumsums give
-each (block, expert) its first output slot; (3) each block writes its pairs at base + rank among the earlier
-equal ids of the block. No atomics, so the result is deterministic. R sizes the output: a caller that knows it
-passes `num_kept` (core/moe.py gets it with the split sizes of the all-to-all); otherwise one host sync reads it.
+Triton path (CUDA, or TRITON_INTERPRET=1): per-block histograms hist[NB, E], exclusive cumsums for each (block,
+expert)'s first slot, then each block writes its pairs at base + rank among its earlier equal ids (no atomics:
+deterministic). R sizes the output: `num_kept` when the caller knows it (core/moe.py), else one host sync.
 """
 
 import os
