@@ -9,13 +9,11 @@ gathered over the sequence; two small things cross ranks per layer:
   inputs of every chunk, and chunk j is convolved after chunk j-1's tail (zeros for chunk 0).
 - Chunk summaries. Per (batch, head), a chunk's effect on the state S [K, V] is affine: S_out = M S_in + C_, with
   M [K, K] the product of the chunk's transitions exp(g_t)(I - beta_t k_t k_t^T) and C_ [K, V] the state the
-  chunk builds from zero. The recurrence acts on each column of S alone, so one kernel pass with values
-  [v | 0] (width V + K) from the initial state [0 | I] gives, in the columns: C_ and M as the final state, and
-  per token the zero-state output o0_t and P_t = A_t^T q_t (A_t: the transitions up to t). The true output is
-  then o_t = o0_t + S_in^T P_t: no second pass once the entering state S_in is known. One all-gather of the 2cp
-  summaries [C_ | M] lets every rank compose the entering states S_{j+1} = M_j S_j + C_j locally (2cp small
-  matmuls, no sequential hops between ranks). Backward flows through the same gather (reduce-scatter of the
-  summaries' gradients).
+  chunk builds from zero. The recurrence acts on each column of S alone, so one kernel pass with values [v | 0]
+  (width V + K) from the state [0 | I] gives C_ and M as the final state, and per token the zero-state output o0_t
+  and P_t = A_t^T q_t (A_t: the transitions up to t); then o_t = o0_t + S_in^T P_t. One all-gather of the 2cp
+  summaries [C_ | M] lets every rank compose the entering states S_{j+1} = M_j S_j + C_j locally (no sequential
+  hops between ranks); backward reduce-scatters the summaries' gradients.
 
 Documents (doc_ids_BK, int [B, K], ids of the WHOLE sequence: K = S * cp): the state entering a document is 0 and
 the conv reads no earlier document's input. Under cp a chunk's pass gets the resets at its global positions; a
@@ -78,10 +76,9 @@ def _check_doc_ids(doc_ids_BK, B: int, K: int):
 
 def causal_conv1d(x_BSC: torch.Tensor, weight_CW: torch.Tensor, bias_C: torch.Tensor | None = None,
                   activation: str | None = None, cp_group=None, doc_ids_BK=None) -> torch.Tensor:
-    """Causal depthwise conv1d (torch's F.conv1d, groups = channels): out_t = act(bias + sum_i w_i x_{t-W+1+i}),
-    inputs before the sequence start are 0. weight [Ch, W] (an nn.Conv1d's weight.squeeze(1)), activation None or
-    "silu". Under cp (x the rank's two chunks) each chunk starts after the tail of the chunk before it.
-    doc_ids_BK: int [B, S * cp], the whole sequence's document ids; inputs of an earlier document count as 0."""
+    """Causal depthwise conv1d: out_t = act(bias + sum_i w_i x_{t-W+1+i}), inputs before the start 0. weight [Ch, W]
+    (nn.Conv1d's weight.squeeze(1)), activation None or "silu". doc_ids_BK: int [B, S * cp], the whole sequence's
+    document ids; inputs of an earlier document count as 0."""
     if activation not in (None, "silu"):
         raise ValueError(f"causal_conv1d: activation {activation!r} is not supported; use None or 'silu'")
     W = weight_CW.shape[-1]

@@ -104,9 +104,8 @@ class _Bucket:
 
 
 class MuonAdamW:
-    """Muon on the matrices `split` names, ShardedAdamW on the rest; the calls and their order as ShardedAdamW's
-    (reduce_gradients, clip_grad_norm_, step, zero_grad, checkpoint_state, after_load, reinit_). The learning rate is the
-    AdamW groups' (the scheduler drives `self.optimizer`, torch's AdamW)."""
+    """Muon on the matrices `split` names, ShardedAdamW on the rest, with ShardedAdamW's calls; the learning rate is
+    the AdamW groups' (the scheduler drives `self.optimizer`, torch's AdamW)."""
 
     def __init__(self, replica_sets: list[ReplicaSet], split, lr: float, weight_decay: float, betas, eps: float,
                  momentum: float = 0.95, norm_group=None, ns_dtype: torch.dtype | None = None,
@@ -255,9 +254,8 @@ class MuonAdamW:
 
     @torch.no_grad()
     def reinit_(self, name: str, index: int | slice, values: torch.Tensor | None = None) -> None:
-        """ShardedAdamW.reinit_ (same arguments, same contract: every replica calls it alike, between two steps):
-        param[index] = values, and the optimizer state of that part reset: Adam's moments for an AdamW parameter,
-        the momentum of the matrices this rank owns, where index meets them, for a Muon one."""
+        """ShardedAdamW.reinit_ (same contract): param[index] = values, and that part's Adam moments (AdamW
+        parameter) or the momentum of the owned matrices it meets (Muon parameter) reset."""
         if not any(pc.name == name for pc in self.pieces):
             return self.adamw.reinit_(name, index, values)  # (its error lists the parameters for an unknown name)
         p = next(pc.param for pc in self.pieces if pc.name == name)

@@ -55,9 +55,8 @@ def _own_field_comments(cls) -> dict[str, str]:
 
 def field_comments(cls) -> dict[str, str]:
     """{field name: its meaning} from the dataclass's source: the `# comment` on the field's line(s), continued by
-    comment-only lines directly below it (no blank line between). A comment-only line above a field, or below one
-    without a comment of its own, or one starting `# ---` (a section heading such as `# ---- reliability and
-    evaluation`), belongs to no field. Base classes' fields keep their own comments."""
+    comment-only lines directly below it. A comment-only line above a field, below one without a comment, or
+    starting `# ---` (a section heading) belongs to no field. Base classes' fields keep their own comments."""
     comments = {}
     for klass in reversed(cls.__mro__):
         if dataclasses.is_dataclass(klass):  # base first: a subclass's comment wins
@@ -108,9 +107,8 @@ def check_args(rules: dict[str, bool]) -> None:
 
 
 def lr_factor(step: int, schedule: str, warmup: int, total: int, min_ratio: float, decay_fraction: float) -> float:
-    """Multiplier of the peak lr at a 0-based optimizer step: linear warmup, then
-    cosine: half a cosine down to min_ratio at `total`;
-    wsd:    warmup-stable-decay, flat until the last `decay_fraction` of the steps, then linear to min_ratio."""
+    """Multiplier of the peak lr at a 0-based optimizer step: linear warmup, then (cosine) half a cosine down to
+    min_ratio at `total`, or (wsd) flat until the last `decay_fraction` of the steps, then linear to min_ratio."""
     if schedule not in ("cosine", "wsd"):
         raise ValueError(f"unknown --lr-schedule {schedule!r}; use cosine or wsd")
     if step < warmup:
@@ -184,9 +182,8 @@ def loss_weights(terms: dict[str, LossTerm], flag: str) -> dict[str, LossTerm]:
 
 
 def loss_denominators(terms: dict[str, LossTerm], labels_BS, extras: list[dict], n_micro: int, mesh) -> dict:
-    """Each term's denominator over the global batch of the step (LossTerm.per), from this rank's labels and extras
-    (its cp part of the local batch; extras: one dict per micro-batch, Model.prepare_batch's): counts summed over the ranks holding other tokens (dp, cp, ep) in one
-    all-reduce, each at least 1; micro-batch counts as plain numbers."""
+    """Each term's denominator over the step's global batch (LossTerm.per) from this rank's labels and extras (one
+    dict per micro-batch, Model.prepare_batch's): summed over (dp, cp, ep) in one all-reduce, each at least 1."""
     counted = sorted({t.per for t in terms.values()} - {"micro_batches", None})
     counts = [(labels_BS != -100).sum() if per == "tokens" else sum(e[per].sum() for e in extras)
               for per in counted]
