@@ -101,20 +101,17 @@ def complete_checkpoints(ckpt_dir) -> list[Path]:
 
 
 def save_checkpoint(ckpt_dir, step: int, state: dict, extra: dict, rank: int, keep: int = 2) -> Path:
-    """Collective: every rank calls it. `state` holds model and optimizer tensors; `extra` small picklable
-    state shared by all ranks (scheduler, data position); each rank's RNG goes under its own key. Keeps the
-    newest `keep` checkpoints. A blocking save (Checkpointer: also in the background)."""
+    """Blocking save, collective. `state`: model and optimizer tensors; `extra`: small picklable state shared by all
+    ranks (scheduler, data position); each rank's RNG under its own key. Keeps the newest `keep` checkpoints."""
     checkpointer = Checkpointer(ckpt_dir, rank, keep, asynchronous=False)
     checkpointer.save(step, state, extra)
     return checkpointer.complete()
 
 
 class Checkpointer:
-    """Writes checkpoints one at a time, blocking or (asynchronous) in the background: `save` stages the state
-    in host memory (DCP's async_save), a thread writes it while training goes on. Either way the folder is
-    step_N.tmp/ until `complete` (collective): every rank's write has finished, then rank 0 renames it to step_N/
-    and prunes to the newest `keep`; a crash before that leaves the previous checkpoint the newest. A background
-    write gathers its results over a gloo group of its own, never interleaved with the training's collectives.
+    """Writes checkpoints one at a time, blocking or in the background (`save` stages the state in host memory, DCP's
+    async_save; a thread writes it, gathering results over a gloo group of its own). The folder is step_N.tmp/ until
+    `complete` (collective): after every rank's write, rank 0 renames it to step_N/ and prunes to the newest `keep`.
     train.py calls `complete` at the first step boundary where no rank is still writing (StopRequest.agree), before
     the next save, and at the end of the run."""
 

@@ -165,10 +165,9 @@ class FSDPAdamW:
         return self.expert_ids[n][start: start + self.local[n].shape[0]]
 
     def checkpoint_state(self, model=None) -> dict:
-        """ZeRO-1's keys (core/optimizer.py:ShardedAdamW.checkpoint_state): 'model' the weights (dense: the DTensor
-        parameters; experts: name[e] for the experts of this rank's shard), 'optim' per parameter the step and the
-        moments (dense: DTensors of the parameter's shape; experts: per id). Expert entries are views of the
-        shards, so a load fills them in place."""
+        """ZeRO-1's keys (core/optimizer.py:ShardedAdamW.checkpoint_state): 'model' (dense: the DTensor parameters;
+        experts: name[e] of this rank's shard), 'optim' per parameter step and moments (dense: DTensors of the
+        parameter's shape; experts: per id, views of the shards that a load fills in place)."""
         self._init_state()
         model_sd, optim_sd = {}, {"lr": torch.tensor([g["lr"] for g in self.param_groups], dtype=torch.float64)}
         for n, p in self.params.items():

@@ -65,9 +65,8 @@ def grouped_mm_fused(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Te
 
 
 def _fused_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM takes these operands: on CPU fp32, bf16 and fp16 (it refuses float64, which
-    the per-expert loop then runs: a float64 reference model), on CUDA bf16 (other dtypes fall back to a loop
-    inside torch), and rows of 16-byte multiples (K and N * element size)."""
+    """Whether torch's grouped GEMM takes these operands: fp32, bf16, fp16 on CPU (not float64), bf16 on CUDA (others
+    loop inside torch), rows of 16-byte multiples (K and N * element size)."""
     return GROUPED_MM is not None and a.dtype != torch.float64 and \
         (a.device.type == "cpu" or a.dtype == torch.bfloat16) and \
         all(t.shape[-1] * t.element_size() % 16 == 0 for t in (a, b))
@@ -266,9 +265,8 @@ def moe_forward(x_TH, topk_ids_Tk, topk_weights_Tk, num_experts: int, group, exp
 
 @torch.no_grad()
 def update_expert_bias(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float) -> None:
-    """Aux-loss-free balancing (DeepSeek-V3): after each optimizer step, raise the selection bias of experts
-    that got fewer tokens than the mean and lower it for those that got more: bias += rate * sign(mean - load).
-    `load_E` must be the global count (same on every rank), so that the bias stays identical everywhere."""
+    """Aux-loss-free balancing (DeepSeek-V3), after each optimizer step: bias += rate * sign(mean - load). `load_E`
+    must be the global count, so that the bias stays identical on every rank."""
     bias_E += rate * torch.sign(load_E.float().mean() - load_E.float()).to(bias_E.dtype)
 
 

@@ -94,9 +94,8 @@ def _running_as(steps, micro_batch: int, stage: int, backward: bool):
 
 
 def _split_by_cost(costs: list, stages: int, first: float, last: float) -> list[list[int]]:
-    """The contiguous split of layers with these costs into `stages` (the first and the last may be empty, each
-    middle one holds a layer) whose largest stage cost, the first stage's own modules costing `first` and the last
-    stage's `last`, is smallest: dynamic programming over (stage, layers so far); ties go to the earliest cut."""
+    """The contiguous split into `stages` (middle ones hold a layer) whose largest stage cost, the end stages' own
+    modules costing `first` and `last`, is smallest: dynamic programming over (stage, layers so far), ties earliest."""
     n = len(costs)
     prefix = [0.0]
     for c in costs:
@@ -289,9 +288,8 @@ class DualPipeV:
     # ---------------------------------------------------------------------- point-to-point communication
 
     def _stage0_specs(self):
-        """(shape, dtype) of each tensor stage 0's pre makes of micro-batch 0 (run once, without gradients, on pp
-        rank 0, inside the caller's autocast), broadcast to the pp group: a model declares a state entry in one
-        place, the state its first stage creates."""
+        """(shape, dtype) of each tensor stage 0's pre makes of micro-batch 0 (once, without gradients, on pp rank 0,
+        in the caller's autocast), broadcast to the pp group: a model declares its state in one place."""
         specs = [None]
         if self.first:
             with torch.no_grad():

@@ -62,11 +62,10 @@ def _ce_kernel(logits_ptr, labels_ptr, loss_ptr, stride, V, ignore_index, GRAD: 
 
 
 class LossGroups:
-    """Per-group sums of the cross-entropy (a data mixture's sources) with no change to a model: train.py sets,
-    for a step, the group of every label of each micro-batch (`begin`: groups_T per micro-batch index, T labels of
-    it on this rank); linear_cross_entropy, the loss every model computes, then adds each label's loss, detached,
-    to sums_G of its group: once per micro-batch (`core/pipeline.py:running` says which; a further call, e.g. another
-    head, is not counted), and only for labels of the micro-batch's shape. One instance, `loss_groups`."""
+    """Per-group sums of the cross-entropy (a data mixture's sources) with no change to a model: train.py sets each
+    micro-batch's label groups (`begin`: groups_T per micro-batch index); linear_cross_entropy then adds each label's
+    detached loss to sums_G of its group, once per micro-batch (`core/pipeline.py:running` says which; a further
+    call, e.g. another head, is not counted) and only for labels of that shape. One instance, `loss_groups`."""
 
     def __init__(self):
         self.groups_T, self.sums_G, self.counted = None, None, set()
