@@ -103,14 +103,9 @@ def gather_kv(k_BGSD, v_BGSE, cp_group=None) -> tuple[torch.Tensor, torch.Tensor
     return kv_BGKX[..., :D], kv_BGKX[..., D:]
 
 
-# MLA (DeepSeek-V2, recipes/deepseek_v2_lite/model.py): gather the latent instead of the expanded K/V, then
-# expand on every rank:
-#   latent_BKC = gather_sequence(torch.cat([kv_a_layernorm(c_kv_BSC), rope(k_rope_BSR)], -1), cp_group, dim=1)
-#   k_nope, v = kv_b_proj(latent[..., :512]) ...; k = cat(k_nope, k_rope broadcast over heads)   # 512 + 64 per token
-#   out = core.attention.attention(q_BNSD, k_BNKD, v_BNKE, mask, cp_group, scale)  # keys whole: no second gather
-# Norm and rope run before the gather, once per token on its owner. The expansion of the whole sequence is
-# repeated on each cp rank (a [K, 512] x [512, N*(128+128)] matmul, small next to attention); its weight gradient
-# is partial per rank and summed with the other dense gradients.
+# MLA (recipes/deepseek_v2_lite/model.py) gathers its normed latent + roped key (512 + 64 per token) instead of K/V
+# and expands them on every cp rank (a matmul small next to attention; its weight gradient is partial per rank,
+# summed with the other dense gradients), then hands attention whole keys (no second gather).
 
 
 # ------------------------------------------------------------------------------------------- documents

@@ -1,13 +1,12 @@
 """Per-rank peak training memory of a recipe's model under a layout, by component, and whether it fits a GPU.
-Model-agnostic: every function receives the recipe's model module (its `Model`, `ModelConfig`, `tiny_config_path`)
-and a config; `check_train_args` is train.py's guard, `python -m tools.estimate_memory` prints the table.
+Model-agnostic (functions take the recipe's model module and a config); `check_train_args` is train.py's guard,
+`python -m tools.estimate_memory` prints the table.
 
 Components of the most loaded pipeline rank (every pp rank is built; the largest total is reported):
   weights      fp32 master parameters of the recipe's Model built on `meta` for this rank's part (its two
                DualPipeV stages, the ep rank holding the most experts, embedding and head on pp rank 0)
   gradients    fp32, one per parameter (the full gradient lives until ShardedAdamW.reduce_gradients)
-  optimizer    AdamW's two fp32 moments of this rank's ZeRO-1 shard: dense parameters sharded over dp*cp*ep,
-               routed experts over dp*cp, ceil(numel / n) elements each (core/optimizer.py)
+  optimizer    AdamW's two fp32 moments of this rank's ZeRO-1 shard (core/optimizer.py: ceil(numel / n) each)
   weight cache bf16 casts of the routed experts and the LM head (core/weight_cache.py); with fp8, two 1-byte
                copies of every attention / dense MLP / expert matrix instead (core/fp8.py)
   activations  bytes saved for backward, measured once with torch.autograd.graph.saved_tensors_hooks on the

@@ -1,11 +1,9 @@
 """The 4-D device mesh (pp, dp, cp, ep), built from torchrun's environment.
 
-world = pp * dp * cp * ep. Backend nccl on GPU, gloo on CPU, so every parallel path runs on a CPU-only
-machine. World size 1 builds no process group at all: the same code runs with the collectives skipped
-(every group below is then None and the helpers treat a None group as "nothing to reduce").
-
-Rank order is row-major over (pp, dp, cp, ep): ep is innermost so that the expert all-to-all stays inside
-a node, pp outermost so that pipeline neighbours are the only traffic crossing nodes.
+world = pp * dp * cp * ep. Backend nccl on GPU, gloo on CPU. World size 1 builds no process group: every group is
+then None, which the helpers read as "nothing to reduce". Rank order is row-major over (pp, dp, cp, ep): ep
+innermost so that the expert all-to-all stays inside a node, pp outermost so that only pipeline neighbours talk
+across nodes.
 """
 
 import math

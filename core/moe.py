@@ -22,12 +22,10 @@ L experts on this rank (core/placement.py; a rank may hold none), P (token, dest
 rank sends, Q pairs it receives, R (received row, local expert) pairs = rows of the grouped GEMM,
 X = H + k (a dispatched row carries the token and its k routing weights for that rank).
 
-Deduplication: a token travels to a rank once, however many of its k experts live there; the receiver
-expands it into one row per local expert, and sums its local experts' weighted outputs per received row
-before sending back, so the combine also moves one row per (token, rank). Dropless: nothing is capped.
-
-One MoE layer on one micro-batch, in the five steps a pipeline schedule can interleave (2 and 4 are the
-all-to-alls; `start_*` returns at once and `.wait()` gives the result with autograd attached):
+Deduplication: a token travels to a rank once, however many of its k experts live there; the receiver expands it
+into one row per local expert and sums their weighted outputs per received row, so the combine also moves one row
+per (token, rank). Dropless: nothing is capped. One layer on one micro-batch, in the five steps a pipeline schedule
+can interleave (`start_*` returns at once, `.wait()` gives the result with autograd attached):
 
     plan = DispatchPlan(topk_ids_Tk, E, ep_group, placement)   # routing exchange (small, blocking)
     x_QX = plan.start_dispatch(x_TH, topk_weights_Tk).wait()    # (2)
@@ -35,9 +33,8 @@ all-to-alls; `start_*` returns at once and `.wait()` gives the result with autog
     y_PH = plan.start_combine(y_QH).wait()                      # (4)
     out_TH = plan.unpermute(y_PH)                               # (5) before the residual add
 
-With ep_group None (one rank holds every expert) the same code runs with the all-to-alls skipped. Host syncs:
-one per layer and micro-batch, in DispatchPlan (the row counts that size the all-to-alls and the GEMM rows);
-the backward reuses them and has none (on the grouped-GEMM path, see `grouped_mm`).
+ep_group None skips the all-to-alls. Host syncs: one per layer and micro-batch, in DispatchPlan (the row counts
+that size the all-to-alls and GEMMs); the backward reuses them (on the grouped-GEMM path, see `grouped_mm`).
 """
 
 import torch

@@ -1,7 +1,6 @@
-"""What every train.py needs around the model: flags from a dataclass (--help shows each field's comment), the
-lr schedule (the optimizer, with gradient reduction and clipping, is core/optimizer.py), the check of the flags
-a model may not support (check_features), the loss terms of the objective (LossTerm: weights, denominators) and
-what the model is told after each step (StepDone)."""
+"""What every train.py needs around the model: flags from a dataclass (--help shows each field's comment), the lr
+schedule, the check of the flags a model may not support (check_features), the objective's loss terms (LossTerm)
+and what the model is told after each step (StepDone)."""
 
 import argparse
 import ast

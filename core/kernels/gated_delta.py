@@ -161,10 +161,8 @@ def _fla(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm_in_kernel):
                                        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
-# fla as two opaque custom ops, so torch.compile(fullgraph=True) of a layer keeps one graph around them. The forward
-# runs fla without autograd; the backward op recomputes fla's forward under autograd and takes its gradients (one
-# extra kernel forward, ~1/3 of fla's forward + backward): only fla's public function is used, which is stable
-# across fla releases (its internal forward/backward entry points are not).
+# fla as two opaque custom ops (see the top): the backward op recomputes fla's forward under autograd (one extra
+# kernel forward, ~1/3 of fla's forward + backward; fla's internal backward entry points change between releases).
 @torch.library.custom_op("moe_delta::fla_gated_delta_rule", mutates_args=())
 def _fla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             h0: torch.Tensor, cu_seqlens: torch.Tensor | None, scale: float,
@@ -225,9 +223,8 @@ def _fla_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale, initia
     if reset_BS is None:
         o, final = _fla_op(*inputs, h0_BHKV, None, float(scale), use_qk_l2norm_in_kernel)
         return o, (final if output_final_state else None)
-    # documents: the B rows flattened into one, a sequence starts at each row start and each reset (fla's varlen,
-    # cu_seqlens [N + 1]; building it syncs with the host once per call). Each row's first sequence enters with the
-    # row's initial state, every other one with 0; a row's final state is its last sequence's.
+    # documents: the rows flattened into one, a sequence at each row start and reset (cu_seqlens [N + 1], one host
+    # sync); a row's first sequence enters with its initial state, others with 0; its final state is its last's.
     starts_BS = reset_BS.clone()
     starts_BS[:, 0] = True
     starts_T = starts_BS.flatten().nonzero().flatten()
@@ -243,10 +240,9 @@ def _fla_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale, initia
 def chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | None = None,
                            initial_state_BHKV=None, output_final_state: bool = False, chunk_size: int = 64,
                            use_qk_l2norm_in_kernel: bool = False, reset_BS=None):
-    """The gated delta rule over whole sequences: (o [B, S, Hv, V], final state [B, Hv, K, V] fp32 or None).
-    fla's Triton kernels where `fla_usable` (chunk_size is then fla's 64: the result does not depend on it beyond
-    rounding; documents through fla's varlen), else `chunk_gated_delta_rule_reference`. Any S (the last chunk is
-    padded). reset_BS: bool [B, S], True where a document starts (the state entering it is 0)."""
+    """The gated delta rule over whole sequences of any S: (o [B, S, Hv, V], final state [B, Hv, K, V] fp32 or None).
+    fla where `fla_usable` (chunk_size then fla's 64), else `chunk_gated_delta_rule_reference`. reset_BS: bool
+    [B, S], True where a document starts."""
     _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV, reset_BS)
     scale = q_BSHK.shape[-1] ** -0.5 if scale is None else scale
     if fla_usable(v_BSHV):
@@ -258,12 +254,10 @@ def chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float
 
 def chunk_gated_delta_flops_per_token(key_dim: int, value_dim: int, value_heads: int, chunk_size: int = 64,
                                       cp: int = 1) -> int:
-    """Forward FLOPs per token of the chunked rule (2 per multiply-add, matmuls only; backward ~2x this).
-    Per chunk and head: K K^T and Q K^T (2 C^2 K), the unit-triangular solve with [V | K] right-hand sides
-    (C^2 (V + K) / 2), the intra-chunk A U (C^2 V), and W S0, Q S0, K^T U (3 C K V); divided by C:
-        per token per head = 2 * (2 C K + C (V + K) / 2 + C V + 3 K V) = C (5 K + 3 V) + 6 K V.
-    Under context parallelism (cp > 1, core/linear_attention.py) the kernel runs with value width V + K (the
-    state-transition columns) and each output adds S_in^T P (2 K V)."""
+    """Forward FLOPs per token of the chunked rule (matmuls only; backward ~2x). Per chunk and head: K K^T, Q K^T
+    (2 C^2 K), the solve with [V | K] (C^2 (V + K) / 2), A U (C^2 V), W S0, Q S0, K^T U (3 C K V); per token and head
+    2 * (2 C K + C (V + K) / 2 + C V + 3 K V) = C (5 K + 3 V) + 6 K V. With cp > 1 (core/linear_attention.py) at
+    value width V + K, each output adding S_in^T P (2 K V)."""
     K, C = key_dim, chunk_size
     V = value_dim + (key_dim if cp > 1 else 0)
     per_head = C * (5 * K + 3 * V) + 6 * K * V + (2 * K * value_dim if cp > 1 else 0)
