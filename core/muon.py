@@ -19,9 +19,8 @@ so one reduce-scatter hands each owner its matrices' summed gradients and one al
 back the new weights. An owner orthogonalises its matrices of one shape as one batched stack. The gradient norm
 sums the AdamW shards and the owned matrices over all ranks: each element once.
 
-Checkpoints: the weights and the AdamW state as ShardedAdamW writes them (DTensors, reshardable), and every
-matrix's momentum as a whole plain tensor written by its owner under `muon_momentum.<parameter name>[.<kind>]
-[.expert<global id>]`, so another (dp, ep) layout's owners read the matrices they now own.
+Checkpoints: ShardedAdamW's, plus every matrix's momentum whole, written by its owner under
+`muon_momentum.<parameter name>[.<kind>][.expert<global id>]`, which any other layout's owners read.
 
 Tensor names: S matrices stacked (the experts of one parameter, or 1), k of them owned by this rank, A x B a matrix.
 """

@@ -1,10 +1,9 @@
 """DualPipeV: pipeline parallelism over 2*pp stages laid out in a V, the forward of one micro-batch overlapped
 with the backward of another, and delayed weight gradients (zero bubble). After DeepSeek's DualPipeV schedule.
 
-Layout: rank r of the pp group holds stage r (phase 0, the way down, ranks 0 -> pp-1) and stage 2*pp-1-r
-(phase 1, the way back, pp-1 -> 0). Rank 0 therefore holds the embedding (stage 0) and the head with the loss
-(stage 2*pp-1); on the last rank stage pp-1 hands its output to stage pp without communication. Point-to-point
-transfers between neighbours are batched with batch_isend_irecv. "Chunk" = one micro-batch on one stage.
+Layout: pp rank r holds stage r (phase 0, down) and stage 2*pp-1-r (phase 1, back), so rank 0 holds the embedding
+and the head with the loss, and the last rank hands stage pp-1's output to stage pp locally. Neighbours' transfers
+are batched with batch_isend_irecv. "Chunk" = one micro-batch on one stage.
 
 Contract with a model.py (plain attributes, no registry). A stage object provides
     stage.pre(inputs, mb) -> state                 stage 0: [] -> embedding output; other stages: the inputs

@@ -2,19 +2,16 @@
 keeps a bad step from being applied, and fault injection for the tests of all three.
 
 - `run_main(main)`: a ValueError / FileNotFoundError (bad input) or StopRun prints `error: <message>` once, on
-  rank 0, and exits with code 2; a marker file (`_stop_marker`) makes the attempts torchrun restarts exit at
-  once (the same input would fail again). Other exceptions keep their traceback and exit non-zero, so that
-  torchrun restarts the job and train.py resumes from the newest complete checkpoint.
-- `Watchdog`: a thread that, when the current step (or checkpoint save, evaluation) runs past its limit, prints
-  which rank waits in which phase and collective, dumps every thread's Python stack and exits with code 3.
+  rank 0, and exits with code 2; a marker file (`_stop_marker`) makes torchrun's restarts exit at once. Other
+  exceptions keep their traceback and exit non-zero: torchrun restarts, train.py resumes from the newest checkpoint.
+- `Watchdog`: when a step (or save, evaluation) runs past its limit, prints which rank waits in which phase and
+  collective, dumps every thread's Python stack and exits with code 3.
 - `step_is_finite`: one all-reduce that tells every rank whether any rank saw a non-finite loss or gradient.
-- `StopRequest`: SIGTERM / SIGUSR1 (a preemption, a time limit, scancel) or --time-limit make every rank stop at
-  the same step boundary (one all-reduce of a few numbers per step), after the step in progress, to save once.
-- MOE_TRAIN_FAULT (tests only): comma-separated `kind@step[:rank[:attempt]]` (rank and torchrun restart attempt
-  default to 0). kind: `kill` (SIGKILL before the optimizer step), `kill-in-save` (SIGKILL after this rank wrote
-  its part of the step's checkpoint, before it is complete), `nan` (a NaN in this rank's first gradient), `hang`
-  (sleep at the start of the step), `sigterm` / `sigusr1` (that signal to this rank at the end of the step),
-  `sigterm-launcher` (SIGTERM to this rank's parent, torchrun, which forwards it to every rank).
+- `StopRequest`: SIGTERM / SIGUSR1 or --time-limit stop every rank at the same step boundary, to save once.
+- MOE_TRAIN_FAULT (tests only): comma-separated `kind@step[:rank[:attempt]]` (rank, restart attempt default 0).
+  kind: `kill` (SIGKILL before the optimizer step), `kill-in-save` (SIGKILL after this rank wrote its part of the
+  checkpoint), `nan` (in this rank's first gradient), `hang` (sleep at the step's start), `sigterm` / `sigusr1`
+  (to this rank at the step's end), `sigterm-launcher` (SIGTERM to torchrun, which forwards it to every rank).
 """
 
 import faulthandler

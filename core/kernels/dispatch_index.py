@@ -3,12 +3,10 @@
 Legend: N = Q*k flattened (row, slot) pairs, Q rows (tokens, or rows received by an all-to-all), k slots per
 row, E experts (local to this rank), R pairs kept (id >= 0), NB blocks of BLOCK pairs.
 
-group_by_expert(ids_Qk, E) -> order_R, counts_E serves both ends of dispatch:
-  - a plain MoE layer: ids = topk_ids [T, k] (< 0: a masked slot); rows = x[order // k] is grouped by expert;
-  - the receiver of a deduplicated expert-parallel all-to-all: each token arrives once per rank, with the local
-    expert ids of its k slots and -1 for slots whose expert lives elsewhere; order // k is the received row to
-    expand, order % k the slot (for its routing weight), so the expansion is rows[order // k].
-order is stable (pairs keep their flat order inside an expert), identical to the reference's argsort.
+group_by_expert(ids_Qk, E) -> order_R, counts_E (ids < 0: skipped) serves a plain MoE layer (ids = topk_ids [T,
+k]: x[order // k] is grouped by expert) and the receiver of the deduplicated all-to-all (local expert ids, -1 for
+experts elsewhere: order // k is the received row to expand, order % k its slot). order is stable, identical to
+the reference's argsort.
 
 Triton path (CUDA, or TRITON_INTERPRET=1): per-block histograms hist[NB, E], exclusive cumsums for each (block,
 expert)'s first slot, then each block writes its pairs at base + rank among its earlier equal ids (no atomics:
