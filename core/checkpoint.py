@@ -239,10 +239,9 @@ def check_files(path: Path, metadata) -> None:
 
 
 def _reshape_targets(state: dict, keys: dict, prefix: str = "") -> list:
-    """Where the checkpoint holds a tensor of another shape with as many elements (ZeRO-1's flat Adam moments,
-    core/optimizer.py, against FSDP2's shaped ones, core/fsdp.py, or back): the entry of `state` is swapped for
-    a tensor of the saved shape, sharded over the target's mesh as Shard(0), and [(target, swapped)] returned
-    for load_checkpoint to copy back reshaped."""
+    """Where the checkpoint holds a tensor of another shape with as many elements (ZeRO-1's flat Adam moments against
+    FSDP2's shaped ones, or back), swap `state`'s entry for one of the saved shape, Shard(0) over the target's mesh;
+    returns [(target, swapped)] for load_checkpoint to copy back reshaped."""
     found = []
     for k, v in state.items():
         meta = keys.get(prefix + k)

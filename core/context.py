@@ -95,9 +95,8 @@ def on_whole_sequence(fn, x: torch.Tensor, cp_group=None, dim: int = 1):
 
 
 def gather_kv(k_BGSD, v_BGSE, cp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """K [B, G, K, D] and V [B, G, K, E] of the whole sequence from this rank's parts: one all-gather, K and V
-    side by side. `attention` calls it when given this rank's part; a variant that needs the whole sequence's
-    keys before attending (e.g. to score key blocks) calls it itself and passes the result."""
+    """K [B, G, K, D] and V [B, G, K, E] of the whole sequence from this rank's parts, in one all-gather. `attention`
+    calls it; a variant that needs the whole keys first (e.g. to score key blocks) calls it and passes the result."""
     D = k_BGSD.shape[-1]
     kv_BGKX = gather_sequence(torch.cat([k_BGSD, v_BGSE], -1), cp_group, dim=2)
     return kv_BGKX[..., :D], kv_BGKX[..., D:]
@@ -120,8 +119,7 @@ def document_starts(doc_ids_BS: torch.Tensor) -> torch.Tensor:
 
 
 def doc_ids_from_eos(input_ids_BK: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Document index [B, K] of each token of packed sequences, each document ended by eos (eos belongs to the
-    document it ends)."""
+    """Document index [B, K] of each token of packed sequences, each document ended by (and holding) eos."""
     is_eos = (input_ids_BK == eos_id).long()
     return is_eos.cumsum(1) - is_eos
 

@@ -45,9 +45,8 @@ def _dtype(name: str) -> np.dtype:
 
 def write_shards(token_docs: Iterable, out_dir, vocab_size: int, eos_id: int, tokenizer: dict,
                  shard_tokens: int = 2**26, extra: dict | None = None, loss_masks: bool = False) -> dict:
-    """Pack documents into shards of shard_tokens tokens; return the meta written (with `extra`'s fields added).
-    token_docs: lists of token ids, each then followed by eos_id (format 1); with loss_masks, (ids, mask) pairs
-    (mask: 0/1 per token, 1 = trained) written as they are, with their boundaries (format 2, see the top)."""
+    """Pack documents into shards of shard_tokens tokens; return the meta written (plus `extra`). token_docs: token id
+    lists, each then followed by eos_id (format 1); with loss_masks, (ids, 0/1 mask) pairs as they are (format 2)."""
     assert shard_tokens > 0 and 0 <= eos_id < vocab_size
     os.makedirs(out_dir, exist_ok=True)
     # drop the old meta.json first: while we overwrite shards the directory must not look complete

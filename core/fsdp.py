@@ -34,8 +34,7 @@ from core.optimizer import clip_grad_norm_, expert_checkpoint_entries, reinit_ro
 
 
 def shard_model(model: torch.nn.Module, mesh, bf16: bool) -> list[FSDPModule]:
-    """fully_shard the model's units in place (module docstring) over core.mesh.Mesh `mesh` (world > 1); returns
-    them, the root last."""
+    """fully_shard the model's units in place over core.mesh.Mesh `mesh` (world > 1); returns them, root last."""
     pp, dense_mesh = mesh.pp, mesh.replica_mesh()  # (dp, cp, ep) flattened
     expert_mesh = mesh.device_mesh["dp", "cp"]._flatten("dp_cp")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)

@@ -49,9 +49,8 @@ def _one_sequence(x_2B_: torch.Tensor) -> torch.Tensor:
 
 
 def _conv(x_BTC: torch.Tensor, weight_CW: torch.Tensor, bias_C, activation, ids_BT=None) -> torch.Tensor:
-    """Depthwise conv over [B, T, Ch] already left-padded by W-1: [B, T - W + 1, Ch]. ids_BT (the document id of
-    every padded position): a tap reading another document than its output token's contributes 0 (W shifted
-    products, each masked; the plain path is torch's F.conv1d)."""
+    """Depthwise conv over [B, T, Ch] left-padded by W-1: [B, T - W + 1, Ch]. ids_BT (document ids of the padded
+    positions): a tap reading another document than its token's contributes 0 (W masked shifted products)."""
     W = weight_CW.shape[-1]
     if ids_BT is None:
         out_BSC = F.conv1d(x_BTC.transpose(1, 2).to(weight_CW.dtype), weight_CW.unsqueeze(1), bias_C,
@@ -107,9 +106,8 @@ def causal_conv1d(x_BSC: torch.Tensor, weight_CW: torch.Tensor, bias_C: torch.Te
 def gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | None = None, initial_state_BHKV=None,
                      output_final_state: bool = False, chunk_size: int = 64, use_qk_l2norm_in_kernel: bool = False,
                      cp_group=None, doc_ids_BK=None):
-    """core/kernels/gated_delta.py:chunk_gated_delta_rule over a sequence split across cp_group (the arguments and
-    results are the same; the final state is the whole sequence's, on every rank). cp_group None: the kernel.
-    doc_ids_BK: int [B, S * cp], the whole sequence's document ids; the state is 0 entering each document."""
+    """core/kernels/gated_delta.py:chunk_gated_delta_rule over a sequence split across cp_group (None: the kernel);
+    the final state is the whole sequence's, on every rank. doc_ids_BK: int [B, S * cp], the whole sequence's."""
     cp, r = (1, 0) if cp_group is None else (dist.get_world_size(cp_group), dist.get_rank(cp_group))
     B, S, _, K = q_BSHK.shape
     _check_doc_ids(doc_ids_BK, B, S * cp)
@@ -145,9 +143,8 @@ def gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | Non
 def cp_linear_attention_bytes_received_per_layer(cp: int, value_heads: int, key_dim: int, value_dim: int,
                                                  conv_channels: int, conv_width: int, batch: int = 1,
                                                  state_bytes: int = 4, activation_bytes: int = 2) -> int:
-    """Bytes one cp rank receives per linear-attention layer in forward (backward's reduce-scatter sends the same
-    back): the other ranks' 2 (cp - 1) chunk summaries [K, K + V] per value head in fp32, plus their 2 (cp - 1)
-    conv tails of W - 1 inputs per channel. Independent of the sequence length."""
+    """Bytes one cp rank receives per linear-attention layer in forward (backward sends as much back): 2 (cp - 1)
+    chunk summaries [K, K + V] per value head in fp32 and 2 (cp - 1) conv tails of W - 1 inputs per channel."""
     summaries = 2 * (cp - 1) * batch * value_heads * key_dim * (key_dim + value_dim) * state_bytes
     tails = 2 * (cp - 1) * batch * (conv_width - 1) * conv_channels * activation_bytes
     return summaries + tails

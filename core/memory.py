@@ -106,9 +106,8 @@ _CALIBRATION = {}
 
 
 def activation_calibration(mod, recompute: str, batch: int = 2, seq: int = 64) -> tuple:
-    """(tiny config, saved bytes per token and layer, saved bytes per token and vocab entry of the head), measured
-    on the recipe's tiny config on CPU in fp32: the whole model minus a model without layers gives the layers.
-    seq 64: a multiple of chunked linear attention's chunk (a shorter sequence is padded to it)."""
+    """(tiny config, saved bytes per token and layer, per token and vocab entry of the head), on the tiny config on
+    CPU in fp32 (the model minus one without layers gives the layers; seq 64: a multiple of linear attention's chunk)."""
     key = (mod.__name__, recompute)
     if key not in _CALIBRATION:
         tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())

@@ -64,9 +64,8 @@ class Mesh:
         return self.device_mesh[dims]._flatten("_".join(dims)).get_group()
 
     def replica_mesh(self) -> DeviceMesh | None:
-        """How this pipeline stage's dense parameters lie over its ranks, for DTensor checkpoints (None at world
-        size 1: plain tensors): replicated over (dp, cp, ep), a 1-D mesh of those ranks. Routed experts are
-        checkpointed per expert instead (core/optimizer.py:expert_checkpoint_entries), whatever their placement."""
+        """The 1-D mesh of (dp, cp, ep) that replicates this stage's dense parameters, for DTensor checkpoints (None
+        at world size 1); routed experts are checkpointed per expert (core/optimizer.py:expert_checkpoint_entries)."""
         if self.device_mesh is None:
             return None
         return self.device_mesh["dp", "cp", "ep"]._flatten("dp_cp_ep")

@@ -70,9 +70,8 @@ def _fused_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """y[rows of expert e] = x[rows of expert e] @ w[e]; rows are contiguous per expert, counts_E [E] int.
-    Autograd flows to x and w. Runs in the autocast dtype when autocast is on, else x's dtype: the fused grouped
-    GEMM where it fits (_fused_fits), else the per-expert loop."""
+    """y[rows of expert e] = x[rows of expert e] @ w[e] (rows contiguous per expert, counts_E [E] int), differentiable,
+    in the autocast dtype (else x's): the fused grouped GEMM where it fits (_fused_fits), else a per-expert loop."""
     device = x_RK.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_RK.dtype
     x_RK, w_EKN = x_RK.to(dtype), w_EKN.to(dtype)

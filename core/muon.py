@@ -130,9 +130,8 @@ class MuonAdamW:
         self.ns_dtype = ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
     def _plan(self, rs: ReplicaSet, matrices: dict, bucket_bytes: int) -> None:
-        """Buckets of whole parameters (at most bucket_bytes of fp32 gradients each, at least one parameter) and
-        an owner for every matrix: largest Newton-Schulz cost first, to the rank with the least so far (the
-        running totals carry across buckets, so the balance is over the whole set; same on every replica)."""
+        """Buckets of whole parameters (at most bucket_bytes of fp32 gradients, at least one parameter) and an owner
+        per matrix: largest cost first, to the rank with the least so far over the whole set (same on every replica)."""
         n = 1 if rs.group is None else dist.get_world_size(rs.group)
         rank = 0 if rs.group is None else dist.get_rank(rs.group)
         buckets = []
@@ -277,9 +276,8 @@ class MuonAdamW:
     # ----------------------------------------------------------------------------------------- checkpoints
 
     def checkpoint_state(self, model: torch.nn.Module) -> dict:
-        """ShardedAdamW's state (weights of every parameter as DTensors over their replica set, AdamW's moments)
-        plus optim.muon_momentum: each owned matrix's momentum as a plain [A, B] tensor (a view, so a load fills
-        it in place), keyed by parameter, kind and global expert id."""
+        """ShardedAdamW's state plus optim.muon_momentum: each owned matrix's momentum as a plain [A, B] view (a load
+        fills it in place), keyed by parameter, kind and global expert id."""
         state = self.adamw.checkpoint_state(model, replicas=self.replicas)
         state["optim"]["muon_momentum"] = {b.piece.key(int(s)): m_AB for b in self.owned
                                            for s, m_AB in zip(b.index_k.tolist(), b.momentum_kAB)}

@@ -58,9 +58,8 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
 
 
 def expert_checkpoint_entries(name: str, full_LX: torch.Tensor, expert_ids: list[int]) -> dict[str, torch.Tensor]:
-    """A tensor whose rows are routed experts (a weight or optimizer state of the local experts [L, ...]) as
-    checkpoint entries, one per global expert: '{name}[{e}]' -> row (a view: a load fills it in place). A
-    checkpoint so written loads under any expert placement and ep size: each rank asks for its experts' keys."""
+    """Rows of the local experts [L, ...] (weight or optimizer state) as checkpoint entries '{name}[{e}]' -> row (a
+    view a load fills in place), one per global expert e: they load under any placement and ep size."""
     assert full_LX.shape[0] == len(expert_ids), (name, full_LX.shape, expert_ids)
     return {f"{name}[{e}]": full_LX[j] for j, e in enumerate(expert_ids)}
 
@@ -156,9 +155,8 @@ class ShardedAdamW:
                 e.param.grad = None
 
     def clip_grad_norm_(self, max_norm: float, extra: list[torch.Tensor] = ()) -> torch.Tensor:
-        """Scale the (reduced) gradients so that their global L2 norm is at most max_norm (0: no clipping);
-        returns the norm before clipping. Shards partition every parameter, so each element counts once. extra:
-        more reduced gradients this rank alone holds (core/muon.py's owned matrices), counted and clipped too."""
+        """Clip the reduced gradients to global L2 norm max_norm (0: none); returns the norm before. Each element counts
+        once (shards partition parameters); extra: reduced gradients this rank alone holds (core/muon.py's), too."""
         return clip_grad_norm_([e.shard.grad for e in self.entries] + list(extra), max_norm, self.norm_group)
 
     @torch.no_grad()

@@ -22,8 +22,7 @@ import torch.distributed as dist
 
 class Placement:
     def __init__(self, rank_of, ep: int):
-        """rank_of: the ep rank of each routed expert (a list of E ints in [0, ep)). Bad tables raise a one-line
-        ValueError."""
+        """rank_of: the ep rank of each routed expert (E ints in [0, ep)); a bad table raises a ValueError."""
         rank_of = list(rank_of)
         if ep < 1:
             raise ValueError(f"expert placement: ep must be >= 1, got {ep}")
@@ -92,8 +91,7 @@ class Placement:
 
 def gather_experts(local_LX: torch.Tensor, placement: Placement, group, dst: int) -> torch.Tensor | None:
     """Collective over the ep group: every rank's local experts [L_rank, ...] into one [E, ...] tensor in global
-    expert order on ep rank `dst` (None on the others). Ranks hold different counts, so each sends its rows padded
-    to the largest count."""
+    order on ep rank `dst` (None on the others); each sends its rows padded to the largest count."""
     if group is None:
         return local_LX
     me, pad = dist.get_rank(group), placement.max_local

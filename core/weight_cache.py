@@ -52,8 +52,7 @@ class _CachedCast(torch.autograd.Function):
 
 
 def cast_weight(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """w in `dtype`, cast once per optimizer step (w itself when it has that dtype). Differentiable: the gradient
-    reaches w in w's dtype."""
+    """w in `dtype`, cast once per optimizer step (w itself if it has it); the gradient reaches w in w's dtype."""
     if w.dtype == dtype:
         return w
     if torch.is_grad_enabled() and w.requires_grad:

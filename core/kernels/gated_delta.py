@@ -78,9 +78,8 @@ def _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV, r
 def chunk_gated_delta_rule_reference(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | None = None,
                                      initial_state_BHKV=None, output_final_state: bool = False,
                                      chunk_size: int = 64, use_qk_l2norm_in_kernel: bool = False, reset_BS=None):
-    """The chunked recurrence in plain PyTorch (see the top of the file), differentiable in every input.
-    Computes in fp32 (fp64 if any input is fp64); returns (o [B, S, Hv, V] in v's dtype, final state
-    [B, Hv, K, V] fp32/fp64 or None). reset_BS: bool [B, S], the state is 0 entering each True token."""
+    """The chunked recurrence (see the top) in plain PyTorch, differentiable, in fp32 (fp64 if an input is): (o
+    [B, S, Hv, V] in v's dtype, final state [B, Hv, K, V] or None). reset_BS: bool [B, S], True: state 0 entering."""
     _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV, reset_BS)
     if chunk_size < 1:
         raise ValueError(f"gated delta rule: chunk_size {chunk_size} must be >= 1")
