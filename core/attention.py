@@ -2,10 +2,9 @@
 and V over cp when they are this rank's part (core/context.py:gather_kv) and its docstring's table says which
 kernel runs for each device, mask, sinks and selection. Model-agnostic.
 
-Masks are built from global positions, once per forward and reused by every layer (`cp_attention_mask` -> a
-`CPMask`): causal (key j visible from query i iff j <= i), optional sliding window (i - window < j <= i, GPT-OSS)
-and optional document boundaries of packed sequences (same document only). Attention sinks (GPT-OSS: one logit per
-head in the softmax denominator, with no value) are applied over the gathered keys.
+Masks come from global positions, once per forward for every layer (`cp_attention_mask` -> a `CPMask`): causal
+(j <= i), optional sliding window (i - window < j, GPT-OSS) and documents of packed sequences. Attention sinks
+(GPT-OSS: one logit per head in the softmax denominator, no value) apply over the gathered keys.
 
 On CUDA flex_attention (compiled) reads the CPMask as a BlockMask (empty key blocks skipped, fully visible ones
 unmasked): O(S + K) memory per head plus an int32 [S/128, K/128] block table, not the [B, N, S, K] fp32 scores of

@@ -2,8 +2,7 @@
 the causal depthwise conv1d and the gated delta rule over a sequence split by core/context.py:split_for_cp.
 Model-agnostic; with cp_group None both are the plain single-device operations.
 
-A cp rank holds chunks r and 2cp-1-r of the 2cp chunks of every sequence. Nothing of the layer's activations is
-gathered over the sequence; two small things cross ranks per layer:
+A cp rank holds chunks r and 2cp-1-r of every sequence; no activations are gathered, only two small things:
 
 - Conv tails. A causal conv of width W reads the W-1 inputs before each token: one all-gather of the last W-1
   inputs of every chunk, and chunk j is convolved after chunk j-1's tail (zeros for chunk 0).

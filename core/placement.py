@@ -1,9 +1,8 @@
 """Expert placement: which expert-parallel (ep) rank holds each routed expert, and at which local index.
 
-A placement is a table over the E routed experts of a model: `rank_of[e]` is the ep rank that holds expert e. A
-rank's local experts are its experts in ascending global id (`experts[r]`): local index j of rank r is global
-expert `experts[r][j]`, and `local_index[e]` is e's place there. Any table is allowed: any number of experts per
-rank, zero included, contiguous or not. Every MoE layer of a model uses the same table.
+A table over a model's E routed experts, shared by every MoE layer: `rank_of[e]` is the ep rank holding expert e;
+rank r's local experts `experts[r]` are in ascending global id, `local_index[e]` is e's place there. Any table is
+allowed (any number of experts per rank, zero included, contiguous or not).
 
     Placement.even(6, 4)            ranks [0, 0, 1, 1, 2, 3]: contiguous, as even as possible (the default;
                                     for E divisible by ep, rank d holds [d*E/ep, (d+1)*E/ep))

@@ -159,12 +159,10 @@ class LossTerm:
     backward). A term's sum on a rank is TrainOutput.terms[name] (pp: PipelineStage.post's terms)."""
 
     weight: float  # its coefficient; train.py --loss-weight NAME=W overrides it
-    per: str | None  # the denominator: "tokens" (trained labels, labels != -100), "micro_batches" (a mean per
-    # micro-batch: n_micro x dp x ep), the name of an extra from Model.prepare_batch (the global sum of that
-    # per-token tensor: a term's own targets), or None: a parameter-only term, counted once per step however many
-    # ranks and micro-batches compute it (n_micro x dp x cp x ep); each rank's sum is then the term over the
-    # parameters its layers hold, a part over routed experts counted ep times (its own experts' part x ep), so that
-    # the ep ranks' parts add up to ep x the whole
+    per: str | None  # the denominator: "tokens" (labels != -100), "micro_batches" (n_micro x dp x ep), the name
+    # of an extra from Model.prepare_batch (the global sum of that per-token tensor), or None: a parameter-only term
+    # counted once per step (n_micro x dp x cp x ep); each rank's sum is then the term over its layers' parameters,
+    # a part over routed experts counted ep times (its own experts' part x ep) so the ep ranks' parts add up
 
 
 def loss_weights(terms: dict[str, LossTerm], flag: str) -> dict[str, LossTerm]:

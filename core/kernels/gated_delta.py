@@ -111,9 +111,8 @@ def chunk_gated_delta_rule_reference(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, sc
     else:  # documents: a decay product spanning a reset is 0 (see the top)
         seg_B1NC = F.pad(reset_BS, (0, N * C - S)).reshape(B, 1, N, C).cumsum(-1)
         gone_BHNCC = gone_BHNCC | (seg_B1NC[..., :, None] != seg_B1NC[..., None, :])
-        # gam restarts at each reset (a sum over the token's own document only): a cumsum over the whole chunk
-        # would make in-document differences gam_t - gam_j cancel large sums of earlier documents' decays (fp32:
-        # 1e-4 relative errors in the decays at g ~ -10 per token), where the document alone sums only its own
+        # gam restarts at each reset: a cumsum over the whole chunk would make gam_t - gam_j cancel large sums of
+        # earlier documents' decays (fp32: 1e-4 relative errors at g ~ -10 per token)
         gam_BHNC = (~gone_BHNCC).to(dt) @ g_BHNC[..., None]
         gam_BHNC = gam_BHNC.squeeze(-1)
         from_start_B1NC = seg_B1NC == 0  # no reset since the chunk start: the entering state reaches t
