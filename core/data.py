@@ -14,10 +14,9 @@ Documents are never split: a seeded permutation of them is packed into windows o
 padded with untrained eos_id tokens (a document of their own), and the windows are shuffled per epoch. The label
 of token t is token t+1 when that one is trained and in the same document, else -100.
 
-Everything is a pure function of (seed, step), which is what makes resume exact and lets the number of ranks
-change between runs. `next_batch(documents=True)` also returns each token's document index in its window
-(format 1: from the eos tokens, core.context.doc_ids_from_eos), from which train.py builds the block-causal
---document-mask and positions that restart at every document (positions_in_documents).
+Everything is a pure function of (seed, step): resume is exact and the number of ranks may change between runs.
+`next_batch(documents=True)` also returns each token's document index (format 1: core.context.doc_ids_from_eos),
+for train.py's --document-mask and positions restarting at every document (positions_in_documents).
 """
 
 import json

@@ -9,8 +9,8 @@ import time
 import torch
 import torch.distributed as dist
 
-# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, matched against the device name; MFU on a
-# GPU is against these. The best bf16 matmul measured on one H200 reached ~790 TFLOP/s (shown beside, not used).
+# Dense bf16 tensor-core peaks (NVIDIA datasheets) by device name, MFU's reference on a GPU; the best bf16 matmul
+# measured on one H200 reached ~790 TFLOP/s (shown beside, not used).
 DATASHEET_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("H100", 989e12),
                         ("H200", 989e12), ("A100", 312e12))  # first match wins: "GH200" reads as H200 (989)
 MEASURED_H200_BF16_FLOPS = 790e12

@@ -1,5 +1,5 @@
-"""DualPipeV: pipeline parallelism over 2*pp stages laid out in a V, the forward of one micro-batch overlapped
-with the backward of another, and delayed weight gradients (zero bubble). After DeepSeek's DualPipeV schedule.
+"""DualPipeV (after DeepSeek's schedule): 2*pp pipeline stages in a V, one micro-batch's forward overlapped with
+another's backward, delayed weight gradients (zero bubble).
 
 Layout: pp rank r holds stage r (phase 0, down) and stage 2*pp-1-r (phase 1, back), so rank 0 holds the embedding
 and the head with the loss, and the last rank hands stage pp-1's output to stage pp locally. Neighbours' transfers
@@ -24,8 +24,7 @@ segment by segment (autograd segments cut at the all-to-alls), yielding after st
 steady phase alternates one forward and one backward generator, so each waits on a transfer only when it needs it.
 Weight-gradient delay: in zero-bubble backward chunks, expert GEMMs compute the input gradient at once and queue
 the weight gradient (core.moe.weight_grads); the schedule's W steps run the queue, oldest chunk first.
-Recompute: a torch.utils.checkpoint region (non-reentrant) inside a compute step lies inside one segment, so it is
-recomputed when that segment's backward runs.
+Recompute: a torch.utils.checkpoint region in a compute step lies in one segment, recomputed in its backward.
 
 `running` (a Running) names the chunk whose code runs now; the engine sets it whenever it advances a generator, so
 a layer sees its own chunk's micro-batch, also in a forward recomputed inside a backward (backward True). train.py's

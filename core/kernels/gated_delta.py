@@ -1,5 +1,5 @@
-"""The chunked gated delta rule (Gated DeltaNet's recurrence), a PyTorch reference and, on CUDA, fla-core's
-Triton kernels. Model-agnostic: any linear-attention layer with a decayed delta-rule state calls it.
+"""The chunked gated delta rule (Gated DeltaNet's recurrence, any decayed delta-rule layer): a PyTorch reference
+and, on CUDA, fla-core's Triton kernels.
 
 The recurrence, per (batch, value head), state S [K, V] in fp32, token t:
     S  <- exp(g_t) * S                          (decay; g_t <= 0 is a log decay)
@@ -15,9 +15,8 @@ i.e. (I + L) U = V - diag(Gam) K S0 with L strictly lower triangular: one unit-t
 the right-hand side [V | Gam*K] gives U = U_v - W S0 for every S0. Then
     O    = diag(Gam) Q S0 + (Q K^T * D * beta_j) U              D_tj = exp(gam_t - gam_j) for j <= t, else 0
     S_C  = Gam_C S0 + (K * beta * exp(gam_C - gam))^T U
-and only S crosses chunks (a loop over S/C chunks of small matmuls). Decays are taken as differences in log
-space before exp, so no exp grows (every exponent is <= 0) however strong the decay. The sequence is padded to a
-multiple of the chunk with g = 0, beta = 0, k = v = 0 tokens, which leave the state unchanged.
+and only S crosses chunks. Decays are differences in log space before exp (every exponent <= 0, none grows). The
+sequence is padded to whole chunks with g = beta = k = v = 0 tokens, which leave the state unchanged.
 
 Documents (reset_BS, bool [B, S], from core.context.document_starts): the state entering a document's first token
 is 0. A reset at t is g_t = -inf, so every decay product spanning a reset is 0: with seg_t the resets in the chunk
