@@ -31,8 +31,7 @@ from core.precision import upcast
 
 
 def attention_mask(q_pos_S, k_pos_K, window: int | None = None, q_doc_BS=None, k_doc_BK=None) -> torch.Tensor:
-    """Boolean [B or 1, S, K], True where query i may see key j: j <= i, i - window < j (if window), and
-    the same document (if doc ids are given)."""
+    """Boolean [B or 1, S, K], True where query i sees key j: j <= i, i - window < j, the same document."""
     i, j = q_pos_S[:, None], k_pos_K[None, :]
     mask_SK = j <= i
     if window is not None:

@@ -122,8 +122,7 @@ def activation_calibration(mod, recompute: str, batch: int = 2, seq: int = 64) -
 
 
 def fsdp_unit(name: str) -> str:
-    """The FSDP2 unit (core/fsdp.py:shard_model) that holds a parameter: a layer's experts, a layer's rest, the
-    embedding, the root (the rest)."""
+    """The FSDP2 unit (core/fsdp.py:shard_model) of a parameter: a layer's experts or rest, embedding, root."""
     parts = name.split(".")
     if parts[0] == "embed_tokens":
         return "embed_tokens"

@@ -230,8 +230,7 @@ class ShardedAdamW:
                                                  "exp_avg_sq": torch.zeros_like(e.shard)}
 
     def full_state(self, e: _Entry, key: str) -> torch.Tensor:
-        """Adam state `key` of a whole parameter (all-gathered from its replicas' shards; collective over them), on
-        the CPU: [param shape]."""
+        """Adam state `key` of a whole parameter, all-gathered over its replicas (collective), on the CPU."""
         shard = self.optimizer.state[e.shard][key]
         if e.replicas.group is None:
             return shard.view(e.param.shape).cpu()

@@ -82,8 +82,7 @@ running = Running()
 
 
 def _running_as(steps, micro_batch: int, stage: int, backward: bool):
-    """The generator `steps`, with `running` set to this chunk before each of its steps (the other generator
-    interleaved with it sets its own in between)."""
+    """The generator `steps`, with `running` set to this chunk before each step (the other one sets its own)."""
     while True:
         running.set(micro_batch, stage, backward)
         if next(steps, StopIteration) is StopIteration:

@@ -71,8 +71,7 @@ def _shown(value) -> str:
 
 
 def build_parser(cls) -> argparse.ArgumentParser:
-    """argparse flags mapped 1:1 onto the fields of a dataclass (`max_steps` -> `--max-steps`), each with its
-    meaning (field_comments) and default in --help."""
+    """argparse flags 1:1 onto a dataclass's fields (`max_steps` -> `--max-steps`), --help from field_comments."""
     parser = _Parser(description=cls.__doc__)
     comments = field_comments(cls)
     for f in dataclasses.fields(cls):
