@@ -283,16 +283,14 @@ def attention(q_BNSD, k_BGSD, v_BGSE, mask=None, cp_group=None, scale=None, sink
     | device | mask                                   | sinks | select | kernel                                   |
     |--------|----------------------------------------|-------|--------|------------------------------------------|
     | any    | None                                   | no    | no     | SDPA is_causal (flash on CUDA)           |
-    | CUDA   | CPMask; None with sinks or a selection | any   | any    | flex_attention compiled, BlockMask       |
-    |        |                                        |       |        | [B, N or 1] of 128-blocks, once per mask |
+    | CUDA   | CPMask; None with sinks or a selection | any   | any    | flex_attention, BlockMask of 128-blocks  |
     | CPU    | CPMask                                 | no    | no     | SDPA with the dense boolean mask         |
     | CPU    | None or CPMask                         | yes   | any    | attention_reference (fp32 softmax)       |
     | CPU    | None or CPMask                         | any   | yes    | attention_reference                      |
     | any    | boolean tensor                         | no    | no     | SDPA with that mask                      |
     | any    | boolean tensor                         | yes   | no     | attention_reference                      |
 
-    cp changes only K: the gather, then the same table (the mask holds global positions; a selection's key blocks
-    are global, its query blocks this rank's own, in split_for_cp order)."""
+    cp changes only K: the gather, then the same table (a selection's key blocks are global, its query blocks local)."""
     B, N, S, _ = q_BNSD.shape
     G = k_BGSD.shape[1]
     if N % G:

@@ -1,5 +1,5 @@
-"""Full sharding with FSDP2 (`torch.distributed.fsdp.fully_shard`, train.py `--shard fsdp`): fp32 master weights,
-gradients and AdamW state all on 1/n shards; the ZeRO-1 alternative (`--shard zero1`) is core/optimizer.py.
+"""Full sharding with FSDP2 (`fully_shard`, train.py `--shard fsdp`): fp32 weights, gradients and AdamW state on 1/n
+shards; the ZeRO-1 alternative (`--shard zero1`) is core/optimizer.py.
 
 Units (`shard_model`): each MoE layer's routed experts (`layer.mlp.experts`) over (dp, cp); each decoder layer's
 other parameters, the embedding, and the root (final norm, head), each over (dp, cp, ep). A parameter is a DTensor,

@@ -1,6 +1,6 @@
-"""Context parallelism for linear attention (Gated DeltaNet and any layer whose state update is linear):
-the causal depthwise conv1d and the gated delta rule over a sequence split by core/context.py:split_for_cp.
-Model-agnostic; with cp_group None both are the plain single-device operations.
+"""Context parallelism for linear attention (any layer whose state update is linear, e.g. Gated DeltaNet): the
+causal depthwise conv1d and the gated delta rule over a sequence split by core/context.py:split_for_cp
+(cp_group None: the plain single-device operations).
 
 A cp rank holds chunks r and 2cp-1-r of every sequence; no activations are gathered, only two small things:
 

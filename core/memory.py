@@ -7,14 +7,13 @@ Components of the most loaded pipeline rank (every pp rank is built; the largest
                DualPipeV stages, the ep rank holding the most experts, embedding and head on pp rank 0)
   gradients    fp32, one per parameter (the full gradient lives until ShardedAdamW.reduce_gradients)
   optimizer    AdamW's two fp32 moments of this rank's ZeRO-1 shard (core/optimizer.py: ceil(numel / n) each)
-  weight cache bf16 casts of the routed experts and the LM head (core/weight_cache.py); with fp8, two 1-byte
-               copies of every attention / dense MLP / expert matrix instead (core/fp8.py)
+  weight cache bf16 casts of the routed experts and LM head (core/weight_cache.py); fp8: two 1-byte copies of
+               every attention / dense MLP / expert matrix instead (core/fp8.py)
   activations  bytes saved for backward, measured once with torch.autograd.graph.saved_tensors_hooks on the
                recipe's tiny config on CPU (per token and layer, per token and vocab entry for the head), scaled
                by tokens (micro_batch * seq_len / cp), layers, hidden_size / tiny's, vocab, 1/2 for bf16, and
                micro-batches in flight (pp + 1 under DualPipeV, else 1)
-  comm buffers dispatch + combine rows of the MoE all-to-alls (send and receive, tokens * top-k * hidden) and
-               the reduce-scatter bucket of the gradients (ShardedAdamW.bucket_bytes, at most)
+  comm buffers MoE all-to-all rows (sent and received, tokens * top-k * hidden), a reduce-scatter bucket
 With `shard="fsdp"` (core/fsdp.py: units and when they are gathered) every parameter lies on 1/n shards of
 ceil(d0 / n) rows (rank 0 holds the most): 16 bytes per shard element, no bf16 cache. pp = 1: the comm buffers hold
 the two largest units gathered and the largest unit's gradient before its reduce-scatter (compute dtype + fp32);

@@ -77,8 +77,7 @@ REDUCTIONS = ("sum", "max", "gather")
 
 def reduce_stats(stats: dict[str, tuple[torch.Tensor, str]], group) -> dict[str, torch.Tensor]:
     """{name: (tensor, "sum" | "max" | "gather")} -> {name: tensor combined over the ranks of `group`} (None: this
-    rank alone). Each rank holds other tokens or other layers, so a count adds up and a maximum is the largest; the
-    tensors of one kind travel in one all-reduce (fp32: counts stay exact up to 2^24 per entry).
+    rank alone): counts add up, maxima take the largest, one all-reduce per kind (fp32: exact up to 2^24 per entry).
 
     "gather": every rank's tensor concatenated along dim 0 in the group's rank order (WORLD: global rank,
     core/mesh.py), on every rank; dim-0 sizes may differ (0 rows: a rank without the layer), the other dims and the

@@ -17,10 +17,9 @@ Router contract (what a recipe's router hands to this file; E experts, k slots p
   loss). Choices kept on the token's rank (zero-computation experts, ids E..num_choices-1) never reach this file:
   the router hands them to core as -1 (ids.masked_fill(ids >= E, -1)) and adds their output itself in `finish`.
 
-Legend: T tokens on this rank, H hidden, k slots per token, E experts in the model, n ranks in the ep group,
-L experts on this rank (core/placement.py; a rank may hold none), P (token, destination rank) pairs this
-rank sends, Q pairs it receives, R (received row, local expert) pairs = rows of the grouped GEMM,
-X = H + k (a dispatched row carries the token and its k routing weights for that rank).
+Legend: T tokens on this rank, H hidden, k slots per token, E experts in the model, n ranks in the ep group, L
+experts on this rank (core/placement.py; may be 0), P (token, destination rank) pairs sent, Q pairs received, R
+(received row, local expert) pairs = grouped GEMM rows, X = H + k (a row carries the token and its k weights).
 
 Deduplication: a token travels to a rank once, however many of its k experts live there; the receiver expands it
 into one row per local expert and sums their weighted outputs per received row, so the combine also moves one row

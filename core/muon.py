@@ -1,7 +1,7 @@
 """Muon for the weight matrices, ZeRO-1 AdamW (core/optimizer.py) for every other parameter, exact in every layout.
 
-Muon (Moonlight's variant, "Muon is Scalable for LLM Training", as torch.optim.Muon with
-adjust_lr_fn="match_rms_adamw") updates each weight matrix W (A x B) from its gradient G:
+Muon (Moonlight's variant, as torch.optim.Muon with adjust_lr_fn="match_rms_adamw") updates each weight matrix
+W (A x B) from its gradient G:
 
     M <- mu M + (1 - mu) G                          momentum (mu 0.95), kept in fp32; torch.optim.Muon's lerp form
     U <- (1 - mu) G + mu M                          Nesterov

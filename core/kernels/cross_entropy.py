@@ -131,9 +131,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy(h_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch.Tensor, ignore_index: int = -100,
                          reduction: str = "sum", chunk_tokens: int = 2048) -> torch.Tensor:
     """Cross-entropy of logits h @ w.T against labels, summed (or averaged) over labels != ignore_index, fp32 scalar
-    (float64 for float64 inputs).
-
-    h [T, H], w [V, H] (the LM head weight), labels [T] int64; h and w fp32/bf16/fp16/float64 of one dtype."""
+    (float64 for float64). h [T, H], w [V, H] (LM head), labels [T] int64; h and w of one dtype."""
     if h_TH.dim() != 2 or w_VH.dim() != 2 or h_TH.shape[1] != w_VH.shape[1]:
         raise ValueError(f"linear_cross_entropy: expected h [T, H] and w [V, H], got {tuple(h_TH.shape)} and {tuple(w_VH.shape)}")
     if labels_T.shape != (h_TH.shape[0],) or labels_T.dtype != torch.int64 or labels_T.device != h_TH.device:

@@ -22,13 +22,12 @@ Documents (reset_BS, bool [B, S], from core.context.document_starts): the state 
 is 0. A reset at t is g_t = -inf, so every decay product spanning a reset is 0: with seg_t the resets in the chunk
 up to t, D_tj = 0 unless seg_t = seg_j, Gam_t = 0 unless seg_t = 0, likewise towards the chunk end. A mask on the
 same matrices (no split, no host sync); initial_state reaches only the tokens before a row's first reset. gam
-restarts at each reset, and masked log decays become -inf before exp (a difference across a reset may be > 0).
-On fla, documents run as its varlen form (cu_seqlens; one host sync per call).
+restarts at each reset; masked log decays become -inf before exp (a difference across a reset may be > 0).
+fla runs documents as varlen (cu_seqlens; one host sync per call).
 
-Grouped value heads: q and k may have fewer heads than v (Qwen3.5: 16 key heads, 32 value heads); key head h
-serves value heads h*n .. h*n+n-1 (n = Hv / Hk), as transformers' repeat_interleave. g and beta are per value
-head. use_qk_l2norm_in_kernel=True L2-normalises q and k over K (x * rsqrt(sum x^2 + 1e-6), in fp32), as fla's
-flag and transformers' torch_chunk_gated_delta_rule do; the model passes it (Gated DeltaNet always normalises).
+Grouped value heads (Qwen3.5: 16 key heads, 32 value heads): key head h serves value heads h*n .. h*n+n-1 (n =
+Hv / Hk, transformers' repeat_interleave); g and beta are per value head. use_qk_l2norm_in_kernel=True
+L2-normalises q and k over K (x * rsqrt(sum x^2 + 1e-6), fp32), as fla and transformers do.
 
 Backends: on CUDA with bf16/fp16 inputs and fla-core installed, fla's chunk_gated_delta_rule (chunk 64); else the
 reference below, autograd through it. fla sits in two torch.library custom ops (forward; backward = fla's forward
