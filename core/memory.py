@@ -14,14 +14,13 @@ Components of the most loaded pipeline rank (every pp rank is built; the largest
                by tokens (micro_batch * seq_len / cp), layers, hidden_size / tiny's, vocab, 1/2 for bf16, and
                micro-batches in flight (pp + 1 under DualPipeV, else 1)
   comm buffers MoE all-to-all rows (sent and received, tokens * top-k * hidden), a reduce-scatter bucket
-With `shard="fsdp"` (core/fsdp.py: units and when they are gathered) every parameter lies on 1/n shards of
-ceil(d0 / n) rows (rank 0 holds the most): 16 bytes per shard element, no bf16 cache. pp = 1: the comm buffers hold
-the two largest units gathered and the largest unit's gradient before its reduce-scatter (compute dtype + fp32);
+With `shard="fsdp"` (core/fsdp.py) every parameter lies on 1/n shards of ceil(d0 / n) rows: 16 bytes per shard
+element, no bf16 cache. pp = 1: the comm buffers hold the two largest units gathered and the largest unit's
+gradient before its reduce-scatter (compute dtype + fp32);
 pp > 1: the weight cache is the gathered stage, the gradients add the unsharded ones (compute dtype for dense
 units, fp32 for experts) and the comm buffers the largest unit's fp32 reduce-scatter input.
-Plus a reserve for the CUDA context and allocator fragmentation. Weights, gradients and optimizer are exact (tested
-against a built model and a real ShardedAdamW); activations are exact on the tiny configs and a first-order estimate
-for full ones (the measured bytes scale with the hidden size; a real config's expert and attention widths differ).
+Plus a reserve for the CUDA context and fragmentation. Weights, gradients and optimizer are exact (tested against a
+built model and ShardedAdamW); activations exact on tiny configs, first-order on full ones (scaled by hidden size).
 Parameter names follow the recipes' convention: routed experts under `.mlp.experts.`, the head is `lm_head`.
 """
 
@@ -106,7 +105,7 @@ _CALIBRATION = {}
 
 def activation_calibration(mod, recompute: str, batch: int = 2, seq: int = 64) -> tuple:
     """(tiny config, saved bytes per token and layer, per token and vocab entry of the head), on the tiny config on
-    CPU in fp32 (the model minus one without layers gives the layers; seq 64: a multiple of linear attention's chunk)."""
+    CPU in fp32 (the model minus one without layers gives the layers; seq 64: whole linear-attention chunks)."""
     key = (mod.__name__, recompute)
     if key not in _CALIBRATION:
         tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())

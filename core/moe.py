@@ -12,10 +12,10 @@ Router contract (what a recipe's router hands to this file; E experts, k slots p
   gradient; a .grad left None is reduced as zero by ShardedAdamW, so every rank and layout steps alike.
   Example, k = 2, E = 4: ids [[2, 0], [3, -1], [-1, -1]], weights [[.7, .3], [1., .5], [0., 0.]] give
   out[0] = .7 expert2(x0) + .3 expert0(x0), out[1] = expert3(x1), out[2] = 0.
-  E = `num_experts` (`layer.num_experts`, from config.json) counts the routed experts dispatched here, whose
-  weights the ep ranks hold; `num_choices` (>= E) is the router's choice space (logits, expert bias, load, balance
-  loss). Choices kept on the token's rank (zero-computation experts, ids E..num_choices-1) never reach this file:
-  the router hands them to core as -1 (ids.masked_fill(ids >= E, -1)) and adds their output itself in `finish`.
+  E = `num_experts` (`layer.num_experts`) counts the routed experts dispatched here; `num_choices` (>= E) is the
+  router's choice space (logits, expert bias, load, balance loss). Choices kept on the token's rank (zero-computation
+  experts, ids E..num_choices-1) reach this file as -1 (ids.masked_fill(ids >= E, -1)); the recipe adds their
+  output itself in `finish`.
 
 Legend: T tokens on this rank, H hidden, k slots per token, E experts in the model, n ranks in the ep group, L
 experts on this rank (core/placement.py; may be 0), P (token, destination rank) pairs sent, Q pairs received, R

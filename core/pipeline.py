@@ -159,8 +159,7 @@ def _forward_steps(stage, inputs: list, mb: int, tape: _Tape, out: list):
 
 
 def _backward_steps(tape: _Tape, outputs: list, grads: list):
-    """Generator: backward of a recorded chunk, segment by segment from the last, yielding after each segment
-    whose backward started a reverse all-to-all (so that the other chunk computes while it is in flight)."""
+    """Generator: a recorded chunk's backward, last segment first, yielding after each reverse all-to-all start."""
     segments = [(outputs, None, tape.has_wait)] + list(reversed(tape.segments))
     for i, (outs, leaves, has_wait) in enumerate(segments):
         outs_grads = zip(outs, grads if i == 0 else [leaf.grad for leaf in leaves])  # read after later segments ran
@@ -175,8 +174,8 @@ class DualPipeV:
     def __init__(self, stages, pp_rank: int, pp: int, prev_rank: int | None, next_rank: int | None, group,
                  p2p_specs: list[tuple[tuple[int, ...], torch.dtype]] | None, device, overlap: bool = True,
                  delay_weight_grads: bool = True):
-        """stages: (stage r, stage 2*pp-1-r); prev/next_rank: global ranks of the pp neighbours; p2p_specs: (shape,
-        dtype) of each state tensor crossing ranks, None: those of what stage 0 creates (_stage0_specs)."""
+        """stages: (stage r, stage 2*pp-1-r); prev/next_rank: the pp neighbours' global ranks; p2p_specs: None or
+        (shape, dtype) of each state tensor crossing ranks (None: what stage 0 creates, _stage0_specs)."""
         self.stages, self.rank, self.pp, self.group = stages, pp_rank, pp, group
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.p2p_specs, self.device = p2p_specs, device
@@ -369,8 +368,8 @@ class DualPipeV:
     # --------------------------------------------------------------------------------------- the schedule
 
     def run(self, num_chunks: int, forward_only: bool = False) -> list[torch.Tensor]:
-        """One pass over `num_chunks` micro-batches (collective over the pp group). Returns the per-micro-batch
-        losses on pp rank 0 (the others return []). Gradients accumulate into the parameters' .grad."""
+        """One pass over `num_chunks` micro-batches (collective over the pp group), gradients accumulating into .grad;
+        returns the per-micro-batch losses on pp rank 0 ([] on the others)."""
         n, r = self.pp, self.rank
         if num_chunks < 2 * n:
             raise ValueError(f"DualPipeV needs at least 2*pp = {2 * n} micro-batches per step, got {num_chunks}; "

@@ -54,8 +54,8 @@ def _attempt() -> int:
 
 
 def _stop_marker() -> Path | None:
-    """Where the ranks leave the error that stopped the run: $MOE_TRAIN_STOP_FILE (launch.sh sets it and prints
-    the line again after torchrun's summary), else a temp file named after torchrun's run id."""
+    """Where the ranks leave the error that stopped the run: $MOE_TRAIN_STOP_FILE (launch.sh's, printed again after
+    torchrun's summary), else a temp file named after torchrun's run id."""
     if os.environ.get("MOE_TRAIN_STOP_FILE"):
         return Path(os.environ["MOE_TRAIN_STOP_FILE"])
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
@@ -238,9 +238,8 @@ class Watchdog:
 
 
 def grads_finite(model: torch.nn.Module) -> tuple[torch.Tensor, list[str]]:
-    """(bool tensor: every local gradient finite, parameter names in order of the per-tensor check). One fused
-    norm per tensor: a non-finite element makes its tensor's norm non-finite. Under FSDP2 (core/fsdp.py) a
-    gradient is this rank's reduced shard (a DTensor): its local part is checked."""
+    """(bool tensor: every local gradient finite, parameter names in order of the check), by one fused norm per
+    tensor; under FSDP2 (core/fsdp.py) the local part of this rank's reduced shard is checked."""
     named = [(n, p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()
              if p.grad is not None]
     if not named:
