@@ -1,6 +1,5 @@
-"""Which attention kernel runs when. Every recipe calls one function, `attention` (end of the file): it gathers K
-and V over cp when they are this rank's part (core/context.py:gather_kv) and its docstring's table says which
-kernel runs for each device, mask, sinks and selection. Model-agnostic.
+"""Which attention kernel runs when, model-agnostic. Every recipe calls `attention` (end of the file), which gathers
+K and V over cp (core/context.py:gather_kv); its docstring's table says which kernel runs.
 
 Masks come from global positions, once per forward for every layer (`cp_attention_mask` -> a `CPMask`): causal
 (j <= i), optional sliding window (i - window < j, GPT-OSS) and documents of packed sequences. Attention sinks

@@ -1,5 +1,4 @@
-"""ZeRO-1 AdamW: gradients reduce-scattered and optimizer state sharded over the ranks that replicate a
-parameter, weights all-gathered after the step.
+"""ZeRO-1 AdamW: gradients reduce-scattered and state sharded over a parameter's replicas, weights all-gathered.
 
 Why not FSDP2 (core/fsdp.py, --shard fsdp): every rank keeps its full fp32 weights, so nothing is gathered per
 micro-batch and the pipeline can run forwards, backwards and delayed weight gradients in any order without hooks;

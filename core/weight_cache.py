@@ -1,5 +1,4 @@
-"""Low-precision copies of weights, made once per optimizer step and reused by every micro-batch: the FP8 pairs of
-core/fp8.py and the bf16 casts of the bf16 path (routed experts, LM head).
+"""Low-precision weight copies made once per optimizer step for every micro-batch (core/fp8.py's pairs, bf16 casts).
 
 An entry is keyed by storage address, shape, dtype and kind of copy (torch.compile may hand an op an alias; aliases
 share the version counter) and keeps the parameter alive. It is stale when the version counter moved or after

@@ -23,8 +23,8 @@ BLOCK = 64  # pairs per program; the rank step compares [BLOCK, BLOCK] ids
 
 
 def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[E] int64: how many of `ids` (any shape) name each expert in [0, E); other ids (negative: an empty slot)
-    are not counted. No host sync (torch.bincount syncs on CUDA to size its output)."""
+    """[E] int64: how many of `ids` (any shape) name each expert in [0, E), others not counted. No host sync (unlike
+    torch.bincount on CUDA)."""
     flat_N = ids.reshape(-1).long()
     slot_N = torch.where((flat_N >= 0) & (flat_N < num_experts), flat_N, num_experts)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
