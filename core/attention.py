@@ -1,26 +1,17 @@
-"""Which attention kernel runs when. Every recipe calls one function, `attention` (end of the file): it gathers K
-and V over cp when they are this rank's part (core/context.py:gather_kv) and its docstring's table says which
-kernel runs for each device, mask, sinks and selection. Model-agnostic.
+"""Which attention kernel runs when, model-agnostic. Every recipe calls `attention` (end of the file), which gathers
+K and V over cp (core/context.py:gather_kv); its docstring's table says which kernel runs.
 
-Masks are built from global positions, once per forward and reused by every layer (`cp_attention_mask` -> a
-`CPMask`): causal (key j visible from query i iff j <= i), optional sliding window (i - window < j <= i, GPT-OSS)
-and optional document boundaries of packed sequences (same document only). Attention sinks (GPT-OSS: one logit per
-head in the softmax denominator, with no value) are applied over the gathered keys.
+Masks come from global positions, once per forward for every layer (`cp_attention_mask` -> a `CPMask`): causal
+(j <= i), optional sliding window (i - window < j, GPT-OSS) and documents of packed sequences. Attention sinks
+(GPT-OSS: one logit per head in the softmax denominator, no value) apply over the gathered keys.
 
-Two backends read one CPMask. On CUDA: flex_attention (compiled, flash-class) with a BlockMask built from the
-positions block by block (empty key blocks skipped, fully visible ones run without the mask function): memory
-O(S + K) per head plus an int32 [S/128, K/128] block table, instead of SDPA's math kernel that a boolean mask
-with GQA falls back to ([B, N, S, K] fp32 scores). Sinks enter through flex's log-sum-exp. Elsewhere (CPU
-training, tests): the explicit reference over a dense boolean [B, S, K] (`attention_reference`). flex_attention
-has no backward on CPU (torch 2.13), so the CPU cannot train on it; its forward runs there (unfused) and is
-tested against the reference. Per-chunk SDPA calls merged by log-sum-exp were not used: public SDPA returns no
-log-sum-exp to merge with, and window or document blocks would need a mask, which sends SDPA back to the math
-kernel.
-
-A CPMask may also be per head: a block selection (block-sparse attention: for each batch, head and block of
-queries, the key blocks it attends, in global key positions; `select_from_indices`) or a per-head mask (blocks of
-1). On CUDA the BlockMask then has a head dimension, and a tile no head-block selects is never loaded; on CPU the
-reference.
+On CUDA flex_attention (compiled) reads the CPMask as a BlockMask (empty key blocks skipped, fully visible ones
+unmasked): O(S + K) memory per head plus an int32 [S/128, K/128] block table, not the [B, N, S, K] fp32 scores of
+SDPA's math kernel (where a boolean mask with GQA falls back); sinks enter through flex's log-sum-exp. Elsewhere the
+reference over a dense boolean [B, S, K] (`attention_reference`): flex_attention has no CPU backward (torch 2.13).
+Not per-chunk SDPA merged by log-sum-exp: public SDPA returns none, and window or document blocks need a mask.
+A CPMask may be per head: a block selection (block-sparse attention, `select_from_indices`) or a per-head mask
+(blocks of 1); on CUDA the BlockMask then has a head dimension and unselected tiles are never loaded.
 
 Legend: B batch, S local sequence (this rank's queries, = K / cp), K whole sequence (gathered keys), N query
 heads, G key/value heads, n = N / G query heads per kv head, D head dim of q and k, E head dim of v.
@@ -39,8 +30,7 @@ from core.precision import upcast
 
 
 def attention_mask(q_pos_S, k_pos_K, window: int | None = None, q_doc_BS=None, k_doc_BK=None) -> torch.Tensor:
-    """Boolean [B or 1, S, K], True where query i may see key j: j <= i, i - window < j (if window), and
-    the same document (if doc ids are given)."""
+    """Boolean [B or 1, S, K], True where query i sees key j: j <= i, i - window < j, the same document."""
     i, j = q_pos_S[:, None], k_pos_K[None, :]
     mask_SK = j <= i
     if window is not None:
@@ -52,12 +42,10 @@ def attention_mask(q_pos_S, k_pos_K, window: int | None = None, q_doc_BS=None, k
 
 @dataclass(eq=False)
 class CPMask:
-    """Which of the K gathered keys (global positions 0..K-1) this rank's queries see. dense() for the reference,
-    block_mask() for flex_attention; each built once and cached (one mask serves every layer of a forward).
-
-    Optionally per head: select_BNQJ (from with_selection) keeps, for each (batch, query head, block of `select_block`
-    local queries), the key blocks of `select_block` global key positions it may attend; the rule above (causal,
-    window, documents) still applies inside them. select_block 1 is a per-head mask [B, N, S, K]."""
+    """Which of the K gathered keys (global positions 0..K-1) this rank's queries see: dense() for the reference,
+    block_mask() for flex_attention, each cached (one mask serves every layer of a forward). select_BNQJ (from
+    with_selection): per (batch, query head, block of `select_block` local queries) the key blocks it may attend,
+    the rule (causal, window, documents) applying inside them; select_block 1 is a per-head mask [B, N, S, K]."""
 
     q_pos_S: torch.Tensor  # global positions of this rank's queries
     seq_len: int  # K
@@ -131,11 +119,9 @@ class CPMask:
         return pool(False, torch.any), pool(True, torch.all)
 
     def block_kinds(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(partial, full), boolean [B or 1, N or 1, ceil(S/block), ceil(K/block)], from each block's smallest and
-        largest position and document id (and the selection's cells), never from an [S, K] tensor. full: every pair
-        visible (exact: all keys at or before the earliest query, inside the window of the latest, one document,
-        every cell selected). partial: some pair may be visible and the block is not full (a superset is harmless:
-        mask_mod decides inside it). Device ops only (no .item(), nonzero or tolist): no host sync."""
+        """(partial, full), bool [B or 1, N or 1, ceil(S/block), ceil(K/block)], from each block's extreme positions
+        and document ids (and the selection's cells), never an [S, K] tensor, with no host sync. full: every pair
+        visible (exact); partial: some pair may be visible and not full (a superset is harmless: mask_mod decides)."""
         S, K = self.q_pos_S.numel(), self.seq_len
         dev = self.q_pos_S.device
 
@@ -196,12 +182,9 @@ def select_from_indices(key_blocks_BNQk: torch.Tensor, num_key_blocks: int) -> t
 
 def cp_attention_mask(seq_len: int, cp_rank: int = 0, cp_size: int = 1, window: int | None = None,
                       doc_ids_BK=None, device=None) -> CPMask | None:
-    """The mask of this rank's queries over the whole (gathered) sequence of length seq_len.
-
-    doc_ids_BK are the document ids of the WHOLE sequence: every cp rank reads the whole sequence before it
-    splits it, so they are known locally and cost no communication (core/context.py:doc_ids_from_eos). Positions are not
-    used for this because they run on across documents here (global positions for rope).
-    Returns None for plain causal attention without cp: attend then takes SDPA's is_causal path."""
+    """The mask of this rank's queries over the whole (gathered) sequence of length seq_len. doc_ids_BK: document
+    ids of the WHOLE sequence (known on every cp rank, core/context.py:doc_ids_from_eos); positions cannot mark
+    documents (they run on across them, global for rope). None for plain causal attention without cp (is_causal)."""
     if window is not None and window < 1:
         raise ValueError(f"sliding window {window} must be >= 1 (a query always sees itself) or None for no window")
     if cp_size == 1 and window is None and doc_ids_BK is None:
@@ -215,10 +198,9 @@ def cp_attention_mask(seq_len: int, cp_rank: int = 0, cp_size: int = 1, window: 
 
 
 def attention_reference(q_BNSD, k_BGKD, v_BGKE, mask_BSK=None, scale=None, sinks_N=None) -> torch.Tensor:
-    """Explicit attention (trains on CPU, any mask, sinks): logits in the input dtype, softmax in fp32 as
-    transformers does. mask: None = causal with queries and keys at the same positions, a CPMask, a boolean
-    [B or 1, S, K], or per head [B or 1, N or 1, S, K] (a query that sees no key then outputs 0, as flex does).
-    Returns [B, N, S, E]."""
+    """Explicit attention [B, N, S, E] (trains on CPU): logits in the input dtype, softmax in fp32 as transformers.
+    mask: None (causal, same positions), a CPMask, bool [B or 1, S, K] or per head [B or 1, N or 1, S, K] (a query
+    that sees no key then outputs 0, as flex does)."""
     B, N, S, D = q_BNSD.shape
     G, K = k_BGKD.shape[1], k_BGKD.shape[2]
     if isinstance(mask_BSK, CPMask):
@@ -258,9 +240,8 @@ _compiled_flex = None
 
 
 def flex_attend(q_BNSD, k_BGKD, v_BGKE, mask: CPMask, scale=None, sinks_N=None, block: int = 128) -> torch.Tensor:
-    """flex_attention over mask.block_mask(block), compiled on CUDA (a fused kernel: no [S, K] scores in memory),
-    eager elsewhere (forward only, unfused: for tests). Under autocast it runs in the autocast dtype, like SDPA.
-    Returns [B, N, S, E]."""
+    """flex_attention [B, N, S, E] over mask.block_mask(block): compiled on CUDA (fused), eager elsewhere (forward
+    only, for tests); under autocast in the autocast dtype, like SDPA."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention  # torch >= 2.9
 
@@ -289,31 +270,26 @@ def attention(q_BNSD, k_BGSD, v_BGSE, mask=None, cp_group=None, scale=None, sink
               select_BNQJ=None, select_block: int = 1) -> torch.Tensor:
     """Every recipe's attention: this rank's queries over the keys of the whole sequence. Returns [B, N, S, E].
 
-    q [B, N, S, D]; k [B, G, S or K, D] and v [B, G, S or K, E] (G divides N: GQA, query head h reads kv head
-    h // (N / G)). mask: None (plain causal, queries and keys at the same positions), a CPMask
-    (cp_attention_mask: global positions under cp, window, documents) or a boolean [B or 1, S, K]. cp_group: the
-    group K and V are gathered over (gather_kv) when they hold fewer positions than the mask's K, i.e. this rank's
-    split_for_cp part; keys of the whole sequence (e.g. expanded from an MLA latent the caller gathered) are used
-    as given. scale: None = D**-0.5. sinks_N: one logit per head in the softmax denominator (GPT-OSS).
-    select_BNQJ: a per-head block selection, bool [B or 1, N or 1, ceil(S/select_block), ceil(K/select_block)]
-    (index form: select_from_indices), ANDed with the mask's rule (CPMask.with_selection); select_block 1 makes
-    it a per-head mask [B, N, S, K]. A query that sees no key outputs 0.
+    q [B, N, S, D]; k [B, G, S or K, D], v [B, G, S or K, E] (GQA: query head h reads kv head h // (N / G)). mask:
+    None (causal, same positions), a CPMask (cp_attention_mask) or bool [B or 1, S, K]. cp_group: K and V are
+    gathered over it (gather_kv) when they hold fewer positions than the mask's K; whole-sequence keys (e.g. from
+    an MLA latent the caller gathered) are used as given. scale: None = D**-0.5. sinks_N: GPT-OSS's sink logits.
+    select_BNQJ: a per-head block selection (CPMask.with_selection; select_from_indices); a query that sees no key
+    outputs 0.
 
     Which kernel runs (the one place that decides):
 
     | device | mask                                   | sinks | select | kernel                                   |
     |--------|----------------------------------------|-------|--------|------------------------------------------|
     | any    | None                                   | no    | no     | SDPA is_causal (flash on CUDA)           |
-    | CUDA   | CPMask; None with sinks or a selection | any   | any    | flex_attention compiled, BlockMask       |
-    |        |                                        |       |        | [B, N or 1] of 128-blocks, once per mask |
+    | CUDA   | CPMask; None with sinks or a selection | any   | any    | flex_attention, BlockMask of 128-blocks  |
     | CPU    | CPMask                                 | no    | no     | SDPA with the dense boolean mask         |
     | CPU    | None or CPMask                         | yes   | any    | attention_reference (fp32 softmax)       |
     | CPU    | None or CPMask                         | any   | yes    | attention_reference                      |
     | any    | boolean tensor                         | no    | no     | SDPA with that mask                      |
     | any    | boolean tensor                         | yes   | no     | attention_reference                      |
 
-    cp changes only K: the gather, then the same table (the mask holds global positions; a selection's key blocks
-    are global, its query blocks this rank's own, in split_for_cp order)."""
+    cp changes only K: the gather, then the same table (a selection's key blocks are global, its query blocks local)."""
     B, N, S, _ = q_BNSD.shape
     G = k_BGSD.shape[1]
     if N % G:

@@ -1,17 +1,14 @@
 """Distributed training checkpoints with torch.distributed.checkpoint (DCP).
 
-Layout: <dir>/step_00000100/ holds one DCP checkpoint (model, optimizer, scheduler, data position, RNG of
-every rank, step). It is written as step_00000100.tmp/ and renamed only after every rank has finished, so
-a crash during a save leaves the previous step_* folder as the newest complete one; a leftover .tmp folder
-is ignored and overwritten. Checkpointer also writes in the background (DCP async_save), renaming in the same way
-once every rank's write has finished. Before loading, every shard .metadata names must exist at its full size
-(check_files); `--resume auto` falls back to the previous checkpoint, with one warning line naming the file, if the
-newest is damaged or cannot be read, and an explicit --resume folder fails in one line.
-After a torchrun restart an empty --resume means auto; on a first attempt it refuses to start over a folder that
-already holds checkpoints (it would overwrite them). The model and optimizer state comes from `ShardedAdamW.checkpoint_state`:
-tensors named by parameter, sharded ones as DTensors with their global shapes, so DCP reshards a checkpoint
-onto another (dp, ep) layout at load. Loading unpickles nothing but DCP's own metadata classes, torch.Size and
-dtypes (.metadata), and plain values with torch.load(weights_only=True) (the scheduler, data and RNG state).
+Layout: <dir>/step_00000100/ holds one DCP checkpoint (model, optimizer, scheduler, data position, RNG of every
+rank, step), written as step_00000100.tmp/ (also in the background, DCP async_save) and renamed once every rank
+has finished, so a crash leaves the previous step_* folder the newest complete one (a leftover .tmp is overwritten).
+Before loading, every shard .metadata names must exist at its full size (check_files); `--resume auto` falls back
+to the previous checkpoint with one warning line if the newest is damaged, an explicit --resume folder fails in one
+line. After a torchrun restart an empty --resume means auto; a first attempt refuses a folder that already holds
+checkpoints. The state comes from `ShardedAdamW.checkpoint_state` (DTensors with global shapes), so DCP reshards it
+onto another layout. Loading unpickles only DCP's metadata classes, torch.Size and dtypes, and plain values with
+torch.load(weights_only=True).
 """
 
 import io
@@ -104,20 +101,17 @@ def complete_checkpoints(ckpt_dir) -> list[Path]:
 
 
 def save_checkpoint(ckpt_dir, step: int, state: dict, extra: dict, rank: int, keep: int = 2) -> Path:
-    """Collective: every rank calls it. `state` holds model and optimizer tensors; `extra` small picklable
-    state shared by all ranks (scheduler, data position); each rank's RNG goes under its own key. Keeps the
-    newest `keep` checkpoints. A blocking save (Checkpointer: also in the background)."""
+    """Blocking save, collective. `state`: model and optimizer tensors; `extra`: small picklable state shared by all
+    ranks (scheduler, data position); each rank's RNG under its own key. Keeps the newest `keep` checkpoints."""
     checkpointer = Checkpointer(ckpt_dir, rank, keep, asynchronous=False)
     checkpointer.save(step, state, extra)
     return checkpointer.complete()
 
 
 class Checkpointer:
-    """Writes checkpoints one at a time, blocking or (asynchronous) in the background: `save` stages the state
-    in host memory (DCP's async_save), a thread writes it while training goes on. Either way the folder is
-    step_N.tmp/ until `complete` (collective): every rank's write has finished, then rank 0 renames it to step_N/
-    and prunes to the newest `keep`; a crash before that leaves the previous checkpoint the newest. A background
-    write gathers its results over a gloo group of its own, never interleaved with the training's collectives.
+    """Writes checkpoints one at a time, blocking or in the background (`save` stages the state in host memory, DCP's
+    async_save; a thread writes it, gathering results over a gloo group of its own). The folder is step_N.tmp/ until
+    `complete` (collective): after every rank's write, rank 0 renames it to step_N/ and prunes to the newest `keep`.
     train.py calls `complete` at the first step boundary where no rank is still writing (StopRequest.agree), before
     the next save, and at the end of the run."""
 
@@ -245,10 +239,9 @@ def check_files(path: Path, metadata) -> None:
 
 
 def _reshape_targets(state: dict, keys: dict, prefix: str = "") -> list:
-    """Where the checkpoint holds a tensor of another shape with as many elements (ZeRO-1's flat Adam moments,
-    core/optimizer.py, against FSDP2's shaped ones, core/fsdp.py, or back): the entry of `state` is swapped for
-    a tensor of the saved shape, sharded over the target's mesh as Shard(0), and [(target, swapped)] returned
-    for load_checkpoint to copy back reshaped."""
+    """Where the checkpoint holds a tensor of another shape with as many elements (ZeRO-1's flat Adam moments against
+    FSDP2's shaped ones, or back), swap `state`'s entry for one of the saved shape, Shard(0) over the target's mesh;
+    returns [(target, swapped)] for load_checkpoint to copy back reshaped."""
     found = []
     for k, v in state.items():
         meta = keys.get(prefix + k)

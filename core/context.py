@@ -1,21 +1,11 @@
-"""How a sequence is split and gathered over context parallelism (cp): the cp ranks of a group share one sequence,
-each keeps 2 of its 2*cp chunks (`split_for_cp`, global positions `cp_positions`), and a layer that needs the
-whole sequence (attention's keys and values, a linear attention's chunk summaries) all-gathers it in global order
-(`gather_sequence`). Which attention kernel then runs over the gathered keys is core/attention.py's question.
-Model-agnostic.
-
-Load balance: the sequence is cut into 2*cp chunks and cp rank r keeps chunks r and 2*cp-1-r, so every rank
-holds one early chunk (few visible keys under the causal mask) and one late chunk (many): equal work per rank.
-
-What travels is whatever the model passes to `gather_sequence`: K and V side by side for GQA models (`gather_kv`,
-one collective per layer), the compressed latent + shared rope key for MLA (576 numbers per token for
-DeepSeek-V2-Lite instead of 5120), expanded afterwards on every rank. Backward hands each rank the sum of all
-ranks' gradients for its own chunks (a reduce-scatter): on gloo and nccl alike `dist.reduce_scatter`. World size /
-cp = 1 runs the same code, collective skipped.
-
-Documents of packed sequences: every cp rank reads the whole sequence before splitting it, so document ids of the
-whole sequence (`doc_ids_from_eos`) and where each document starts (`document_starts`) are known locally and cost
-no communication.
+"""How a sequence is split and gathered over context parallelism (cp), model-agnostic: cp rank r of a group keeps
+chunks r and 2*cp-1-r of the sequence's 2*cp (`split_for_cp`, global positions `cp_positions`), so every rank holds
+one early chunk (few visible keys under the causal mask) and one late one (many): equal work. A layer that needs
+the whole sequence all-gathers it in global order (`gather_sequence`): K and V side by side (`gather_kv`, one
+collective per layer), or MLA's latent + rope key (576 numbers per token for DeepSeek-V2-Lite instead of 5120),
+expanded on every rank; backward reduce-scatters each rank's chunks' gradients. cp = 1 skips the collective.
+Every cp rank reads the whole sequence before splitting it, so document ids (`doc_ids_from_eos`) and document
+starts (`document_starts`) cost no communication. Which attention kernel runs is core/attention.py's question.
 
 Legend: B batch, S local sequence (this rank's tokens, = K / cp), K whole sequence, G key/value heads, D head dim
 of k, E head dim of v.
@@ -65,10 +55,8 @@ def merge_from_cp(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 
 
 class _GatherSequence(torch.autograd.Function):
-    """Forward: all-gather the cp ranks' parts, lay them out in global order. Backward: every rank holds a
-    gradient for the whole sequence (its queries looked at all keys); the owner of a chunk needs the sum over
-    ranks, so cut the gradient back into per-owner parts and reduce-scatter them. gloo has reduce_scatter
-    (checked on torch 2.13), so CPU and GPU run the same two collectives."""
+    """Forward: all-gather the cp ranks' parts in global order. Backward: each rank's gradient covers the whole
+    sequence; a chunk's owner needs the sum over ranks: a reduce-scatter (gloo has it too on torch 2.13)."""
 
     @staticmethod
     def forward(ctx, x, group, dim):
@@ -95,11 +83,10 @@ def gather_sequence(x: torch.Tensor, cp_group=None, dim: int = 1) -> torch.Tenso
 
 
 def on_whole_sequence(fn, x: torch.Tensor, cp_group=None, dim: int = 1):
-    """fn on whole sequences under cp, for a decision that couples the tokens of a sequence (a capacity rule, an
-    expert choice: each expert keeping the top-C tokens of the sequence by score). x: this rank's split_for_cp part
-    of a per-token tensor; fn gets the whole sequences in global order (gather_sequence; every cp rank computes
-    the same) and returns a tensor or a tuple of them, of which this rank's part comes back (split_for_cp along
-    dim): the result equals one process's under any cp, gradients flow to every token's owner. None: fn(x)."""
+    """fn on whole sequences under cp, for a decision coupling a sequence's tokens (e.g. expert choice: top-C tokens
+    by score). x: this rank's split_for_cp part of a per-token tensor; fn gets the gathered sequences (every cp rank
+    computes the same) and returns a tensor or tuple, of which this rank's part (along dim) comes back: equal to one
+    process's result under any cp, gradients flowing to every token's owner. cp_group None: fn(x)."""
     if cp_group is None:
         return fn(x)
     out = fn(gather_sequence(x, cp_group, dim))
@@ -108,22 +95,16 @@ def on_whole_sequence(fn, x: torch.Tensor, cp_group=None, dim: int = 1):
 
 
 def gather_kv(k_BGSD, v_BGSE, cp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """K [B, G, K, D] and V [B, G, K, E] of the whole sequence from this rank's parts: one all-gather, K and V
-    side by side. `attention` calls it when given this rank's part; a variant that needs the whole sequence's
-    keys before attending (e.g. to score key blocks) calls it itself and passes the result."""
+    """K [B, G, K, D] and V [B, G, K, E] of the whole sequence from this rank's parts, in one all-gather. `attention`
+    calls it; a variant that needs the whole keys first (e.g. to score key blocks) calls it and passes the result."""
     D = k_BGSD.shape[-1]
     kv_BGKX = gather_sequence(torch.cat([k_BGSD, v_BGSE], -1), cp_group, dim=2)
     return kv_BGKX[..., :D], kv_BGKX[..., D:]
 
 
-# MLA (DeepSeek-V2, recipes/deepseek_v2_lite/model.py): gather the latent instead of the expanded K/V, then
-# expand on every rank:
-#   latent_BKC = gather_sequence(torch.cat([kv_a_layernorm(c_kv_BSC), rope(k_rope_BSR)], -1), cp_group, dim=1)
-#   k_nope, v = kv_b_proj(latent[..., :512]) ...; k = cat(k_nope, k_rope broadcast over heads)   # 512 + 64 per token
-#   out = core.attention.attention(q_BNSD, k_BNKD, v_BNKE, mask, cp_group, scale)  # keys whole: no second gather
-# Norm and rope run before the gather, once per token on its owner. The expansion of the whole sequence is
-# repeated on each cp rank (a [K, 512] x [512, N*(128+128)] matmul, small next to attention); its weight gradient
-# is partial per rank and summed with the other dense gradients.
+# MLA (recipes/deepseek_v2_lite/model.py) gathers its normed latent + roped key (512 + 64 per token) instead of K/V
+# and expands them on every cp rank (a matmul small next to attention; its weight gradient is partial per rank,
+# summed with the other dense gradients), then hands attention whole keys (no second gather).
 
 
 # ------------------------------------------------------------------------------------------- documents
@@ -138,8 +119,7 @@ def document_starts(doc_ids_BS: torch.Tensor) -> torch.Tensor:
 
 
 def doc_ids_from_eos(input_ids_BK: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Document index [B, K] of each token of packed sequences, each document ended by eos (eos belongs to the
-    document it ends)."""
+    """Document index [B, K] of each token of packed sequences, each document ended by (and holding) eos."""
     is_eos = (input_ids_BK == eos_id).long()
     return is_eos.cumsum(1) - is_eos
 
@@ -148,9 +128,8 @@ def doc_ids_from_eos(input_ids_BK: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 
 def cp_bytes_received_per_layer(seq_len: int, cp: int, numbers_per_token: int, bytes_per_element: int = 2) -> int:
-    """Bytes one cp rank receives per layer in forward: the other ranks' (cp-1)/cp of the sequence, each token
-    carrying numbers_per_token values (G * (D + E) for K and V, or the MLA latent width). Backward's
-    reduce-scatter sends the same amount back."""
+    """Bytes one cp rank receives per layer in forward (backward sends as much back): the other ranks' (cp-1)/cp of
+    the sequence, numbers_per_token values each (G * (D + E) for K and V, or the MLA latent width)."""
     _check_seq_len(seq_len, cp)
     return (cp - 1) * (seq_len // cp) * numbers_per_token * bytes_per_element
 

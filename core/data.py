@@ -3,24 +3,20 @@
 A dataset is a directory written by `python -m tools.prepare_data`:
   meta.json          {"format", "dtype", "vocab_size", "eos_id", "num_tokens", "num_documents", "shards", "tokenizer"}
   tokens_00000.bin   raw little-endian uint16/uint32 token ids, ...
-Raw text (format 1): documents are concatenated, each followed by eos_id, so the shards are one token stream. The
-loader cuts that stream into windows of seq_len+1 tokens (stride seq_len), shuffles them per epoch with a seeded
-permutation and hands each data-parallel rank its slice of the global batch.
+Raw text (format 1): documents concatenated, each followed by eos_id: one token stream, cut into windows of
+seq_len+1 tokens (stride seq_len), shuffled per epoch with a seeded permutation; each data-parallel rank takes its
+slice of the global batch.
 
-Documents with loss masks (format 2, conversations from `tools.prepare_data --chat`): meta.json also holds
-"packing": "documents", "masks" (mask_00000.bin ...: one uint8 per token, 1 where the token is trained, the shards
-of the token shards' sizes), "documents" (documents.bin: int64 start offset of every document in the stream, and
-the stream's end) and "max_document_tokens". No eos is added: the chat template ends each turn itself. The
-loader never splits a document: a seeded permutation of the documents is packed, in that order, into windows of
-seq_len tokens (next fit: a document that does not fit the current window starts the next), each padded with
-eos_id tokens that are not trained and form a document of their own; those windows are then shuffled per epoch as
-the stream windows are. Inside a window, the label of token t is token t+1 when that one is trained and in the
-same document, else -100 (ignored).
+Documents with loss masks (format 2, `tools.prepare_data --chat`): meta.json also holds "packing": "documents",
+"masks" (mask_00000.bin ...: one uint8 per token, 1 = trained), "documents" (documents.bin: int64 start of every
+document, and the stream's end) and "max_document_tokens"; no eos is added (the chat template ends each turn).
+Documents are never split: a seeded permutation of them is packed into windows of seq_len tokens (next fit), each
+padded with untrained eos_id tokens (a document of their own), and the windows are shuffled per epoch. The label
+of token t is token t+1 when that one is trained and in the same document, else -100.
 
-Everything is a pure function of (seed, step), which is what makes resume exact and lets the number of ranks
-change between runs. `next_batch(documents=True)` also returns each token's document index in its window
-(format 1: from the eos tokens, core.context.doc_ids_from_eos), from which train.py builds the block-causal
---document-mask and positions that restart at every document (positions_in_documents).
+Everything is a pure function of (seed, step): resume is exact and the number of ranks may change between runs.
+`next_batch(documents=True)` also returns each token's document index (format 1: core.context.doc_ids_from_eos),
+for train.py's --document-mask and positions restarting at every document (positions_in_documents).
 """
 
 import json
@@ -48,9 +44,8 @@ def _dtype(name: str) -> np.dtype:
 
 def write_shards(token_docs: Iterable, out_dir, vocab_size: int, eos_id: int, tokenizer: dict,
                  shard_tokens: int = 2**26, extra: dict | None = None, loss_masks: bool = False) -> dict:
-    """Pack documents into shards of shard_tokens tokens; return the meta written (with `extra`'s fields added).
-    token_docs: lists of token ids, each then followed by eos_id (format 1); with loss_masks, (ids, mask) pairs
-    (mask: 0/1 per token, 1 = trained) written as they are, with their boundaries (format 2, see the top)."""
+    """Pack documents into shards of shard_tokens tokens; return the meta written (plus `extra`). token_docs: token id
+    lists, each then followed by eos_id (format 1); with loss_masks, (ids, 0/1 mask) pairs as they are (format 2)."""
     assert shard_tokens > 0 and 0 <= eos_id < vocab_size
     os.makedirs(out_dir, exist_ok=True)
     # drop the old meta.json first: while we overwrite shards the directory must not look complete
@@ -317,10 +312,9 @@ def parse_mixture(spec: str) -> list[tuple[str, str, float]]:
 
 def mixture_counts(weights: list[float], global_batch: int, steps: np.ndarray, seed: int) -> np.ndarray:
     """Sequences of each source in each of `steps` [len(steps), sources]: the floor of its quota weight x
-    global_batch, the batch's remaining slots to the sources by systematic sampling over the quotas' fractional
-    parts at an offset that walks the golden-ratio sequence from a seeded start. So a step's count is within 1 of
-    its quota (below 1 in both directions), each source's mean over steps is its quota, and the counts of any step
-    need no earlier step (exact resume at any step)."""
+    global_batch, the remaining slots by systematic sampling over the quotas' fractional parts at a golden-ratio
+    offset from a seeded start. A step's count is within 1 of its quota, each source's mean is its quota, and no
+    step's counts need an earlier step (exact resume)."""
     quota = np.asarray(weights, dtype=np.float64) * global_batch
     floor = np.floor(quota)
     edges = np.concatenate([[0.0], np.cumsum(quota - floor)])  # the fractional parts laid end to end
@@ -332,13 +326,11 @@ def mixture_counts(weights: list[float], global_batch: int, steps: np.ndarray, s
 
 
 class MixtureLoader:
-    """Batches of several datasets (TokenLoaders of the same tokenizer) by weight, with the TokenLoader interface
-    (next_batch, step, state_dict). Global step t has mixture_counts(t) sequences of each source at seeded
-    positions (a permutation per step); source s's j-th sequence is its draw number (its sequences in the steps
-    before t) + j of its own shuffled epochs, so within an epoch of a source no window comes twice, and everything
-    is a function of (seed, step) as in one dataset, whatever the number of data ranks. `sources` holds the source
-    index of each row of the last batch [local batch] (per-source loss). Rows of raw text keep plain causal
-    attention (document ids 0) under a document mask; rows of whole documents get theirs."""
+    """Batches of several datasets (TokenLoaders of one tokenizer) by weight, with the TokenLoader interface. Step t
+    has mixture_counts(t) sequences of each source at seeded positions; source s's j-th is draw (its sequences
+    before t) + j of its own shuffled epochs (no window twice within its epoch), all a function of (seed, step) for
+    any number of data ranks. `sources`: the source of each row of the last batch [local batch] (per-source loss).
+    Raw-text rows get document ids 0 (plain causal) under a document mask; rows of whole documents their own."""
 
     def __init__(self, sources: list[tuple[str, str, float]], seq_len: int, global_batch: int, rank: int = 0,
                  world: int = 1, seed: int = 0):
@@ -395,10 +387,9 @@ class MixtureLoader:
 
 def source_losses(names: list[str], sums_G: torch.Tensor, labels_BS: torch.Tensor, sources_B: torch.Tensor,
                   data_group) -> dict[str, float]:
-    """{"loss_<name>": cross-entropy per trained label of that source in the global batch} from this rank's
-    per-source loss sums (core/kernels/cross_entropy.py:LossGroups; zeros on ranks that hold no loss, pp > 0), its
-    labels and rows' sources: sums over every rank, label counts over the ranks holding other tokens (data_group;
-    None: this rank alone)."""
+    """{"loss_<name>": cross-entropy per trained label of that source in the global batch} from this rank's loss
+    sums (core/kernels/cross_entropy.py:LossGroups; zeros where pp > 0), labels and rows' sources: sums over every
+    rank, label counts over data_group (the ranks holding other tokens; None: this rank alone)."""
     counts_G = torch.zeros(len(names), dtype=torch.float64, device=labels_BS.device)
     counts_G.index_add_(0, sources_B, (labels_BS != -100).sum(1).double())
     if dist.is_initialized():

@@ -1,36 +1,27 @@
-"""Full sharding with FSDP2 (`torch.distributed.fsdp.fully_shard`, train.py `--shard fsdp`): fp32 master weights,
-gradients and AdamW state all on 1/n shards; the ZeRO-1 alternative (`--shard zero1`) is core/optimizer.py.
+"""Full sharding with FSDP2 (`fully_shard`, train.py `--shard fsdp`): fp32 weights, gradients and AdamW state on 1/n
+shards; the ZeRO-1 alternative (`--shard zero1`) is core/optimizer.py.
 
-Units and meshes (`shard_model`). Each MoE layer's routed experts (`layer.mlp.experts`) are one unit over the
-(dp, cp) mesh (each ep rank holds other experts); each decoder layer's other parameters one unit over
-(dp, cp, ep); the embedding one unit, and the root (final norm, head) one, over (dp, cp, ep). A parameter is a DTensor,
-Shard(0) of its full shape (FSDP2 chunks dim 0 as torch.chunk: ceil(d0 / n) rows; an expert tensor [L, H, J]
-therefore splits by whole experts when n divides L). Mixed precision: MixedPrecisionPolicy(param_dtype=bf16 on
-the bf16 path, reduce_dtype=fp32): weights gathered in bf16, gradients reduce-scattered and accumulated in fp32.
-Gradients are summed over the shard group (divide factor 1): losses are pre-divided by the global label count.
+Units (`shard_model`): each MoE layer's routed experts (`layer.mlp.experts`) over (dp, cp); each decoder layer's
+other parameters, the embedding, and the root (final norm, head), each over (dp, cp, ep). A parameter is a DTensor,
+Shard(0): ceil(d0 / n) rows, so an expert tensor [L, H, J] splits by whole experts when n divides L. Weights are
+gathered in bf16 (on the bf16 path), gradients reduce-scattered and accumulated in fp32, summed (divide factor 1:
+losses are pre-divided by the global label count).
 
 When shards are gathered and gradients reduced, in a step of n_micro micro-batches:
-  pp = 1   FSDP2's own hooks: a unit is all-gathered before its forward, freed after it (reshard_after_forward),
-           gathered again for its backward, and its gradient reduce-scattered into the fp32 shard as soon as its
-           backward ends, once per micro-batch (FSDP2 accumulates the shards). Per step and parameter:
-           n_micro x (2 all-gathers in bf16 + 1 reduce-scatter in fp32), against ZeRO-1's one fp32
-           reduce-scatter and one fp32 all-gather; memory 16/n bytes per parameter + the units in flight.
-  pp > 1   DualPipeV calls a layer's steps (attention, routed_experts, finish), not its forward, so no hook of
-           the dense units fires, and its W slots write delayed expert weight gradients after autograd's backward
-           of the chunk ended, so a per-unit reduction would miss them. So `gather` all-gathers every unit of the
-           rank once before the schedule (kept through it: reshard_after_forward False), gradients accumulate on
-           the unsharded parameters through all F, B and W slots, and `FSDPAdamW.reduce_gradients` runs after the
-           last W slot: each unit's FSDP2 post-backward (reduce-scatter, reshard) by hand, as torch's own
-           pipelining schedules do (torch.distributed.pipelining.stage: perform_reduce_grad). One all-gather (bf16)
-           and one reduce-scatter (fp32) per parameter and step; memory 16/n + 2 (the gathered bf16 copy) + 4 (the
-           unsharded gradient) bytes per parameter.
+  pp = 1   FSDP2's own hooks: a unit is gathered before its forward, freed after it, gathered again for its
+           backward, and its gradient reduce-scattered as soon as that ends, per micro-batch. Per step and
+           parameter: n_micro x (2 bf16 all-gathers + 1 fp32 reduce-scatter); memory 16/n bytes + units in flight.
+  pp > 1   DualPipeV calls a layer's steps, not its forward (no dense unit's hook fires), and its W slots write
+           expert weight gradients after the chunk's backward. So `gather` all-gathers the rank's units once
+           before the schedule (reshard_after_forward False), gradients accumulate unsharded through all F, B and
+           W slots, and `FSDPAdamW.reduce_gradients` runs each unit's post-backward (reduce-scatter, reshard) by
+           hand after the last W slot, as torch.distributed.pipelining.stage's perform_reduce_grad does. Per step
+           one bf16 all-gather and one fp32 reduce-scatter; memory 16/n + 2 + 4 (gathered copy, gradient) bytes.
 
-Optimizer (`FSDPAdamW`, ShardedAdamW's calls): torch's AdamW on the local shards (views of FSDP2's sharded
-storage, so the next all-gather reads the new weights); the global gradient norm sums every rank's local shards
-(they partition each parameter once). Checkpoints keep ZeRO-1's keys: dense weights as the DTensor parameters,
-routed experts per global expert id (`name[e]`, gathered over (dp, cp)), Adam moments of dense tensors as
-DTensors of the parameter's shape and of experts per id, so a checkpoint reshards to any layout and placement;
-a ZeRO-1 checkpoint's flat moments are read through their old layout (`after_load`).
+Optimizer (`FSDPAdamW`, ShardedAdamW's calls): torch's AdamW on the local shards (views of FSDP2's storage); the
+gradient norm sums every rank's shards. Checkpoints keep ZeRO-1's keys (routed experts per global id `name[e]`,
+dense moments as DTensors of the parameter's shape), so they reshard to any layout and placement; a ZeRO-1
+checkpoint's flat moments are read through their old layout (`after_load`).
 """
 
 import math
@@ -43,8 +34,7 @@ from core.optimizer import clip_grad_norm_, expert_checkpoint_entries, reinit_ro
 
 
 def shard_model(model: torch.nn.Module, mesh, bf16: bool) -> list[FSDPModule]:
-    """fully_shard the model's units in place (module docstring) over core.mesh.Mesh `mesh` (world > 1); returns
-    them, the root last."""
+    """fully_shard the model's units in place over core.mesh.Mesh `mesh` (world > 1); returns them, root last."""
     pp, dense_mesh = mesh.pp, mesh.replica_mesh()  # (dp, cp, ep) flattened
     expert_mesh = mesh.device_mesh["dp", "cp"]._flatten("dp_cp")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
@@ -174,10 +164,9 @@ class FSDPAdamW:
         return self.expert_ids[n][start: start + self.local[n].shape[0]]
 
     def checkpoint_state(self, model=None) -> dict:
-        """ZeRO-1's keys (core/optimizer.py:ShardedAdamW.checkpoint_state): 'model' the weights (dense: the DTensor
-        parameters; experts: name[e] for the experts of this rank's shard), 'optim' per parameter the step and the
-        moments (dense: DTensors of the parameter's shape; experts: per id). Expert entries are views of the
-        shards, so a load fills them in place."""
+        """ZeRO-1's keys (core/optimizer.py:ShardedAdamW.checkpoint_state): 'model' (dense: the DTensor parameters;
+        experts: name[e] of this rank's shard), 'optim' per parameter step and moments (dense: DTensors of the
+        parameter's shape; experts: per id, views of the shards that a load fills in place)."""
         self._init_state()
         model_sd, optim_sd = {}, {"lr": torch.tensor([g["lr"] for g in self.param_groups], dtype=torch.float64)}
         for n, p in self.params.items():

@@ -1,34 +1,26 @@
-"""Context parallelism for linear attention (Gated DeltaNet and any layer whose state update is linear):
-the causal depthwise conv1d and the gated delta rule over a sequence split by core/context.py:split_for_cp.
-Model-agnostic; with cp_group None both are the plain single-device operations.
+"""Context parallelism for linear attention (any layer whose state update is linear, e.g. Gated DeltaNet): the
+causal depthwise conv1d and the gated delta rule over a sequence split by core/context.py:split_for_cp
+(cp_group None: the plain single-device operations).
 
-A cp rank holds chunks r and 2cp-1-r of the 2cp chunks of every sequence. Nothing of the layer's activations is
-gathered over the sequence; two small things cross ranks per layer:
+A cp rank holds chunks r and 2cp-1-r of every sequence; no activations are gathered, only two small things:
 
-- Conv tails. A causal conv of width W reads the W-1 inputs before each token. Every rank contributes the last
-  W-1 inputs of each of its two chunks, one all-gather puts the 2cp tails in global order on every rank, and chunk
-  j is convolved after the tail of chunk j-1 (zeros for chunk 0). Backward: gather_sequence's reduce-scatter.
+- Conv tails. A causal conv of width W reads the W-1 inputs before each token: one all-gather of the last W-1
+  inputs of every chunk, and chunk j is convolved after chunk j-1's tail (zeros for chunk 0).
 - Chunk summaries. Per (batch, head), a chunk's effect on the state S [K, V] is affine: S_out = M S_in + C_, with
   M [K, K] the product of the chunk's transitions exp(g_t)(I - beta_t k_t k_t^T) and C_ [K, V] the state the
-  chunk builds from zero. The recurrence acts on each column of S alone, so one kernel pass with values
-  [v | 0] (width V + K) from the initial state [0 | I] gives, in the columns: C_ and M as the final state, and
-  per token the zero-state output o0_t and P_t = A_t^T q_t (A_t: the transitions up to t). The true output is
-  then o_t = o0_t + S_in^T P_t: no second pass once the entering state S_in is known. One all-gather of the 2cp
-  summaries [C_ | M] lets every rank compose the entering states S_{j+1} = M_j S_j + C_j locally (2cp small
-  matmuls, no sequential hops between ranks). Backward flows through the same gather (reduce-scatter of the
-  summaries' gradients).
+  chunk builds from zero. The recurrence acts on each column of S alone, so one kernel pass with values [v | 0]
+  (width V + K) from the state [0 | I] gives C_ and M as the final state, and per token the zero-state output o0_t
+  and P_t = A_t^T q_t (A_t: the transitions up to t); then o_t = o0_t + S_in^T P_t. One all-gather of the 2cp
+  summaries [C_ | M] lets every rank compose the entering states S_{j+1} = M_j S_j + C_j locally (no sequential
+  hops between ranks); backward reduce-scatters the summaries' gradients.
 
-Documents (doc_ids_BK, int [B, K], the ids of the WHOLE sequence as the attention masks take them: K = S, or
-S * cp under cp): the state entering a document's first token is 0 and the conv reads no input of an earlier
-document. Under cp a chunk's kernel pass gets the resets at its global positions (the chunk's first token too, when
-a document starts there); a reset inside chunk j zeroes M_j's columns from there on, so the same composition
-S_{j+1} = M_j S_j + C_j carries nothing across it. The conv's tails come from the same global ids: a tap of token
-t that reaches before t's document start contributes 0.
+Documents (doc_ids_BK, int [B, K], ids of the WHOLE sequence: K = S * cp): the state entering a document is 0 and
+the conv reads no earlier document's input. Under cp a chunk's pass gets the resets at its global positions; a
+reset inside chunk j zeroes M_j's columns from there on, so the composition carries nothing across it, and a conv
+tap reaching before its token's document start contributes 0.
 
-Cost: the kernel runs with value width V + K (with K = V about twice its FLOPs,
-core/kernels/gated_delta.py:chunk_gated_delta_flops_per_token with cp > 1) plus 2cp [K, K] x [K, V] matmuls per
-head. Bytes per layer: `cp_linear_attention_bytes_received_per_layer` (independent of the sequence length; it grows
-with cp - 1, like an all-gather of 2 summaries per rank).
+Cost: the kernel at value width V + K (about twice the FLOPs at K = V, chunk_gated_delta_flops_per_token) plus 2cp
+[K, K] x [K, V] matmuls per head; bytes: `cp_linear_attention_bytes_received_per_layer` (grows with cp - 1, not S).
 
 Legend: B batch, S local sequence (the rank's two chunks side by side, 2 * h), h tokens of one chunk, Hk key
 heads, Hv value heads, K key dim, V value dim, X = V + K, Ch conv channels, W conv width, R = 2 cp chunks.
@@ -56,9 +48,8 @@ def _one_sequence(x_2B_: torch.Tensor) -> torch.Tensor:
 
 
 def _conv(x_BTC: torch.Tensor, weight_CW: torch.Tensor, bias_C, activation, ids_BT=None) -> torch.Tensor:
-    """Depthwise conv over [B, T, Ch] already left-padded by W-1: [B, T - W + 1, Ch]. ids_BT (the document id of
-    every padded position): a tap reading another document than its output token's contributes 0 (W shifted
-    products, each masked; the plain path is torch's F.conv1d)."""
+    """Depthwise conv over [B, T, Ch] left-padded by W-1: [B, T - W + 1, Ch]. ids_BT (document ids of the padded
+    positions): a tap reading another document than its token's contributes 0 (W masked shifted products)."""
     W = weight_CW.shape[-1]
     if ids_BT is None:
         out_BSC = F.conv1d(x_BTC.transpose(1, 2).to(weight_CW.dtype), weight_CW.unsqueeze(1), bias_C,
@@ -83,10 +74,9 @@ def _check_doc_ids(doc_ids_BK, B: int, K: int):
 
 def causal_conv1d(x_BSC: torch.Tensor, weight_CW: torch.Tensor, bias_C: torch.Tensor | None = None,
                   activation: str | None = None, cp_group=None, doc_ids_BK=None) -> torch.Tensor:
-    """Causal depthwise conv1d (torch's F.conv1d, groups = channels): out_t = act(bias + sum_i w_i x_{t-W+1+i}),
-    inputs before the sequence start are 0. weight [Ch, W] (an nn.Conv1d's weight.squeeze(1)), activation None or
-    "silu". Under cp (x the rank's two chunks) each chunk starts after the tail of the chunk before it.
-    doc_ids_BK: int [B, S * cp], the whole sequence's document ids; inputs of an earlier document count as 0."""
+    """Causal depthwise conv1d: out_t = act(bias + sum_i w_i x_{t-W+1+i}), inputs before the start 0. weight [Ch, W]
+    (nn.Conv1d's weight.squeeze(1)), activation None or "silu". doc_ids_BK: int [B, S * cp], the whole sequence's
+    document ids; inputs of an earlier document count as 0."""
     if activation not in (None, "silu"):
         raise ValueError(f"causal_conv1d: activation {activation!r} is not supported; use None or 'silu'")
     W = weight_CW.shape[-1]
@@ -115,9 +105,8 @@ def causal_conv1d(x_BSC: torch.Tensor, weight_CW: torch.Tensor, bias_C: torch.Te
 def gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | None = None, initial_state_BHKV=None,
                      output_final_state: bool = False, chunk_size: int = 64, use_qk_l2norm_in_kernel: bool = False,
                      cp_group=None, doc_ids_BK=None):
-    """core/kernels/gated_delta.py:chunk_gated_delta_rule over a sequence split across cp_group (the arguments and
-    results are the same; the final state is the whole sequence's, on every rank). cp_group None: the kernel.
-    doc_ids_BK: int [B, S * cp], the whole sequence's document ids; the state is 0 entering each document."""
+    """core/kernels/gated_delta.py:chunk_gated_delta_rule over a sequence split across cp_group (None: the kernel);
+    the final state is the whole sequence's, on every rank. doc_ids_BK: int [B, S * cp], the whole sequence's."""
     cp, r = (1, 0) if cp_group is None else (dist.get_world_size(cp_group), dist.get_rank(cp_group))
     B, S, _, K = q_BSHK.shape
     _check_doc_ids(doc_ids_BK, B, S * cp)
@@ -153,9 +142,8 @@ def gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | Non
 def cp_linear_attention_bytes_received_per_layer(cp: int, value_heads: int, key_dim: int, value_dim: int,
                                                  conv_channels: int, conv_width: int, batch: int = 1,
                                                  state_bytes: int = 4, activation_bytes: int = 2) -> int:
-    """Bytes one cp rank receives per linear-attention layer in forward (backward's reduce-scatter sends the same
-    back): the other ranks' 2 (cp - 1) chunk summaries [K, K + V] per value head in fp32, plus their 2 (cp - 1)
-    conv tails of W - 1 inputs per channel. Independent of the sequence length."""
+    """Bytes one cp rank receives per linear-attention layer in forward (backward sends as much back): 2 (cp - 1)
+    chunk summaries [K, K + V] per value head in fp32 and 2 (cp - 1) conv tails of W - 1 inputs per channel."""
     summaries = 2 * (cp - 1) * batch * value_heads * key_dim * (key_dim + value_dim) * state_bytes
     tails = 2 * (cp - 1) * batch * (conv_width - 1) * conv_channels * activation_bytes
     return summaries + tails

@@ -1,35 +1,26 @@
 """Per-rank peak training memory of a recipe's model under a layout, by component, and whether it fits a GPU.
-Model-agnostic: every function receives the recipe's model module (its `Model`, `ModelConfig`, `tiny_config_path`)
-and a config; `check_train_args` is train.py's guard, `python -m tools.estimate_memory` prints the table.
+Model-agnostic (functions take the recipe's model module and a config); `check_train_args` is train.py's guard,
+`python -m tools.estimate_memory` prints the table.
 
 Components of the most loaded pipeline rank (every pp rank is built; the largest total is reported):
-  weights      fp32 master parameters: the recipe's Model built on `meta` for this rank's part (the layers of its
-               two DualPipeV stages from core.pipeline.split_layers, the routed experts of the ep rank holding
-               the most under the expert placement, embedding and head on pp rank 0), so the count is the model's own, not a formula
+  weights      fp32 master parameters of the recipe's Model built on `meta` for this rank's part (its two
+               DualPipeV stages, the ep rank holding the most experts, embedding and head on pp rank 0)
   gradients    fp32, one per parameter (the full gradient lives until ShardedAdamW.reduce_gradients)
-  optimizer    AdamW's two fp32 moments of this rank's ZeRO-1 shard: dense parameters sharded over dp*cp*ep,
-               routed experts over dp*cp, ceil(numel / n) elements each (core/optimizer.py)
-  weight cache bf16 casts of the routed experts and the LM head (core/weight_cache.py); with fp8, two 1-byte
-               copies of every attention / dense MLP / expert matrix instead (core/fp8.py)
+  optimizer    AdamW's two fp32 moments of this rank's ZeRO-1 shard (core/optimizer.py: ceil(numel / n) each)
+  weight cache bf16 casts of the routed experts and LM head (core/weight_cache.py); fp8: two 1-byte copies of
+               every attention / dense MLP / expert matrix instead (core/fp8.py)
   activations  bytes saved for backward, measured once with torch.autograd.graph.saved_tensors_hooks on the
-               recipe's tiny config on CPU (per token and layer, and per token and vocab entry for the head),
-               scaled by tokens (micro_batch * seq_len / cp), layers held, hidden_size / tiny hidden_size,
-               vocab, 1/2 for bf16, and micro-batches in flight: pp + 1 under DualPipeV
-               (core/pipeline.py), 1 without pp
-  comm buffers dispatch + combine rows of the MoE all-to-alls (send and receive, tokens * top-k * hidden) and
-               the reduce-scatter bucket of the gradients (ShardedAdamW.bucket_bytes, at most)
-With `shard="fsdp"` (train.py --shard fsdp, core/fsdp.py; world > 1) every parameter lies on 1/n shards of
-ceil(d0 / n) rows (FSDP2 pads every rank's to that; rank 0 holds the most): fp32 weights, fp32 gradients and
-Adam's moments, 16 bytes per shard element, and no bf16 cache. pp = 1 gathers each unit (a layer's routed
-experts, a layer's rest, the embedding, the root) around its use, so the comm buffers hold the two largest units gathered in
-the compute dtype and the largest unit's gradient before its reduce-scatter (compute dtype + fp32); pp > 1
-gathers the stage once per step: the weight cache is then the gathered copy (compute dtype), the gradients add
-the unsharded ones (compute dtype for dense units, fp32 for experts, whose FSDP2 hooks accumulate in fp32) and
-the comm buffers the largest unit's fp32 reduce-scatter input.
-Plus a reserve for the CUDA context and allocator fragmentation. The weights, gradients and optimizer are exact
-(the tests compare them with a built model and a real ShardedAdamW); activations are exact on the tiny configs
-up to the tolerance the tests state, and a first-order estimate for the full configs (the measured per-token bytes
-scale with the hidden size, while the expert and attention widths of a real config scale differently).
+               recipe's tiny config on CPU (per token and layer, per token and vocab entry for the head), scaled
+               by tokens (micro_batch * seq_len / cp), layers, hidden_size / tiny's, vocab, 1/2 for bf16, and
+               micro-batches in flight (pp + 1 under DualPipeV, else 1)
+  comm buffers MoE all-to-all rows (sent and received, tokens * top-k * hidden), a reduce-scatter bucket
+With `shard="fsdp"` (core/fsdp.py) every parameter lies on 1/n shards of ceil(d0 / n) rows: 16 bytes per shard
+element, no bf16 cache. pp = 1: the comm buffers hold the two largest units gathered and the largest unit's
+gradient before its reduce-scatter (compute dtype + fp32);
+pp > 1: the weight cache is the gathered stage, the gradients add the unsharded ones (compute dtype for dense
+units, fp32 for experts) and the comm buffers the largest unit's fp32 reduce-scatter input.
+Plus a reserve for the CUDA context and fragmentation. Weights, gradients and optimizer are exact (tested against a
+built model and ShardedAdamW); activations exact on tiny configs, first-order on full ones (scaled by hidden size).
 Parameter names follow the recipes' convention: routed experts under `.mlp.experts.`, the head is `lm_head`.
 """
 
@@ -113,9 +104,8 @@ _CALIBRATION = {}
 
 
 def activation_calibration(mod, recompute: str, batch: int = 2, seq: int = 64) -> tuple:
-    """(tiny config, saved bytes per token and layer, saved bytes per token and vocab entry of the head), measured
-    on the recipe's tiny config on CPU in fp32: the whole model minus a model without layers gives the layers.
-    seq 64: a multiple of chunked linear attention's chunk (a shorter sequence is padded to it)."""
+    """(tiny config, saved bytes per token and layer, per token and vocab entry of the head), on the tiny config on
+    CPU in fp32 (the model minus one without layers gives the layers; seq 64: whole linear-attention chunks)."""
     key = (mod.__name__, recompute)
     if key not in _CALIBRATION:
         tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
@@ -130,8 +120,7 @@ def activation_calibration(mod, recompute: str, batch: int = 2, seq: int = 64) -
 
 
 def fsdp_unit(name: str) -> str:
-    """The FSDP2 unit (core/fsdp.py:shard_model) that holds a parameter: a layer's experts, a layer's rest, the
-    embedding, the root (the rest)."""
+    """The FSDP2 unit (core/fsdp.py:shard_model) of a parameter: a layer's experts or rest, embedding, root."""
     parts = name.split(".")
     if parts[0] == "embed_tokens":
         return "embed_tokens"

@@ -1,11 +1,9 @@
 """The 4-D device mesh (pp, dp, cp, ep), built from torchrun's environment.
 
-world = pp * dp * cp * ep. Backend nccl on GPU, gloo on CPU, so every parallel path runs on a CPU-only
-machine. World size 1 builds no process group at all: the same code runs with the collectives skipped
-(every group below is then None and the helpers treat a None group as "nothing to reduce").
-
-Rank order is row-major over (pp, dp, cp, ep): ep is innermost so that the expert all-to-all stays inside
-a node, pp outermost so that pipeline neighbours are the only traffic crossing nodes.
+world = pp * dp * cp * ep. Backend nccl on GPU, gloo on CPU. World size 1 builds no process group: every group is
+then None, which the helpers read as "nothing to reduce". Rank order is row-major over (pp, dp, cp, ep): ep
+innermost so that the expert all-to-all stays inside a node, pp outermost so that only pipeline neighbours talk
+across nodes.
 """
 
 import math
@@ -66,9 +64,8 @@ class Mesh:
         return self.device_mesh[dims]._flatten("_".join(dims)).get_group()
 
     def replica_mesh(self) -> DeviceMesh | None:
-        """How this pipeline stage's dense parameters lie over its ranks, for DTensor checkpoints (None at world
-        size 1: plain tensors): replicated over (dp, cp, ep), a 1-D mesh of those ranks. Routed experts are
-        checkpointed per expert instead (core/optimizer.py:expert_checkpoint_entries), whatever their placement."""
+        """The 1-D mesh of (dp, cp, ep) that replicates this stage's dense parameters, for DTensor checkpoints (None
+        at world size 1); routed experts are checkpointed per expert (core/optimizer.py:expert_checkpoint_entries)."""
         if self.device_mesh is None:
             return None
         return self.device_mesh["dp", "cp", "ep"]._flatten("dp_cp_ep")

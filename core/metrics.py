@@ -9,8 +9,8 @@ import time
 import torch
 import torch.distributed as dist
 
-# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, matched against the device name; MFU on a
-# GPU is against these. The best bf16 matmul measured on one H200 reached ~790 TFLOP/s (shown beside, not used).
+# Dense bf16 tensor-core peaks (NVIDIA datasheets) by device name, MFU's reference on a GPU; the best bf16 matmul
+# measured on one H200 reached ~790 TFLOP/s (shown beside, not used).
 DATASHEET_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("H100", 989e12),
                         ("H200", 989e12), ("A100", 312e12))  # first match wins: "GH200" reads as H200 (989)
 MEASURED_H200_BF16_FLOPS = 790e12
@@ -77,13 +77,11 @@ REDUCTIONS = ("sum", "max", "gather")
 
 def reduce_stats(stats: dict[str, tuple[torch.Tensor, str]], group) -> dict[str, torch.Tensor]:
     """{name: (tensor, "sum" | "max" | "gather")} -> {name: tensor combined over the ranks of `group`} (None: this
-    rank alone). Each rank holds other tokens or other layers, so a count adds up and a maximum is the largest; the
-    tensors of one kind travel in one all-reduce (fp32: counts stay exact up to 2^24 per entry).
+    rank alone): counts add up, maxima take the largest, one all-reduce per kind (fp32: exact up to 2^24 per entry).
 
-    "gather": every rank's tensor concatenated along dim 0 in the group's rank order (WORLD: global rank, row-major
-    over (pp, dp, cp, ep), core/mesh.py), e.g. per-token records. Ranks may hold different dim-0 sizes (a rank
-    without the layer: 0 rows); the other dims and the dtype must agree, and the dtype is kept (ids stay integers;
-    bool: send as uint8). Costs two all-gathers per name, and the result, on every rank, holds every rank's rows."""
+    "gather": every rank's tensor concatenated along dim 0 in the group's rank order (WORLD: global rank,
+    core/mesh.py), on every rank; dim-0 sizes may differ (0 rows: a rank without the layer), the other dims and the
+    dtype must agree and the dtype is kept (bool: send as uint8). Two all-gathers per name."""
     for name, (t, how) in stats.items():
         if how not in REDUCTIONS:
             raise ValueError(f"statistic {name!r}: reduction {how!r} is not one of {', '.join(REDUCTIONS)}")
@@ -170,10 +168,9 @@ class MetricsLogger:
             self.writer = SummaryWriter(log_dir)
 
     def log(self, step: int, step_time: float, tokens: int, scalars: dict[str, float], stats: dict | None = None) -> dict:
-        """scalars: loss, every other loss term as NAME_loss (aux_loss, ...: each printed as NAME), lr, grad_norm, ... ;
-        adds throughput, MFU, memory. stats: per-step statistics
-        (expert_load_max_over_mean and the model's own, Model.take_stats): a scalar or a 1-D tensor / list (one
-        value per MoE layer, say) each; larger tensors are left out. Returns the full record (metrics.jsonl)."""
+        """scalars: loss, other loss terms as NAME_loss (printed as NAME), lr, grad_norm, ...; adds throughput, MFU,
+        memory. stats: per-step statistics (expert_load_max_over_mean, Model.take_stats), each a scalar or a 1-D
+        tensor / list (larger tensors are left out). Returns the full record (metrics.jsonl)."""
         self.step_times.append(step_time)
         tokens_per_s = tokens / step_time
         record = {"step": step, **scalars, "tokens_per_s": tokens_per_s,

@@ -2,41 +2,29 @@
 grouping rows by expert, grouped GEMM, and the aux-loss-free expert-bias update.
 
 Router contract (what a recipe's router hands to this file; E experts, k slots per token):
-  topk_ids_Tk      int [T, k], global expert ids in [0, E), or negative (-1) for "no expert in this slot". The
-                   width k is fixed; how many slots a token keeps (0..k) may differ per token and per step. A
-                   masked slot moves no row and costs no compute; a token with every slot masked gets a zero
-                   routed output (the model adds whatever it computes outside the routed experts).
+  topk_ids_Tk      int [T, k], global expert ids in [0, E), or -1 for "no expert in this slot" (k is fixed; the
+                   slots a token keeps may differ per token and step). A masked slot moves no row and costs no
+                   compute; a token with every slot masked gets a zero routed output.
   topk_weights_Tk  float [T, k], each slot's output weight, used as given (normalise in the router if wanted);
                    a masked slot's weight is ignored and gets a zero gradient. Kept weights get exact gradients.
-  Statistics: expert load (log line, expert bias) counts kept slots only: `expert_counts(ids, E)` skips
-  negative ids and never syncs with the host. Balance losses are the recipe's own, computed in its router
-  (Qwen3: transformers' aux loss over the top-k of the router probabilities; DeepSeek-V2: the sequence-wise
-  balance loss over the chosen experts).
-  Inactive experts: an expert with no rows gets a zero weight gradient from the grouped GEMM; a .grad left None
-  is reduced as zero by ShardedAdamW, so AdamW steps every parameter with g = 0 (moments decay, weight decay
-  applies) identically on every rank and layout.
+  Expert load (log line, expert bias) counts kept slots only (`expert_counts` skips negative ids, no host sync).
+  Balance losses are the recipe's own, computed in its router. An expert with no rows gets a zero weight
+  gradient; a .grad left None is reduced as zero by ShardedAdamW, so every rank and layout steps alike.
   Example, k = 2, E = 4: ids [[2, 0], [3, -1], [-1, -1]], weights [[.7, .3], [1., .5], [0., 0.]] give
   out[0] = .7 expert2(x0) + .3 expert0(x0), out[1] = expert3(x1), out[2] = 0.
-  Two counts, two names: E = `num_experts` (a layer's `layer.num_experts`, the ModelConfig field read from
-  config.json) is the routed experts this file dispatches, ids 0..E-1, whose weights the ep ranks hold;
-  `num_choices` (ModelConfig.num_choices, >= E) is the router's choice space: its logits, expert bias, load
-  statistics (expert_counts(ids, num_choices)) and balance loss. Equal in the shipped recipes. Choices kept on
-  the token's rank (zero-computation experts, ids E..num_choices-1: e.g. a copy of x or zero) never reach this
-  file: the router counts its load over all choices, then hands those slots to core as -1 (ids.masked_fill(ids
-  >= E, -1)) and the recipe adds their weighted output itself in its step (5) (`finish`: + w * x for a copy).
+  E = `num_experts` (`layer.num_experts`) counts the routed experts dispatched here; `num_choices` (>= E) is the
+  router's choice space (logits, expert bias, load, balance loss). Choices kept on the token's rank (zero-computation
+  experts, ids E..num_choices-1) reach this file as -1 (ids.masked_fill(ids >= E, -1)); the recipe adds their
+  output itself in `finish`.
 
-Legend: T tokens on this rank, H hidden, k slots per token, E experts in the model, n ranks in the ep group,
-L experts on this rank (core/placement.py: which rank holds each expert at which local index; by default rank d
-holds a contiguous block, as even as possible, and a rank may hold none), P (token, destination rank) pairs this
-rank sends, Q pairs it receives, R (received row, local expert) pairs = rows of the grouped GEMM,
-X = H + k (a dispatched row carries the token and its k routing weights for that rank).
+Legend: T tokens on this rank, H hidden, k slots per token, E experts in the model, n ranks in the ep group, L
+experts on this rank (core/placement.py; may be 0), P (token, destination rank) pairs sent, Q pairs received, R
+(received row, local expert) pairs = grouped GEMM rows, X = H + k (a row carries the token and its k weights).
 
-Deduplication: a token travels to a rank once, however many of its k experts live there; the receiver
-expands it into one row per local expert, and sums its local experts' weighted outputs per received row
-before sending back, so the combine also moves one row per (token, rank). Dropless: nothing is capped.
-
-One MoE layer on one micro-batch, in the five steps a pipeline schedule can interleave (2 and 4 are the
-all-to-alls; `start_*` returns at once and `.wait()` gives the result with autograd attached):
+Deduplication: a token travels to a rank once, however many of its k experts live there; the receiver expands it
+into one row per local expert and sums their weighted outputs per received row, so the combine also moves one row
+per (token, rank). Dropless: nothing is capped. One layer on one micro-batch, in the five steps a pipeline schedule
+can interleave (`start_*` returns at once, `.wait()` gives the result with autograd attached):
 
     plan = DispatchPlan(topk_ids_Tk, E, ep_group, placement)   # routing exchange (small, blocking)
     x_QX = plan.start_dispatch(x_TH, topk_weights_Tk).wait()    # (2)
@@ -44,9 +32,8 @@ all-to-alls; `start_*` returns at once and `.wait()` gives the result with autog
     y_PH = plan.start_combine(y_QH).wait()                      # (4)
     out_TH = plan.unpermute(y_PH)                               # (5) before the residual add
 
-With ep_group None (one rank holds every expert) the same code runs with the all-to-alls skipped. Host syncs:
-one per layer and micro-batch, in DispatchPlan (the row counts that size the all-to-alls and the GEMM rows);
-the backward reuses them and has none (on the grouped-GEMM path, see `grouped_mm`).
+ep_group None skips the all-to-alls. Host syncs: one per layer and micro-batch, in DispatchPlan (the row counts
+that size the all-to-alls and GEMMs); the backward reuses them (on the grouped-GEMM path, see `grouped_mm`).
 """
 
 import torch
@@ -74,18 +61,16 @@ def grouped_mm_fused(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Te
 
 
 def _fused_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM takes these operands: on CPU fp32, bf16 and fp16 (it refuses float64, which
-    the per-expert loop then runs: a float64 reference model), on CUDA bf16 (other dtypes fall back to a loop
-    inside torch), and rows of 16-byte multiples (K and N * element size)."""
+    """Whether torch's grouped GEMM takes these operands: fp32, bf16, fp16 on CPU (not float64), bf16 on CUDA (others
+    loop inside torch), rows of 16-byte multiples (K and N * element size)."""
     return GROUPED_MM is not None and a.dtype != torch.float64 and \
         (a.device.type == "cpu" or a.dtype == torch.bfloat16) and \
         all(t.shape[-1] * t.element_size() % 16 == 0 for t in (a, b))
 
 
 def grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """y[rows of expert e] = x[rows of expert e] @ w[e]; rows are contiguous per expert, counts_E [E] int.
-    Autograd flows to x and w. Runs in the autocast dtype when autocast is on, else x's dtype: the fused grouped
-    GEMM where it fits (_fused_fits), else the per-expert loop."""
+    """y[rows of expert e] = x[rows of expert e] @ w[e] (rows contiguous per expert, counts_E [E] int), differentiable,
+    in the autocast dtype (else x's): the fused grouped GEMM where it fits (_fused_fits), else a per-expert loop."""
     device = x_RK.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_RK.dtype
     x_RK, w_EKN = x_RK.to(dtype), w_EKN.to(dtype)
@@ -275,9 +260,8 @@ def moe_forward(x_TH, topk_ids_Tk, topk_weights_Tk, num_experts: int, group, exp
 
 @torch.no_grad()
 def update_expert_bias(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float) -> None:
-    """Aux-loss-free balancing (DeepSeek-V3): after each optimizer step, raise the selection bias of experts
-    that got fewer tokens than the mean and lower it for those that got more: bias += rate * sign(mean - load).
-    `load_E` must be the global count (same on every rank), so that the bias stays identical everywhere."""
+    """Aux-loss-free balancing (DeepSeek-V3), after each optimizer step: bias += rate * sign(mean - load). `load_E`
+    must be the global count, so that the bias stays identical on every rank."""
     bias_E += rate * torch.sign(load_E.float().mean() - load_E.float()).to(bias_E.dtype)
 
 

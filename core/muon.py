@@ -1,31 +1,26 @@
 """Muon for the weight matrices, ZeRO-1 AdamW (core/optimizer.py) for every other parameter, exact in every layout.
 
-Muon (Moonlight's variant, "Muon is Scalable for LLM Training", as torch.optim.Muon with
-adjust_lr_fn="match_rms_adamw") updates each weight matrix W (A x B) from its gradient G:
+Muon (Moonlight's variant, as torch.optim.Muon with adjust_lr_fn="match_rms_adamw") updates each weight matrix
+W (A x B) from its gradient G:
 
     M <- mu M + (1 - mu) G                          momentum (mu 0.95), kept in fp32; torch.optim.Muon's lerp form
     U <- (1 - mu) G + mu M                          Nesterov
     O <- NS5(U / ||U||_F)                           5 quintic Newton-Schulz steps (3.4445, -4.7750, 2.0315): ~U V^T
     W <- W (1 - lr wd) - lr 0.2 sqrt(max(A, B)) O   decoupled weight decay; the update's RMS matched to AdamW's
 
-so one learning rate and schedule serve both groups. Which parameters are such matrices, and how a stored tensor
-splits into them, the model says (`split(name, t)`, each recipe's `Model.muon_matrices`): the matrices of the
-transformers checkpoint layout, so a stacked expert tensor [L, H, 2I] is 2L matrices (one per expert, gate and up
-apart). Newton-Schulz runs in bf16 on GPU (Moonlight's and torch's choice) and in fp32 on CPU, where it keeps the
-comparison with torch.optim.Muon exact to fp32 rounding; weights and momentum stay fp32.
+so one learning rate and schedule serve both groups. The model says which tensors split into which matrices
+(`split(name, t)`, each recipe's `Model.muon_matrices`: transformers' layout, so [L, H, 2I] experts are 2L
+matrices). Newton-Schulz runs in bf16 on GPU (Moonlight's and torch's choice), in fp32 on CPU (exact against
+torch.optim.Muon to fp32 rounding); weights and momentum stay fp32.
 
-Distribution. Newton-Schulz needs a whole matrix, so Muon cannot use ZeRO-1's element shards. Within each
-ReplicaSet (dense parameters over dp*cp*ep, routed experts over dp*cp) every matrix has one owner rank, chosen so
-that the owners' Newton-Schulz FLOPs balance (greedy, largest matrix first). Per bucket of parameters, the send
-buffer is laid out owner by owner ([n, segment]: row r holds the matrices rank r owns), so one reduce-scatter hands
-every owner the summed gradients of its matrices; the owner updates its momentum and weights, and one all-gather
-of the same layout brings the new weights to every replica. Each owner orthogonalises all its matrices of one
-shape (say, its share of the local experts' gate and up matrices) as one batched stack. The global gradient norm
+Distribution. Newton-Schulz needs a whole matrix, so within each ReplicaSet every matrix has one owner rank (the
+owners' FLOPs balanced greedily, largest first). A bucket's send buffer is laid out owner by owner ([n, segment]),
+so one reduce-scatter hands each owner its matrices' summed gradients and one all-gather of the same layout brings
+back the new weights. An owner orthogonalises its matrices of one shape as one batched stack. The gradient norm
 sums the AdamW shards and the owned matrices over all ranks: each element once.
 
-Checkpoints: the weights and the AdamW state as ShardedAdamW writes them (DTensors, reshardable), and every
-matrix's momentum as a whole plain tensor written by its owner under `muon_momentum.<parameter name>[.<kind>]
-[.expert<global id>]`, so another (dp, ep) layout's owners read the matrices they now own.
+Checkpoints: ShardedAdamW's, plus every matrix's momentum whole, written by its owner under
+`muon_momentum.<parameter name>[.<kind>][.expert<global id>]`, which any other layout's owners read.
 
 Tensor names: S matrices stacked (the experts of one parameter, or 1), k of them owned by this rank, A x B a matrix.
 """
@@ -108,9 +103,8 @@ class _Bucket:
 
 
 class MuonAdamW:
-    """Muon on the matrices `split` names, ShardedAdamW on the rest; the calls and their order as ShardedAdamW's
-    (reduce_gradients, clip_grad_norm_, step, zero_grad, checkpoint_state, after_load, reinit_). The learning rate is the
-    AdamW groups' (the scheduler drives `self.optimizer`, torch's AdamW)."""
+    """Muon on the matrices `split` names, ShardedAdamW on the rest, with ShardedAdamW's calls; the learning rate is
+    the AdamW groups' (the scheduler drives `self.optimizer`, torch's AdamW)."""
 
     def __init__(self, replica_sets: list[ReplicaSet], split, lr: float, weight_decay: float, betas, eps: float,
                  momentum: float = 0.95, norm_group=None, ns_dtype: torch.dtype | None = None,
@@ -136,9 +130,8 @@ class MuonAdamW:
         self.ns_dtype = ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
     def _plan(self, rs: ReplicaSet, matrices: dict, bucket_bytes: int) -> None:
-        """Buckets of whole parameters (at most bucket_bytes of fp32 gradients each, at least one parameter) and
-        an owner for every matrix: largest Newton-Schulz cost first, to the rank with the least so far (the
-        running totals carry across buckets, so the balance is over the whole set; same on every replica)."""
+        """Buckets of whole parameters (at most bucket_bytes of fp32 gradients, at least one parameter) and an owner
+        per matrix: largest cost first, to the rank with the least so far over the whole set (same on every replica)."""
         n = 1 if rs.group is None else dist.get_world_size(rs.group)
         rank = 0 if rs.group is None else dist.get_rank(rs.group)
         buckets = []
@@ -259,9 +252,8 @@ class MuonAdamW:
 
     @torch.no_grad()
     def reinit_(self, name: str, index: int | slice, values: torch.Tensor | None = None) -> None:
-        """ShardedAdamW.reinit_ (same arguments, same contract: every replica calls it alike, between two steps):
-        param[index] = values, and the optimizer state of that part reset: Adam's moments for an AdamW parameter,
-        the momentum of the matrices this rank owns, where index meets them, for a Muon one."""
+        """ShardedAdamW.reinit_ (same contract): param[index] = values, and that part's Adam moments (AdamW
+        parameter) or the momentum of the owned matrices it meets (Muon parameter) reset."""
         if not any(pc.name == name for pc in self.pieces):
             return self.adamw.reinit_(name, index, values)  # (its error lists the parameters for an unknown name)
         p = next(pc.param for pc in self.pieces if pc.name == name)
@@ -284,9 +276,8 @@ class MuonAdamW:
     # ----------------------------------------------------------------------------------------- checkpoints
 
     def checkpoint_state(self, model: torch.nn.Module) -> dict:
-        """ShardedAdamW's state (weights of every parameter as DTensors over their replica set, AdamW's moments)
-        plus optim.muon_momentum: each owned matrix's momentum as a plain [A, B] tensor (a view, so a load fills
-        it in place), keyed by parameter, kind and global expert id."""
+        """ShardedAdamW's state plus optim.muon_momentum: each owned matrix's momentum as a plain [A, B] view (a load
+        fills it in place), keyed by parameter, kind and global expert id."""
         state = self.adamw.checkpoint_state(model, replicas=self.replicas)
         state["optim"]["muon_momentum"] = {b.piece.key(int(s)): m_AB for b in self.owned
                                            for s, m_AB in zip(b.index_k.tolist(), b.momentum_kAB)}

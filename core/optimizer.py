@@ -1,21 +1,15 @@
-"""ZeRO-1 AdamW: gradients reduce-scattered and optimizer state sharded over the ranks that replicate a
-parameter, weights all-gathered after the step.
+"""ZeRO-1 AdamW: gradients reduce-scattered and state sharded over a parameter's replicas, weights all-gathered.
 
-Why ZeRO-1 rather than FSDP2 `fully_shard`: every rank keeps its full (fp32) weights, so nothing is gathered
-per micro-batch and the pipeline schedule can run forwards, backwards and delayed weight gradients in any
-order without per-module hooks; all sharding work happens once per optimizer step, in three visible calls
-(`reduce_gradients`, `clip_grad_norm_`, `step`). Adam's two moments (8 bytes per parameter) shrink by the
-replica count; the cost is one reduce-scatter and one all-gather per step, the same traffic as an
-all-reduce.
+Why not FSDP2 (core/fsdp.py, --shard fsdp): every rank keeps its full fp32 weights, so nothing is gathered per
+micro-batch and the pipeline can run forwards, backwards and delayed weight gradients in any order without hooks;
+the sharding work is three calls per step (`reduce_gradients`, `clip_grad_norm_`, `step`). Adam's moments shrink
+by the replica count for one reduce-scatter and one all-gather per step (an all-reduce's traffic).
 
-A `ReplicaSet` is a set of parameters replicated over the same ranks: dense parameters over (dp, cp, ep),
-routed experts over (dp, cp) (each ep rank holds different experts). Rank i of a set's n ranks owns
-elements [i*c, (i+1)*c) of each flattened parameter, c = ceil(numel / n) (the last shards are shorter or
-empty: DTensor's Shard(0) split). The shard is a view into the parameter, so AdamW updates the weights in
-place. Checkpoints describe a dense tensor as a DTensor over the set's mesh and store routed experts per global
-expert id (see `checkpoint_state`), so a checkpoint written at one (dp, ep) layout and expert placement loads at
-another. `reinit_` re-initialises part of a parameter (say one
-routed expert) and zeroes its Adam moments in whichever shards hold them, for a recipe that replaces a dead expert.
+A `ReplicaSet` is a set of parameters replicated over the same ranks: dense parameters over (dp, cp, ep), routed
+experts over (dp, cp). Rank i of n owns elements [i*c, (i+1)*c) of each flattened parameter, c = ceil(numel / n)
+(DTensor's Shard(0) split); the shard is a view into the parameter, so AdamW updates the weights in place.
+Checkpoints (`checkpoint_state`) reshard to any (dp, ep) layout and expert placement. `reinit_` resets part of a
+parameter (a dead expert) and its Adam moments.
 """
 
 import math
@@ -63,9 +57,8 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
 
 
 def expert_checkpoint_entries(name: str, full_LX: torch.Tensor, expert_ids: list[int]) -> dict[str, torch.Tensor]:
-    """A tensor whose rows are routed experts (a weight or optimizer state of the local experts [L, ...]) as
-    checkpoint entries, one per global expert: '{name}[{e}]' -> row (a view: a load fills it in place). A
-    checkpoint so written loads under any expert placement and ep size: each rank asks for its experts' keys."""
+    """Rows of the local experts [L, ...] (weight or optimizer state) as checkpoint entries '{name}[{e}]' -> row (a
+    view a load fills in place), one per global expert e: they load under any placement and ep size."""
     assert full_LX.shape[0] == len(expert_ids), (name, full_LX.shape, expert_ids)
     return {f"{name}[{e}]": full_LX[j] for j, e in enumerate(expert_ids)}
 
@@ -73,10 +66,9 @@ def expert_checkpoint_entries(name: str, full_LX: torch.Tensor, expert_ids: list
 def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_group) -> torch.Tensor:
     """Scale `grads` (every rank's own elements; each element of the model on one rank) so that their global L2
     norm over norm_group is at most max_norm (0: no clipping); returns the norm before clipping."""
-    # squares summed in fp64: the layouts split this sum differently (per shard, per pipeline rank, then an
-    # all-reduce), and in fp32 its last bit then depended on the layout. With clipping on, that bit moved the
-    # clip factor, and with it every weight by ~3e-8, which the next step's bf16 weight copies amplified into
-    # ~1e-5 loss differences. In fp64 every layout's norm rounds to the same fp32 value.
+    # squares summed in fp64: layouts split this sum differently, and in fp32 its last bit depended on the layout,
+    # moving the clip factor and every weight by ~3e-8, which bf16 weight copies amplified into ~1e-5 loss
+    # differences. In fp64 every layout's norm rounds to the same fp32 value.
     sq = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum()
     if norm_group is not None:
         dist.all_reduce(sq, group=norm_group)
@@ -161,9 +153,8 @@ class ShardedAdamW:
                 e.param.grad = None
 
     def clip_grad_norm_(self, max_norm: float, extra: list[torch.Tensor] = ()) -> torch.Tensor:
-        """Scale the (reduced) gradients so that their global L2 norm is at most max_norm (0: no clipping);
-        returns the norm before clipping. Shards partition every parameter, so each element counts once. extra:
-        more reduced gradients this rank alone holds (core/muon.py's owned matrices), counted and clipped too."""
+        """Clip the reduced gradients to global L2 norm max_norm (0: none); returns the norm before. Each element counts
+        once (shards partition parameters); extra: reduced gradients this rank alone holds (core/muon.py's), too."""
         return clip_grad_norm_([e.shard.grad for e in self.entries] + list(extra), max_norm, self.norm_group)
 
     @torch.no_grad()
@@ -200,20 +191,12 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def reinit_(self, name: str, index: int | slice, values: torch.Tensor | None = None) -> None:
-        """Re-initialise part of a parameter together with its Adam moments, e.g. a dead routed expert that a
-        router replaces by a fresh one mid-run: param[index] = values on this rank, and exp_avg = exp_avg_sq = 0
-        for the elements of that part that lie in this rank's shard (possibly none).
-
-        name: a parameter name as given in the ReplicaSets (model.named_parameters()). index: an int or a slice
-        (step 1) of dim 0 of this rank's local parameter, e.g. local expert j of a stacked [L, H, J] tensor.
-        values: the new weights, a tensor of shape param[index].shape (copied, cast to the parameter's dtype), or
-        None to keep the weights and reset only the moments. Call it between two steps, on every replica of the
-        parameter with the same arguments (as everything else here): each replica writes the weights and zeroes
-        the moments of its own shard, so no collective is needed. Torch's AdamW keeps one `step` per tensor (here
-        per shard, shared with the rest of the parameter), so the step count is not reset: once it is large the
-        bias corrections are ~1 and the part's first update is (1 - beta1) / sqrt(1 - beta2) * lr per element
-        (0.45 lr at betas (0.9, 0.95)) where a fresh Adam would take lr. Weights and moments change in place,
-        where `checkpoint_state` reads them, so a checkpoint saved afterwards holds the reset part."""
+        """param[index] = values (e.g. a dead routed expert replaced mid-run) and exp_avg = exp_avg_sq = 0 for the
+        elements of that part in this rank's shard (possibly none). name: as in the ReplicaSets; index: an int or
+        a slice (step 1) of dim 0 of the local parameter (e.g. local expert j of [L, H, J]); values: of shape
+        param[index].shape (cast), or None to reset only the moments. Call it between steps on every replica with
+        the same arguments (no collective). AdamW's `step` is per shard and not reset: its bias corrections are ~1,
+        so the part's first update is (1 - beta1) / sqrt(1 - beta2) * lr (0.45 lr at betas (0.9, 0.95))."""
         e = self.by_name.get(name)
         if e is None:
             known = list(self.by_name)
@@ -246,8 +229,7 @@ class ShardedAdamW:
                                                  "exp_avg_sq": torch.zeros_like(e.shard)}
 
     def full_state(self, e: _Entry, key: str) -> torch.Tensor:
-        """Adam state `key` of a whole parameter (all-gathered from its replicas' shards; collective over them), on
-        the CPU: [param shape]."""
+        """Adam state `key` of a whole parameter, all-gathered over its replicas (collective), on the CPU."""
         shard = self.optimizer.state[e.shard][key]
         if e.replicas.group is None:
             return shard.view(e.param.shape).cpu()
@@ -256,13 +238,11 @@ class ShardedAdamW:
         return full[: e.param.numel()].view(e.param.shape).cpu()
 
     def checkpoint_state(self, model: torch.nn.Module, replicas: dict[str, ReplicaSet] | None = None) -> dict:
-        """{'model', 'optim'} for torch.distributed.checkpoint. Collective over the replicas of routed experts.
-        Dense: sharing storage with the live tensors (a load fills them in place); a parameter of a set with a
-        mesh is a DTensor replicated over it, its Adam moments DTensors over the flattened parameter, split over
-        the replicas. Routed experts (a set with expert_ids): one entry per global expert
-        (expert_checkpoint_entries), the weights as views of the parameter, the moments as rows of the whole
-        moments (all-gathered over the replicas, on the CPU; `after_load` puts this rank's shard back). replicas:
-        the ReplicaSet of each parameter name, when some are trained by another optimizer (core/muon.py)."""
+        """{'model', 'optim'} for torch.distributed.checkpoint (collective over the experts' replicas). Dense: the
+        live tensors (a load fills them in place), as DTensors over the set's mesh, Adam moments split over the
+        replicas. Routed experts: one entry per global expert (expert_checkpoint_entries), moments all-gathered on
+        the CPU (`after_load` puts this rank's shard back). replicas: each parameter's ReplicaSet, when some are
+        trained by another optimizer (core/muon.py)."""
         self._init_state()
         replicas = replicas or {e.name: e.replicas for e in self.entries}
         model_sd = {}

@@ -1,19 +1,17 @@
-"""DualPipeV: pipeline parallelism over 2*pp stages laid out in a V, the forward of one micro-batch overlapped
-with the backward of another, and delayed weight gradients (zero bubble). After DeepSeek's DualPipeV schedule.
+"""DualPipeV (after DeepSeek's schedule): 2*pp pipeline stages in a V, one micro-batch's forward overlapped with
+another's backward, delayed weight gradients (zero bubble).
 
-Layout: rank r of the pp group holds stage r (phase 0, the way down, ranks 0 -> pp-1) and stage 2*pp-1-r
-(phase 1, the way back, pp-1 -> 0). Rank 0 therefore holds the embedding (stage 0) and the head with the loss
-(stage 2*pp-1); on the last rank stage pp-1 hands its output to stage pp without communication. Point-to-point
-transfers between neighbours are batched with batch_isend_irecv. "Chunk" = one micro-batch on one stage.
+Layout: pp rank r holds stage r (phase 0, down) and stage 2*pp-1-r (phase 1, back), so rank 0 holds the embedding
+and the head with the loss, and the last rank hands stage pp-1's output to stage pp locally. Neighbours' transfers
+are batched with batch_isend_irecv. "Chunk" = one micro-batch on one stage.
 
 Contract with a model.py (plain attributes, no registry). A stage object provides
     stage.pre(inputs, mb) -> state                 stage 0: [] -> embedding output; other stages: the inputs
     stage.layers                                   decoder layers, run in order
     stage.post(state, mb) -> outputs               last stage: [loss]; others: the state to send on
-`state` is a list of tensors (the hidden state, plus what the model carries along, e.g. aux-loss statistics);
-what crosses ranks has the shapes and dtypes of `p2p_specs`: by default those of what stage 0's pre creates. A layer with `layer.moe` False exposes
-`layer.dense(state) -> state`. A layer with routed experts exposes the three compute steps of the overlap,
-and this file runs the two all-to-alls between them (core/moe.py):
+`state` is a list of tensors (the hidden state, plus e.g. aux-loss statistics) of the shapes and dtypes of
+`p2p_specs` (default: what stage 0's pre creates). A layer with `layer.moe` False exposes `layer.dense(state) ->
+state`; one with routed experts the three compute steps, this file running the two all-to-alls (core/moe.py):
     (1) layer.attention(state) -> (state, x_TH, topk_ids_Tk, topk_weights_Tk)   norms, attention, router
     (2) dispatch all-to-all                          [here]
     (3) layer.routed_experts(rows_RH, counts_L) -> [R, H]   routed experts (GEMMs: core.moe.expert_matmul)
@@ -21,22 +19,16 @@ and this file runs the two all-to-alls between them (core/moe.py):
     (5) layer.finish(state, out_TH) -> state         residual add (the weighted sum happened in the combine)
 plus `layer.num_experts`, `layer.ep_group` and `layer.placement` (core/placement.py; None: the even split).
 
-Overlap: a chunk's forward runs as a generator that yields right after starting an all-to-all; its backward
-runs segment by segment (the forward is cut into autograd segments at the all-to-alls) and yields right after
-starting a reverse all-to-all. In the steady phase the engine alternates one forward and one backward
-generator, so each waits on a transfer only when it needs the result, with the other's compute in between.
+Overlap: a chunk's forward is a generator that yields right after starting an all-to-all; its backward runs
+segment by segment (autograd segments cut at the all-to-alls), yielding after starting a reverse all-to-all. The
+steady phase alternates one forward and one backward generator, so each waits on a transfer only when it needs it.
+Weight-gradient delay: in zero-bubble backward chunks, expert GEMMs compute the input gradient at once and queue
+the weight gradient (core.moe.weight_grads); the schedule's W steps run the queue, oldest chunk first.
+Recompute: a torch.utils.checkpoint region in a compute step lies in one segment, recomputed in its backward.
 
-Weight-gradient delay: during zero-bubble backward chunks, expert GEMMs compute the input gradient at once and
-queue the weight gradient (core.moe.weight_grads); the schedule's W steps run the queue, oldest chunk first.
-
-Recompute: a layer may wrap parts of its compute steps in torch.utils.checkpoint (non-reentrant); each such region
-lies inside one autograd segment (never across an all-to-all), so it is recomputed when that segment's backward runs.
-
-Which chunk is running: `running` (a Running) names the micro-batch, stage and direction whose code runs right now.
-The engine sets it each time it advances a chunk's forward or backward generator, so under overlap a layer sees
-its own chunk's micro-batch, and a forward recomputed inside a backward sees the backward chunk's (backward True).
-train.py's plain loop (pp=1) and evaluate() set it too. Read it, never set it, from a layer (e.g. to pick the
-micro-batch's document mask): `from core.pipeline import running; running.micro_batch`.
+`running` (a Running) names the chunk whose code runs now; the engine sets it whenever it advances a generator, so
+a layer sees its own chunk's micro-batch, also in a forward recomputed inside a backward (backward True). train.py's
+plain loop (pp=1) and evaluate() set it too. Layers read it, never set it: `running.micro_batch`.
 """
 
 import time
@@ -49,12 +41,10 @@ from core.moe import AllToAll, DispatchPlan, weight_grads
 
 
 def split_layers(num_layers: int, pp: int, costs: list | None = None) -> list[list[int]]:
-    """Layer ids of the 2*pp stages, balanced with the embedding and the head each counted as one layer, so the
-    first and last stages get fewer layers. costs: one number per layer, or a recipe's flops_by_layer (one dict
-    of FLOPs per token per layer, then those of the first stage's own modules, the embedding and whatever a recipe
-    adds there, and of the last stage's, final norm, LM head and whatever a recipe adds there): contiguous stages
-    whose largest summed cost, every module of the stage counted, is smallest (plain numbers: the embedding and
-    the head each counted as one average layer; equal costs: the split by count)."""
+    """Layer ids of the 2*pp stages, the embedding and the head each counted as one layer. costs: one number per
+    layer, or a recipe's flops_by_layer (a dict of FLOPs per token per layer, then one for the first stage's own
+    modules and one for the last's): the contiguous split whose largest stage cost is smallest (plain numbers: the
+    embedding and head each cost one average layer; equal costs: the split by count)."""
     stages = 2 * pp
     total = lambda c: sum(c.values()) if isinstance(c, dict) else c
     per_layer = None if costs is None else [total(c) for c in costs[:num_layers]]
@@ -77,9 +67,8 @@ def split_layers(num_layers: int, pp: int, costs: list | None = None) -> list[li
 
 @dataclass
 class Running:
-    """The chunk whose compute runs now: micro_batch (index within the step, 0..n-1; None outside any loop and
-    in W slots, which run queued weight gradients of several chunks), stage (pipeline stage 0..2*pp-1; None without a pipeline), backward (True while its backward runs, recompute
-    included). One instance, `running`, per process."""
+    """micro_batch: index within the step (None outside any loop and in W slots, which serve several chunks);
+    stage: 0..2*pp-1 (None without a pipeline); backward: its backward runs (recompute included)."""
 
     micro_batch: int | None = None
     stage: int | None = None
@@ -93,8 +82,7 @@ running = Running()
 
 
 def _running_as(steps, micro_batch: int, stage: int, backward: bool):
-    """The generator `steps`, with `running` set to this chunk before each of its steps (the other generator
-    interleaved with it sets its own in between)."""
+    """The generator `steps`, with `running` set to this chunk before each step (the other one sets its own)."""
     while True:
         running.set(micro_batch, stage, backward)
         if next(steps, StopIteration) is StopIteration:
@@ -103,9 +91,8 @@ def _running_as(steps, micro_batch: int, stage: int, backward: bool):
 
 
 def _split_by_cost(costs: list, stages: int, first: float, last: float) -> list[list[int]]:
-    """The contiguous split of layers with these costs into `stages` (the first and the last may be empty, each
-    middle one holds a layer) whose largest stage cost, the first stage's own modules costing `first` and the last
-    stage's `last`, is smallest: dynamic programming over (stage, layers so far); ties go to the earliest cut."""
+    """The contiguous split into `stages` (middle ones hold a layer) whose largest stage cost, the end stages' own
+    modules costing `first` and `last`, is smallest: dynamic programming over (stage, layers so far), ties earliest."""
     n = len(costs)
     prefix = [0.0]
     for c in costs:
@@ -172,8 +159,7 @@ def _forward_steps(stage, inputs: list, mb: int, tape: _Tape, out: list):
 
 
 def _backward_steps(tape: _Tape, outputs: list, grads: list):
-    """Generator: backward of a recorded chunk, segment by segment from the last, yielding after each segment
-    whose backward started a reverse all-to-all (so that the other chunk computes while it is in flight)."""
+    """Generator: a recorded chunk's backward, last segment first, yielding after each reverse all-to-all start."""
     segments = [(outputs, None, tape.has_wait)] + list(reversed(tape.segments))
     for i, (outs, leaves, has_wait) in enumerate(segments):
         outs_grads = zip(outs, grads if i == 0 else [leaf.grad for leaf in leaves])  # read after later segments ran
@@ -188,8 +174,8 @@ class DualPipeV:
     def __init__(self, stages, pp_rank: int, pp: int, prev_rank: int | None, next_rank: int | None, group,
                  p2p_specs: list[tuple[tuple[int, ...], torch.dtype]] | None, device, overlap: bool = True,
                  delay_weight_grads: bool = True):
-        """stages: (stage r, stage 2*pp-1-r); prev/next_rank: global ranks of the pp neighbours; p2p_specs: (shape,
-        dtype) of each state tensor crossing ranks, None: those of what stage 0 creates (_stage0_specs)."""
+        """stages: (stage r, stage 2*pp-1-r); prev/next_rank: the pp neighbours' global ranks; p2p_specs: None or
+        (shape, dtype) of each state tensor crossing ranks (None: what stage 0 creates, _stage0_specs)."""
         self.stages, self.rank, self.pp, self.group = stages, pp_rank, pp, group
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.p2p_specs, self.device = p2p_specs, device
@@ -298,9 +284,8 @@ class DualPipeV:
     # ---------------------------------------------------------------------- point-to-point communication
 
     def _stage0_specs(self):
-        """(shape, dtype) of each tensor stage 0's pre makes of micro-batch 0 (run once, without gradients, on pp
-        rank 0, inside the caller's autocast), broadcast to the pp group: a model declares a state entry in one
-        place, the state its first stage creates."""
+        """(shape, dtype) of each tensor stage 0's pre makes of micro-batch 0 (once, without gradients, on pp rank 0,
+        in the caller's autocast), broadcast to the pp group: a model declares its state in one place."""
         specs = [None]
         if self.first:
             with torch.no_grad():
@@ -383,8 +368,8 @@ class DualPipeV:
     # --------------------------------------------------------------------------------------- the schedule
 
     def run(self, num_chunks: int, forward_only: bool = False) -> list[torch.Tensor]:
-        """One pass over `num_chunks` micro-batches (collective over the pp group). Returns the per-micro-batch
-        losses on pp rank 0 (the others return []). Gradients accumulate into the parameters' .grad."""
+        """One pass over `num_chunks` micro-batches (collective over the pp group), gradients accumulating into .grad;
+        returns the per-micro-batch losses on pp rank 0 ([] on the others)."""
         n, r = self.pp, self.rank
         if num_chunks < 2 * n:
             raise ValueError(f"DualPipeV needs at least 2*pp = {2 * n} micro-batches per step, got {num_chunks}; "

@@ -1,19 +1,16 @@
 """Expert placement: which expert-parallel (ep) rank holds each routed expert, and at which local index.
 
-A placement is a table over the E routed experts of a model: `rank_of[e]` is the ep rank that holds expert e. A
-rank's local experts are its experts in ascending global id (`experts[r]`): local index j of rank r is global
-expert `experts[r][j]`, and `local_index[e]` is e's place there. Any table is allowed: any number of experts per
-rank, zero included, contiguous or not. Every MoE layer of a model uses the same table.
+A table over a model's E routed experts, shared by every MoE layer: `rank_of[e]` is the ep rank holding expert e;
+rank r's local experts `experts[r]` are in ascending global id, `local_index[e]` is e's place there. Any table is
+allowed (any number of experts per rank, zero included, contiguous or not).
 
     Placement.even(6, 4)            ranks [0, 0, 1, 1, 2, 3]: contiguous, as even as possible (the default;
                                     for E divisible by ep, rank d holds [d*E/ep, (d+1)*E/ep))
     Placement([0, 1, 0, 1, 1], 2)   rank 0 holds experts 0, 2 (local 0, 1); rank 1 holds 1, 3, 4
     Placement.parse("0,0,1,1,2,3", 6, 4)   the --expert-placement flag; "" is the even split
 
-Where it is used: core/moe.py:DispatchPlan sends a token's slot for expert e to rank_of[e] with local id
-local_index[e] (the router keeps global ids); each recipe's Model builds the experts `experts[ep rank]` (its
-Experts module's `expert_ids`); checkpoints store routed experts per global id (core/optimizer.py), so they load
-under any placement; exports gather every rank's experts back into global order (`gather_experts`).
+Used by core/moe.py:DispatchPlan (a slot for expert e goes to rank_of[e], local id local_index[e]), each recipe's
+Model (builds `experts[ep rank]`, its Experts' `expert_ids`) and exports (`gather_experts`: back to global order).
 """
 
 import functools
@@ -24,8 +21,7 @@ import torch.distributed as dist
 
 class Placement:
     def __init__(self, rank_of, ep: int):
-        """rank_of: the ep rank of each routed expert (a list of E ints in [0, ep)). Bad tables raise a one-line
-        ValueError."""
+        """rank_of: the ep rank of each routed expert (E ints in [0, ep)); a bad table raises a ValueError."""
         rank_of = list(rank_of)
         if ep < 1:
             raise ValueError(f"expert placement: ep must be >= 1, got {ep}")
@@ -94,8 +90,7 @@ class Placement:
 
 def gather_experts(local_LX: torch.Tensor, placement: Placement, group, dst: int) -> torch.Tensor | None:
     """Collective over the ep group: every rank's local experts [L_rank, ...] into one [E, ...] tensor in global
-    expert order on ep rank `dst` (None on the others). Ranks hold different counts, so each sends its rows padded
-    to the largest count."""
+    order on ep rank `dst` (None on the others); each sends its rows padded to the largest count."""
     if group is None:
         return local_LX
     me, pad = dist.get_rank(group), placement.max_local

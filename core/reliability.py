@@ -2,19 +2,16 @@
 keeps a bad step from being applied, and fault injection for the tests of all three.
 
 - `run_main(main)`: a ValueError / FileNotFoundError (bad input) or StopRun prints `error: <message>` once, on
-  rank 0, and exits with code 2; a marker file (`_stop_marker`) makes the attempts torchrun restarts exit at
-  once (the same input would fail again). Other exceptions keep their traceback and exit non-zero, so that
-  torchrun restarts the job and train.py resumes from the newest complete checkpoint.
-- `Watchdog`: a thread that, when the current step (or checkpoint save, evaluation) runs past its limit, prints
-  which rank waits in which phase and collective, dumps every thread's Python stack and exits with code 3.
+  rank 0, and exits with code 2; a marker file (`_stop_marker`) makes torchrun's restarts exit at once. Other
+  exceptions keep their traceback and exit non-zero: torchrun restarts, train.py resumes from the newest checkpoint.
+- `Watchdog`: when a step (or save, evaluation) runs past its limit, prints which rank waits in which phase and
+  collective, dumps every thread's Python stack and exits with code 3.
 - `step_is_finite`: one all-reduce that tells every rank whether any rank saw a non-finite loss or gradient.
-- `StopRequest`: SIGTERM / SIGUSR1 (a preemption, a time limit, scancel) or --time-limit make every rank stop at
-  the same step boundary (one all-reduce of a few numbers per step), after the step in progress, to save once.
-- MOE_TRAIN_FAULT (tests only): comma-separated `kind@step[:rank[:attempt]]` (rank and torchrun restart attempt
-  default to 0). kind: `kill` (SIGKILL before the optimizer step), `kill-in-save` (SIGKILL after this rank wrote
-  its part of the step's checkpoint, before it is complete), `nan` (a NaN in this rank's first gradient), `hang`
-  (sleep at the start of the step), `sigterm` / `sigusr1` (that signal to this rank at the end of the step),
-  `sigterm-launcher` (SIGTERM to this rank's parent, torchrun, which forwards it to every rank).
+- `StopRequest`: SIGTERM / SIGUSR1 or --time-limit stop every rank at the same step boundary, to save once.
+- MOE_TRAIN_FAULT (tests only): comma-separated `kind@step[:rank[:attempt]]` (rank, restart attempt default 0).
+  kind: `kill` (SIGKILL before the optimizer step), `kill-in-save` (SIGKILL after this rank wrote its part of the
+  checkpoint), `nan` (in this rank's first gradient), `hang` (sleep at the step's start), `sigterm` / `sigusr1`
+  (to this rank at the step's end), `sigterm-launcher` (SIGTERM to torchrun, which forwards it to every rank).
 """
 
 import faulthandler
@@ -57,8 +54,8 @@ def _attempt() -> int:
 
 
 def _stop_marker() -> Path | None:
-    """Where the ranks leave the error that stopped the run: $MOE_TRAIN_STOP_FILE (launch.sh sets it and prints
-    the line again after torchrun's summary), else a temp file named after torchrun's run id."""
+    """Where the ranks leave the error that stopped the run: $MOE_TRAIN_STOP_FILE (launch.sh's, printed again after
+    torchrun's summary), else a temp file named after torchrun's run id."""
     if os.environ.get("MOE_TRAIN_STOP_FILE"):
         return Path(os.environ["MOE_TRAIN_STOP_FILE"])
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
@@ -125,12 +122,10 @@ def inject_fault(kind: str, step: int, model: torch.nn.Module | None = None) -> 
 
 
 class StopRequest:
-    """When to stop early. SIGTERM or SIGUSR1 (to torchrun, which forwards SIGTERM, or to the ranks: Slurm's
-    `--signal=USR1@SECONDS` before a time limit, a preemption, scancel) sets a flag; --time-limit MINUTES
-    (time_limit_s) asks to stop once the time since start-up plus the longest step and the longest checkpoint save
-    so far (before any save: a tenth of the limit) would pass it. `agree` at the end of every step: one
-    all-reduce (max) over all ranks of [signal number, time up, a background checkpoint write still running], so
-    every rank decides the same at the same step boundary (the step in progress always completes)."""
+    """When to stop early. SIGTERM or SIGUSR1 (torchrun forwards SIGTERM; Slurm's `--signal=USR1@SECONDS`, a
+    preemption, scancel) sets a flag; --time-limit (time_limit_s) stops once start-up time plus the longest step and
+    save so far (before any save: a tenth of the limit) would pass it. `agree`, after every step: one all-reduce
+    (max) of [signal, time up, a background write running], so every rank stops at the same step boundary."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -192,10 +187,9 @@ def _where(thread_id: int) -> str:
 
 
 class Watchdog:
-    """Per-step deadline. timeout_s > 0: fixed limit for steps, checkpoints and evaluation; 0: automatic, the
-    slow limit for the first WARMUP_STEPS steps, then max(60 s, 10x the median step time), capped at the slow
-    limit, which checkpoints and evaluation keep. It watches only in a process that run_main started: a
-    caller of main() in its own process (a test, a benchmark) is never ended by it."""
+    """Per-step deadline. timeout_s > 0: fixed limit for steps, checkpoints and evaluation; 0: the slow limit for
+    the first WARMUP_STEPS steps (always for checkpoints and evaluation), then max(60 s, 10x the median step time),
+    capped at it. It watches only in a process run_main started (a test calling main() is never ended)."""
 
     def __init__(self, timeout_s: float, rank: int, world: int):
         self.fixed, self.rank, self.world = timeout_s > 0, rank, world
@@ -244,9 +238,8 @@ class Watchdog:
 
 
 def grads_finite(model: torch.nn.Module) -> tuple[torch.Tensor, list[str]]:
-    """(bool tensor: every local gradient finite, parameter names in order of the per-tensor check). One fused
-    norm per tensor: a non-finite element makes its tensor's norm non-finite. Under FSDP2 (core/fsdp.py) a
-    gradient is this rank's reduced shard (a DTensor): its local part is checked."""
+    """(bool tensor: every local gradient finite, parameter names in order of the check), by one fused norm per
+    tensor; under FSDP2 (core/fsdp.py) the local part of this rank's reduced shard is checked."""
     named = [(n, p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()
              if p.grad is not None]
     if not named:
@@ -257,9 +250,8 @@ def grads_finite(model: torch.nn.Module) -> tuple[torch.Tensor, list[str]]:
 
 def step_is_finite(stats: torch.Tensor, finite_P: torch.Tensor, names: list[str], grad_norm: torch.Tensor,
                    rank: int, world: int) -> tuple[torch.Tensor, list[int], list[str]]:
-    """One all-reduce of this rank's (loss statistics, 'anything non-finite here' flag) over every rank.
-    Returns (the summed stats, the ranks that saw a non-finite loss or gradient, the names of the parameters
-    with non-finite gradients on any rank; both empty for a good step). The names are gathered only then."""
+    """One all-reduce of (loss statistics, 'non-finite here' flag) -> (summed stats, ranks that saw a non-finite loss
+    or gradient, names of parameters with non-finite gradients on any rank, gathered only then; both empty: good)."""
     flags_W = torch.zeros(world, device=stats.device)
     flags_W[rank] = float(not (bool(stats.isfinite().all()) and bool(finite_P.all())))
     both = torch.cat([stats.float(), flags_W])
@@ -279,8 +271,7 @@ def step_is_finite(stats: torch.Tensor, finite_P: torch.Tensor, names: list[str]
 def collapse_warning(step: int, load_LE, moe_layer_ids: list[int], live_LE=None, threshold: float = 2.0) -> str:
     """A log line naming the layers whose expert load max/mean (load_LE [MoE layers, E], summed over the last steps)
     exceeds threshold ('' if none), over the experts the router could choose throughout (live_LE nonzero; None:
-    all), so experts a router switched off read as neither idle nor collapse. With top-k of E live experts the
-    worst case is E/k: every token sent to the same k experts."""
+    all). With top-k of E live experts the worst case is E/k."""
     per_layer = load_max_over_mean(load_LE, live_LE)
     bad = [f"layer {i} {x:.2f}x" for i, x in zip(moe_layer_ids, per_layer) if x > threshold]
     if not bad:

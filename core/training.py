@@ -1,7 +1,6 @@
-"""What every train.py needs around the model: flags from a dataclass (--help shows each field's comment), the
-lr schedule (the optimizer, with gradient reduction and clipping, is core/optimizer.py), the check of the flags
-a model may not support (check_features), the loss terms of the objective (LossTerm: weights, denominators) and
-what the model is told after each step (StepDone)."""
+"""What every train.py needs around the model: flags from a dataclass (--help shows each field's comment), the lr
+schedule, the check of the flags a model may not support (check_features), the objective's loss terms (LossTerm)
+and what the model is told after each step (StepDone)."""
 
 import argparse
 import ast
@@ -55,9 +54,8 @@ def _own_field_comments(cls) -> dict[str, str]:
 
 def field_comments(cls) -> dict[str, str]:
     """{field name: its meaning} from the dataclass's source: the `# comment` on the field's line(s), continued by
-    comment-only lines directly below it (no blank line between). A comment-only line above a field, or below one
-    without a comment of its own, or one starting `# ---` (a section heading such as `# ---- reliability and
-    evaluation`), belongs to no field. Base classes' fields keep their own comments."""
+    comment-only lines directly below it. A comment-only line above a field, below one without a comment, or
+    starting `# ---` (a section heading) belongs to no field. Base classes' fields keep their own comments."""
     comments = {}
     for klass in reversed(cls.__mro__):
         if dataclasses.is_dataclass(klass):  # base first: a subclass's comment wins
@@ -73,8 +71,7 @@ def _shown(value) -> str:
 
 
 def build_parser(cls) -> argparse.ArgumentParser:
-    """argparse flags mapped 1:1 onto the fields of a dataclass (`max_steps` -> `--max-steps`), each with its
-    meaning (field_comments) and default in --help."""
+    """argparse flags 1:1 onto a dataclass's fields (`max_steps` -> `--max-steps`), --help from field_comments."""
     parser = _Parser(description=cls.__doc__)
     comments = field_comments(cls)
     for f in dataclasses.fields(cls):
@@ -108,9 +105,8 @@ def check_args(rules: dict[str, bool]) -> None:
 
 
 def lr_factor(step: int, schedule: str, warmup: int, total: int, min_ratio: float, decay_fraction: float) -> float:
-    """Multiplier of the peak lr at a 0-based optimizer step: linear warmup, then
-    cosine: half a cosine down to min_ratio at `total`;
-    wsd:    warmup-stable-decay, flat until the last `decay_fraction` of the steps, then linear to min_ratio."""
+    """Multiplier of the peak lr at a 0-based optimizer step: linear warmup, then (cosine) half a cosine down to
+    min_ratio at `total`, or (wsd) flat until the last `decay_fraction` of the steps, then linear to min_ratio."""
     if schedule not in ("cosine", "wsd"):
         raise ValueError(f"unknown --lr-schedule {schedule!r}; use cosine or wsd")
     if step < warmup:
@@ -162,12 +158,10 @@ class LossTerm:
     backward). A term's sum on a rank is TrainOutput.terms[name] (pp: PipelineStage.post's terms)."""
 
     weight: float  # its coefficient; train.py --loss-weight NAME=W overrides it
-    per: str | None  # the denominator: "tokens" (trained labels, labels != -100), "micro_batches" (a mean per
-    # micro-batch: n_micro x dp x ep), the name of an extra from Model.prepare_batch (the global sum of that
-    # per-token tensor: a term's own targets), or None: a parameter-only term, counted once per step however many
-    # ranks and micro-batches compute it (n_micro x dp x cp x ep); each rank's sum is then the term over the
-    # parameters its layers hold, a part over routed experts counted ep times (its own experts' part x ep), so that
-    # the ep ranks' parts add up to ep x the whole
+    per: str | None  # the denominator: "tokens" (labels != -100), "micro_batches" (n_micro x dp x ep), the name
+    # of an extra from Model.prepare_batch (the global sum of that per-token tensor), or None: a parameter-only term
+    # counted once per step (n_micro x dp x cp x ep); each rank's sum is then the term over its layers' parameters,
+    # a part over routed experts counted ep times (its own experts' part x ep) so the ep ranks' parts add up
 
 
 def loss_weights(terms: dict[str, LossTerm], flag: str) -> dict[str, LossTerm]:
@@ -184,9 +178,8 @@ def loss_weights(terms: dict[str, LossTerm], flag: str) -> dict[str, LossTerm]:
 
 
 def loss_denominators(terms: dict[str, LossTerm], labels_BS, extras: list[dict], n_micro: int, mesh) -> dict:
-    """Each term's denominator over the global batch of the step (LossTerm.per), from this rank's labels and extras
-    (its cp part of the local batch; extras: one dict per micro-batch, Model.prepare_batch's): counts summed over the ranks holding other tokens (dp, cp, ep) in one
-    all-reduce, each at least 1; micro-batch counts as plain numbers."""
+    """Each term's denominator over the step's global batch (LossTerm.per) from this rank's labels and extras (one
+    dict per micro-batch, Model.prepare_batch's): summed over (dp, cp, ep) in one all-reduce, each at least 1."""
     counted = sorted({t.per for t in terms.values()} - {"micro_batches", None})
     counts = [(labels_BS != -100).sum() if per == "tokens" else sum(e[per].sum() for e in extras)
               for per in counted]

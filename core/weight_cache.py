@@ -1,12 +1,9 @@
-"""Low-precision copies of weights, made once per optimizer step and reused by every micro-batch: the FP8 pairs of
-core/fp8.py and the bf16 casts of the bf16 path (routed experts, LM head).
+"""Low-precision weight copies made once per optimizer step for every micro-batch (core/fp8.py's pairs, bf16 casts).
 
-An entry is keyed by the parameter's storage address, shape and dtype and by the kind of copy (torch.compile may hand
-an op an alias of the parameter; aliases share the version counter), and keeps the parameter alive. It is stale when
-the parameter's version counter moved (any in-place update through autograd-visible ops) or after `invalidate()`,
-which the training loop calls after each optimizer.step() (updates through `.data` do not move the counter).
-Autocast caches its own casts of nn.Linear weights, but only within one autocast region; train.py therefore runs a
-whole step (every micro-batch's forward and backward) in one region.
+An entry is keyed by storage address, shape, dtype and kind of copy (torch.compile may hand an op an alias; aliases
+share the version counter) and keeps the parameter alive. It is stale when the version counter moved or after
+`invalidate()`, which the training loop calls after each optimizer.step() (updates through `.data` do not move the
+counter). Autocast caches nn.Linear casts only within one region, so train.py runs a whole step in one.
 """
 
 from collections import Counter
@@ -54,8 +51,7 @@ class _CachedCast(torch.autograd.Function):
 
 
 def cast_weight(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """w in `dtype`, cast once per optimizer step (w itself when it has that dtype). Differentiable: the gradient
-    reaches w in w's dtype."""
+    """w in `dtype`, cast once per optimizer step (w itself if it has it); the gradient reaches w in w's dtype."""
     if w.dtype == dtype:
         return w
     if torch.is_grad_enabled() and w.requires_grad:

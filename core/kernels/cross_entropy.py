@@ -2,20 +2,16 @@
 
 Legend: T tokens, H hidden, V vocab, Tc tokens per chunk.
 
-Design (Liger-kernel style): forward walks over token chunks; for each chunk, logits_TcV = h_TcH @ w_VH.T
-(a torch GEMM in the input dtype, fp32 accumulation inside), then one Triton program per row computes the
-logsumexp by an online softmax over vocab tiles, the row's loss lse - logit[label], and overwrites the logits
-in place with their gradient softmax - onehot (zero for ignored rows). The chunk's input gradients follow at
-once, grad_h[chunk] = dlogits @ w and grad_w += dlogits.T @ h_chunk (fp32 accumulator), so only [T, H] +
-[V, H] gradients are kept; backward just scales them by grad_output. Peak extra memory: one [Tc, V] chunk
-plus the [V, H] fp32 accumulator. The GEMMs are torch's; the kernel is memory-bound and reads each
-logit twice (lse pass, gradient pass) and writes it once.
+Design (Liger-kernel style): per token chunk, logits_TcV = h_TcH @ w_VH.T (torch GEMM), then one Triton program
+per row computes the logsumexp by an online softmax over vocab tiles, the loss lse - logit[label], and overwrites
+the logits with their gradient softmax - onehot (zero for ignored rows). The chunk's input gradients follow at once,
+grad_h[chunk] = dlogits @ w and grad_w += dlogits.T @ h_chunk (fp32), so backward only scales them by grad_output.
+Peak extra memory: one [Tc, V] chunk plus the [V, H] fp32 accumulator; each logit is read twice and written once.
 
-The loss is summed over non-ignored tokens (the training script divides by a global token count), or
-averaged with reduction="mean". Triton runs for CUDA tensors, or anywhere under TRITON_INTERPRET=1;
-otherwise the PyTorch reference runs, and always for float64 (a reference model on CPU), whose loss is float64.
-On the Triton path a label outside [0, V) that is not ignore_index
-gives a NaN loss (checking it would need a host sync on GPU); the CPU paths raise ValueError.
+The loss is summed over non-ignored tokens (train.py divides by a global token count), or averaged with
+reduction="mean". Triton runs for CUDA tensors, or anywhere under TRITON_INTERPRET=1; otherwise the PyTorch
+reference runs, and always for float64 (loss in float64). On the Triton path a label outside [0, V) that is not
+ignore_index gives a NaN loss (checking it would need a host sync); the CPU paths raise ValueError.
 """
 
 import os
@@ -66,11 +62,10 @@ def _ce_kernel(logits_ptr, labels_ptr, loss_ptr, stride, V, ignore_index, GRAD: 
 
 
 class LossGroups:
-    """Per-group sums of the cross-entropy (a data mixture's sources) with no change to a model: train.py sets,
-    for a step, the group of every label of each micro-batch (`begin`: groups_T per micro-batch index, T labels of
-    it on this rank); linear_cross_entropy, the loss every model computes, then adds each label's loss, detached,
-    to sums_G of its group: once per micro-batch (`core/pipeline.py:running` says which; a further call, e.g. another
-    head, is not counted), and only for labels of the micro-batch's shape. One instance, `loss_groups`."""
+    """Per-group sums of the cross-entropy (a data mixture's sources) with no change to a model: train.py sets each
+    micro-batch's label groups (`begin`: groups_T per micro-batch index); linear_cross_entropy then adds each label's
+    detached loss to sums_G of its group, once per micro-batch (`core/pipeline.py:running` says which; a further
+    call, e.g. another head, is not counted) and only for labels of that shape. One instance, `loss_groups`."""
 
     def __init__(self):
         self.groups_T, self.sums_G, self.counted = None, None, set()
@@ -136,9 +131,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy(h_TH: torch.Tensor, w_VH: torch.Tensor, labels_T: torch.Tensor, ignore_index: int = -100,
                          reduction: str = "sum", chunk_tokens: int = 2048) -> torch.Tensor:
     """Cross-entropy of logits h @ w.T against labels, summed (or averaged) over labels != ignore_index, fp32 scalar
-    (float64 for float64 inputs).
-
-    h [T, H], w [V, H] (the LM head weight), labels [T] int64; h and w fp32/bf16/fp16/float64 of one dtype."""
+    (float64 for float64). h [T, H], w [V, H] (LM head), labels [T] int64; h and w of one dtype."""
     if h_TH.dim() != 2 or w_VH.dim() != 2 or h_TH.shape[1] != w_VH.shape[1]:
         raise ValueError(f"linear_cross_entropy: expected h [T, H] and w [V, H], got {tuple(h_TH.shape)} and {tuple(w_VH.shape)}")
     if labels_T.shape != (h_TH.shape[0],) or labels_T.dtype != torch.int64 or labels_T.device != h_TH.device:

@@ -3,17 +3,14 @@
 Legend: N = Q*k flattened (row, slot) pairs, Q rows (tokens, or rows received by an all-to-all), k slots per
 row, E experts (local to this rank), R pairs kept (id >= 0), NB blocks of BLOCK pairs.
 
-group_by_expert(ids_Qk, E) -> order_R, counts_E serves both ends of dispatch:
-  - a plain MoE layer: ids = topk_ids [T, k] (< 0: a masked slot); rows = x[order // k] is grouped by expert;
-  - the receiver of a deduplicated expert-parallel all-to-all: each token arrives once per rank, with the local
-    expert ids of its k slots and -1 for slots whose expert lives elsewhere; order // k is the received row to
-    expand, order % k the slot (for its routing weight), so the expansion is rows[order // k].
-order is stable (pairs keep their flat order inside an expert), identical to the reference's argsort.
+group_by_expert(ids_Qk, E) -> order_R, counts_E (ids < 0: skipped) serves a plain MoE layer (ids = topk_ids [T,
+k]: x[order // k] is grouped by expert) and the receiver of the deduplicated all-to-all (local expert ids, -1 for
+experts elsewhere: order // k is the received row to expand, order % k its slot). order is stable, identical to
+the reference's argsort.
 
-Triton path (CUDA, or TRITON_INTERPRET=1): (1) per-block histograms hist[NB, E]; (2) torch exclusive cumsums give
-each (block, expert) its first output slot; (3) each block writes its pairs at base + rank among the earlier
-equal ids of the block. No atomics, so the result is deterministic. R sizes the output: a caller that knows it
-passes `num_kept` (core/moe.py gets it with the split sizes of the all-to-all); otherwise one host sync reads it.
+Triton path (CUDA, or TRITON_INTERPRET=1): per-block histograms hist[NB, E], exclusive cumsums for each (block,
+expert)'s first slot, then each block writes its pairs at base + rank among its earlier equal ids (no atomics:
+deterministic). R sizes the output: `num_kept` when the caller knows it (core/moe.py), else one host sync.
 """
 
 import os
@@ -26,8 +23,8 @@ BLOCK = 64  # pairs per program; the rank step compares [BLOCK, BLOCK] ids
 
 
 def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[E] int64: how many of `ids` (any shape) name each expert in [0, E); other ids (negative: an empty slot)
-    are not counted. No host sync (torch.bincount syncs on CUDA to size its output)."""
+    """[E] int64: how many of `ids` (any shape) name each expert in [0, E), others not counted. No host sync (unlike
+    torch.bincount on CUDA)."""
     flat_N = ids.reshape(-1).long()
     slot_N = torch.where((flat_N >= 0) & (flat_N < num_experts), flat_N, num_experts)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)

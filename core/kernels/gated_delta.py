@@ -1,5 +1,5 @@
-"""The chunked gated delta rule (Gated DeltaNet's recurrence), a PyTorch reference and, on CUDA, fla-core's
-Triton kernels. Model-agnostic: any linear-attention layer with a decayed delta-rule state calls it.
+"""The chunked gated delta rule (Gated DeltaNet's recurrence, any decayed delta-rule layer): a PyTorch reference
+and, on CUDA, fla-core's Triton kernels.
 
 The recurrence, per (batch, value head), state S [K, V] in fp32, token t:
     S  <- exp(g_t) * S                          (decay; g_t <= 0 is a log decay)
@@ -15,32 +15,25 @@ i.e. (I + L) U = V - diag(Gam) K S0 with L strictly lower triangular: one unit-t
 the right-hand side [V | Gam*K] gives U = U_v - W S0 for every S0. Then
     O    = diag(Gam) Q S0 + (Q K^T * D * beta_j) U              D_tj = exp(gam_t - gam_j) for j <= t, else 0
     S_C  = Gam_C S0 + (K * beta * exp(gam_C - gam))^T U
-and only S crosses chunks (a loop over S/C chunks of small matmuls). Decays are taken as differences in log
-space before exp, so no exp grows (every exponent is <= 0) however strong the decay. The sequence is padded to a
-multiple of the chunk with g = 0, beta = 0, k = v = 0 tokens, which leave the state unchanged.
+and only S crosses chunks. Decays are differences in log space before exp (every exponent <= 0, none grows). The
+sequence is padded to whole chunks with g = beta = k = v = 0 tokens, which leave the state unchanged.
 
-Documents (reset_BS, bool [B, S]): a packed row holds several documents, and the state entering a document's
-first token must be 0, as if the document ran alone. A reset at token t is the recurrence with g_t = -inf (the
-decay wipes the state before t's update), so in the chunked form every decay product that spans a reset is 0:
-with seg_t = the number of resets in the chunk up to and including t, D_tj = 0 unless seg_t = seg_j,
-Gam_t = 0 unless seg_t = 0 (no reset since the chunk start), and likewise towards the chunk end. That is a mask
-on the same matrices (no split of the row, no host sync, any number of documents per chunk); the given
-initial_state reaches only the tokens before a row's first reset. gam then restarts at each reset (the sum of
-the token's own document's decays), so its differences cancel no other document's decays, and the masked log
-decays become -inf before exp (a difference across a reset may be > 0). `core.context.document_starts(doc_ids)` makes
-reset_BS. On fla, documents run as its varlen form (cu_seqlens; one host sync per call).
+Documents (reset_BS, bool [B, S], from core.context.document_starts): the state entering a document's first token
+is 0. A reset at t is g_t = -inf, so every decay product spanning a reset is 0: with seg_t the resets in the chunk
+up to t, D_tj = 0 unless seg_t = seg_j, Gam_t = 0 unless seg_t = 0, likewise towards the chunk end. A mask on the
+same matrices (no split, no host sync); initial_state reaches only the tokens before a row's first reset. gam
+restarts at each reset; masked log decays become -inf before exp (a difference across a reset may be > 0).
+fla runs documents as varlen (cu_seqlens; one host sync per call).
 
-Grouped value heads: q and k may have fewer heads than v (Qwen3.5: 16 key heads, 32 value heads); key head h
-serves value heads h*n .. h*n+n-1 (n = Hv / Hk), as transformers' repeat_interleave. g and beta are per value
-head. use_qk_l2norm_in_kernel=True L2-normalises q and k over K (x * rsqrt(sum x^2 + 1e-6), in fp32), as fla's
-flag and transformers' torch_chunk_gated_delta_rule do; the model passes it (Gated DeltaNet always normalises).
+Grouped value heads (Qwen3.5: 16 key heads, 32 value heads): key head h serves value heads h*n .. h*n+n-1 (n =
+Hv / Hk, transformers' repeat_interleave); g and beta are per value head. use_qk_l2norm_in_kernel=True
+L2-normalises q and k over K (x * rsqrt(sum x^2 + 1e-6), fp32), as fla and transformers do.
 
-Backends: on CUDA with bf16/fp16 inputs and fla-core installed, fla's chunk_gated_delta_rule (chunk 64, its own
-Triton kernels); elsewhere (CPU, fp32, no fla) the reference below, autograd through it. fla is wrapped in two
-torch.library custom ops (forward; backward = fla's forward recomputed under autograd): the recipes compile layers
-with fullgraph=True, where a torch.compiler.disable region (how fla 0.6 marks its own entry point) is an error, and
-dynamo cannot trace fla's autotuned Triton launchers; an opaque op with a fake (shape) implementation keeps one
-graph. Only fla's public function is called, so any fla release with the [B, T, H, *] API works.
+Backends: on CUDA with bf16/fp16 inputs and fla-core installed, fla's chunk_gated_delta_rule (chunk 64); else the
+reference below, autograd through it. fla sits in two torch.library custom ops (forward; backward = fla's forward
+recomputed under autograd) with fake (shape) implementations: the recipes compile with fullgraph=True, where fla
+0.6's torch.compiler.disable entry is an error and its autotuned launchers untraceable. Only fla's public function
+is called (any release with the [B, T, H, *] API).
 
 Legend: B batch, S sequence, Hk key/query heads, Hv value heads (H after grouping), K key dim, V value dim,
 N chunks, C chunk size.
@@ -83,9 +76,8 @@ def _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV, r
 def chunk_gated_delta_rule_reference(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | None = None,
                                      initial_state_BHKV=None, output_final_state: bool = False,
                                      chunk_size: int = 64, use_qk_l2norm_in_kernel: bool = False, reset_BS=None):
-    """The chunked recurrence in plain PyTorch (see the top of the file), differentiable in every input.
-    Computes in fp32 (fp64 if any input is fp64); returns (o [B, S, Hv, V] in v's dtype, final state
-    [B, Hv, K, V] fp32/fp64 or None). reset_BS: bool [B, S], the state is 0 entering each True token."""
+    """The chunked recurrence (see the top) in plain PyTorch, differentiable, in fp32 (fp64 if an input is): (o
+    [B, S, Hv, V] in v's dtype, final state [B, Hv, K, V] or None). reset_BS: bool [B, S], True: state 0 entering."""
     _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV, reset_BS)
     if chunk_size < 1:
         raise ValueError(f"gated delta rule: chunk_size {chunk_size} must be >= 1")
@@ -117,9 +109,8 @@ def chunk_gated_delta_rule_reference(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, sc
     else:  # documents: a decay product spanning a reset is 0 (see the top)
         seg_B1NC = F.pad(reset_BS, (0, N * C - S)).reshape(B, 1, N, C).cumsum(-1)
         gone_BHNCC = gone_BHNCC | (seg_B1NC[..., :, None] != seg_B1NC[..., None, :])
-        # gam restarts at each reset (a sum over the token's own document only): a cumsum over the whole chunk
-        # would make in-document differences gam_t - gam_j cancel large sums of earlier documents' decays (fp32:
-        # 1e-4 relative errors in the decays at g ~ -10 per token), where the document alone sums only its own
+        # gam restarts at each reset: a cumsum over the whole chunk would make gam_t - gam_j cancel large sums of
+        # earlier documents' decays (fp32: 1e-4 relative errors at g ~ -10 per token)
         gam_BHNC = (~gone_BHNCC).to(dt) @ g_BHNC[..., None]
         gam_BHNC = gam_BHNC.squeeze(-1)
         from_start_B1NC = seg_B1NC == 0  # no reset since the chunk start: the entering state reaches t
@@ -166,10 +157,8 @@ def _fla(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm_in_kernel):
                                        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
-# fla as two opaque custom ops, so torch.compile(fullgraph=True) of a layer keeps one graph around them. The forward
-# runs fla without autograd; the backward op recomputes fla's forward under autograd and takes its gradients (one
-# extra kernel forward, ~1/3 of fla's forward + backward): only fla's public function is used, which is stable
-# across fla releases (its internal forward/backward entry points are not).
+# fla as two opaque custom ops (see the top): the backward op recomputes fla's forward under autograd (one extra
+# kernel forward, ~1/3 of fla's forward + backward; fla's internal backward entry points change between releases).
 @torch.library.custom_op("moe_delta::fla_gated_delta_rule", mutates_args=())
 def _fla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             h0: torch.Tensor, cu_seqlens: torch.Tensor | None, scale: float,
@@ -230,9 +219,8 @@ def _fla_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale, initia
     if reset_BS is None:
         o, final = _fla_op(*inputs, h0_BHKV, None, float(scale), use_qk_l2norm_in_kernel)
         return o, (final if output_final_state else None)
-    # documents: the B rows flattened into one, a sequence starts at each row start and each reset (fla's varlen,
-    # cu_seqlens [N + 1]; building it syncs with the host once per call). Each row's first sequence enters with the
-    # row's initial state, every other one with 0; a row's final state is its last sequence's.
+    # documents: the rows flattened into one, a sequence at each row start and reset (cu_seqlens [N + 1], one host
+    # sync); a row's first sequence enters with its initial state, others with 0; its final state is its last's.
     starts_BS = reset_BS.clone()
     starts_BS[:, 0] = True
     starts_T = starts_BS.flatten().nonzero().flatten()
@@ -248,10 +236,9 @@ def _fla_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale, initia
 def chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | None = None,
                            initial_state_BHKV=None, output_final_state: bool = False, chunk_size: int = 64,
                            use_qk_l2norm_in_kernel: bool = False, reset_BS=None):
-    """The gated delta rule over whole sequences: (o [B, S, Hv, V], final state [B, Hv, K, V] fp32 or None).
-    fla's Triton kernels where `fla_usable` (chunk_size is then fla's 64: the result does not depend on it beyond
-    rounding; documents through fla's varlen), else `chunk_gated_delta_rule_reference`. Any S (the last chunk is
-    padded). reset_BS: bool [B, S], True where a document starts (the state entering it is 0)."""
+    """The gated delta rule over whole sequences of any S: (o [B, S, Hv, V], final state [B, Hv, K, V] fp32 or None).
+    fla where `fla_usable` (chunk_size then fla's 64), else `chunk_gated_delta_rule_reference`. reset_BS: bool
+    [B, S], True where a document starts."""
     _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV, reset_BS)
     scale = q_BSHK.shape[-1] ** -0.5 if scale is None else scale
     if fla_usable(v_BSHV):
@@ -263,12 +250,10 @@ def chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float
 
 def chunk_gated_delta_flops_per_token(key_dim: int, value_dim: int, value_heads: int, chunk_size: int = 64,
                                       cp: int = 1) -> int:
-    """Forward FLOPs per token of the chunked rule (2 per multiply-add, matmuls only; backward ~2x this).
-    Per chunk and head: K K^T and Q K^T (2 C^2 K), the unit-triangular solve with [V | K] right-hand sides
-    (C^2 (V + K) / 2), the intra-chunk A U (C^2 V), and W S0, Q S0, K^T U (3 C K V); divided by C:
-        per token per head = 2 * (2 C K + C (V + K) / 2 + C V + 3 K V) = C (5 K + 3 V) + 6 K V.
-    Under context parallelism (cp > 1, core/linear_attention.py) the kernel runs with value width V + K (the
-    state-transition columns) and each output adds S_in^T P (2 K V)."""
+    """Forward FLOPs per token of the chunked rule (matmuls only; backward ~2x). Per chunk and head: K K^T, Q K^T
+    (2 C^2 K), the solve with [V | K] (C^2 (V + K) / 2), A U (C^2 V), W S0, Q S0, K^T U (3 C K V); per token and head
+    2 * (2 C K + C (V + K) / 2 + C V + 3 K V) = C (5 K + 3 V) + 6 K V. With cp > 1 (core/linear_attention.py) at
+    value width V + K, each output adding S_in^T P (2 K V)."""
     K, C = key_dim, chunk_size
     V = value_dim + (key_dim if cp > 1 else 0)
     per_head = C * (5 * K + 3 * V) + 6 * K * V + (2 * K * value_dim if cp > 1 else 0)

@@ -7,11 +7,8 @@ Legend: R rows (leading dims flattened), I expert ffn width, J = 2*I (gate and u
   gptoss_swiglu(x_RJ)   GPT-OSS, interleaved: gate = x[:, 0::2], up = x[:, 1::2], gate clamped to <= 7,
                         up to [-7, 7]; out = (up + 1) * gate * sigmoid(1.702 * gate)
 
-The kernels compute in fp32 and store in the input dtype (fp32, bf16, fp16); float64 (a reference model on CPU)
-always takes the PyTorch reference, which computes in float64. Backward keeps only the
-inputs and recomputes the activation, so no [R, I] intermediate lives between forward and backward.
-Triton runs for CUDA tensors, or anywhere under TRITON_INTERPRET=1 (how the CPU tests exercise it);
-otherwise the PyTorch reference runs.
+Kernels compute in fp32, store in the input dtype, and run for CUDA tensors or under TRITON_INTERPRET=1; else (and
+for float64) the PyTorch reference. Backward recomputes the activation from the inputs (no [R, I] intermediate).
 """
 
 import os
