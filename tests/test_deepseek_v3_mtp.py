@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import DeepseekV3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
 from core.data import positions_in_documents
@@ -35,8 +35,9 @@ def reference(folder, cfg):
         main = DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.float64, experts_implementation="eager")
     hf_cfg, L = main.config, cfg.num_hidden_layers
     layer = DeepseekV3DecoderLayer(hf_cfg, L).double()
-    from safetensors.torch import load_file
     import glob
+
+    from safetensors.torch import load_file
 
     tensors = {k: v for f in glob.glob(f"{folder}/*.safetensors") for k, v in load_file(f).items()}
     prefix = f"model.layers.{L}."
