@@ -27,8 +27,8 @@ class WeightCache:
 
     @property
     def quantizations(self) -> int:
-        """FP8 copies made so far (core/fp8.py's kind)."""
-        return self.made["fp8"]
+        """FP8 copies made so far (core/fp8.py's kinds: "fp8" + its recipe)."""
+        return sum(n for kind, n in self.made.items() if str(kind).startswith("fp8"))
 
     def invalidate(self) -> None:
         """Call after optimizer.step(): the next use of each weight makes its copies again."""
