@@ -154,7 +154,7 @@ def test_flops_by_layer_counts_the_mtp_module():
         cfg = ModelConfig.from_hf(mod.tiny_config_path())
         cfg.num_nextn_predict_layers = mtp
         torch.manual_seed(0)
-        counted = counted_flops(mod, cfg, seq, batch)
+        counted = counted_flops(mod, cfg, seq, batch, training_only=True)
         parts = mod.flops_by_layer(cfg, seq)
         assert len(parts) == cfg.num_hidden_layers + 2 and (set(parts[-1]) > {"head"}) == bool(mtp)
         totals[mtp] = 3 * (counted["gemm"] + counted["attention"] / 2)

@@ -37,15 +37,16 @@ def _sdpa_cpu_flop(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -
     return 2 * B * N * S * k_shape[2] * (D + v_shape[-1])
 
 
-def counted_flops(mod, cfg, seq: int, batch: int = 2) -> dict:
+def counted_flops(mod, cfg, seq: int, batch: int = 2, training_only: bool = False) -> dict:
     """Forward FLOPs of forward_train by torch's counter: GEMMs (mm, addmm, grouped) and attention (bmm: the
-    explicit scores and values; the SDPA kernel)."""
+    explicit scores and values; the SDPA kernel). training_only=True counts modules that run only with gradients
+    on (DeepSeek-V3's MTP) too."""
     model = mod.Model(cfg)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     counter = FlopCounterMode(display=False, custom_mapping={
         torch.ops.aten._grouped_mm: _grouped_mm_flop,
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flop})
-    with counter, torch.no_grad():  # no_grad: training-only modules (DeepSeek-V3's MTP, its own test) stay out
+    with counter, torch.set_grad_enabled(training_only):
         model.forward_train(ids, ids)
     by_op = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     attention = sum(n for op, n in by_op.items() if "bmm" in op or "attention" in op)
