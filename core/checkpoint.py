@@ -1,14 +1,10 @@
-"""Distributed training checkpoints with torch.distributed.checkpoint (DCP).
-
-Layout: <dir>/step_00000100/ holds one DCP checkpoint (model, optimizer, scheduler, data position, RNG of every
-rank, step), written as step_00000100.tmp/ (also in the background, DCP async_save) and renamed once every rank
-has finished, so a crash leaves the previous step_* folder the newest complete one (a leftover .tmp is overwritten).
-Before loading, every shard .metadata names must exist at its full size (check_files); `--resume auto` falls back
-to the previous checkpoint with one warning line if the newest is damaged, an explicit --resume folder fails in one
-line. After a torchrun restart an empty --resume means auto; a first attempt refuses a folder that already holds
-checkpoints. The state comes from `ShardedAdamW.checkpoint_state` (DTensors with global shapes), so DCP reshards it
-onto another layout. Loading unpickles only DCP's metadata classes, torch.Size and dtypes, and plain values with
-torch.load(weights_only=True).
+"""Distributed training checkpoints with torch.distributed.checkpoint (DCP): <dir>/step_00000100/ holds one (model,
+optimizer, scheduler, data position, each rank's RNG, step), written as step_00000100.tmp/ (maybe in the background) and
+renamed once every rank is done: a crash leaves no partial step_* folder (a leftover .tmp is overwritten). Loading first
+checks every shard (check_files); `--resume auto` falls back past a damaged newest checkpoint with a warning line, an
+explicit --resume folder fails in one line. An empty --resume means auto after a torchrun restart, else it refuses a
+folder already holding checkpoints. DTensors of global shape (`ShardedAdamW.checkpoint_state`) let DCP reshard to any
+layout. Loading unpickles only DCP metadata classes, torch.Size and dtypes, values via torch.load(weights_only=True).
 """
 
 import io
@@ -39,13 +35,11 @@ def _barrier():
         dist.barrier()
 
 
-# without a process group (world size 1) DCP runs in-process, which is intended here: its warning about that is
-# silenced (for the whole process: a background save warns from its own thread)
-warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # also for a background save's thread
 
 
 def _dcp(fn, state, path, **kwargs):
-    """dcp.save / dcp.load, in-process at world size 1 (silenced here too: a caller may reset the filters)."""
+    """dcp.save / dcp.load, in-process at world size 1 as intended (muted here too: a caller may reset the filters)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         return fn(state, checkpoint_id=path, no_dist=not dist.is_initialized(), **kwargs)
@@ -101,19 +95,17 @@ def complete_checkpoints(ckpt_dir) -> list[Path]:
 
 
 def save_checkpoint(ckpt_dir, step: int, state: dict, extra: dict, rank: int, keep: int = 2) -> Path:
-    """Blocking save, collective. `state`: model and optimizer tensors; `extra`: small picklable state shared by all
-    ranks (scheduler, data position); each rank's RNG under its own key. Keeps the newest `keep` checkpoints."""
+    """Blocking collective save (`state`: tensors, `extra`: small picklable shared state); keeps the newest `keep`."""
     checkpointer = Checkpointer(ckpt_dir, rank, keep, asynchronous=False)
     checkpointer.save(step, state, extra)
     return checkpointer.complete()
 
 
 class Checkpointer:
-    """Writes checkpoints one at a time, blocking or in the background (`save` stages the state in host memory, DCP's
-    async_save; a thread writes it, gathering results over a gloo group of its own). The folder is step_N.tmp/ until
+    """Writes checkpoints one at a time, blocking or in the background (`save` stages the state in host memory via DCP's
+    async_save; a thread writes it, gathering results over its own gloo group). The folder is step_N.tmp/ until
     `complete` (collective): after every rank's write, rank 0 renames it to step_N/ and prunes to the newest `keep`.
-    train.py calls `complete` at the first step boundary where no rank is still writing (StopRequest.agree), before
-    the next save, and at the end of the run."""
+    train.py calls `complete` once no rank is still writing (StopRequest.agree), before the next save and at the end."""
 
     def __init__(self, ckpt_dir, rank: int, keep: int = 2, asynchronous: bool = False):
         self.ckpt_dir, self.rank, self.keep, self.asynchronous = Path(ckpt_dir), rank, keep, asynchronous
@@ -186,8 +178,7 @@ def resolve_resume(resume: str, ckpt_dir) -> Path | None:
 
 
 def load_checkpoint(path, state: dict, extra: dict, rank: int) -> dict:
-    """Collective. Fills the tensors of `state` in place and returns it updated with `extra` (same keys as at
-    save) and 'step' from the checkpoint. Restores this rank's RNG when the checkpoint has it."""
+    """Collective: fills `state`'s tensors in place, returns it with `extra` (keys as saved), 'step'; restores RNG."""
     path = Path(path)
     state = {**state, "step": 0, **extra}
     try:
@@ -223,8 +214,7 @@ def load_checkpoint(path, state: dict, extra: dict, rank: int) -> dict:
 
 
 def check_files(path: Path, metadata) -> None:
-    """Every shard file the checkpoint's .metadata names exists and holds the bytes it points to (a deleted or
-    truncated shard fails here, naming the file, before any tensor is read)."""
+    """Raise (naming the file) if a shard the .metadata names is missing or truncated, before any tensor is read."""
     needed = {}  # file -> bytes the metadata's entries reach
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -239,9 +229,8 @@ def check_files(path: Path, metadata) -> None:
 
 
 def _reshape_targets(state: dict, keys: dict, prefix: str = "") -> list:
-    """Where the checkpoint holds a tensor of another shape with as many elements (ZeRO-1's flat Adam moments against
-    FSDP2's shaped ones, or back), swap `state`'s entry for one of the saved shape, Shard(0) over the target's mesh;
-    returns [(target, swapped)] for load_checkpoint to copy back reshaped."""
+    """Where the checkpoint has a tensor of another shape but as many elements (ZeRO-1's flat Adam moments vs FSDP2's
+    shaped ones, or back), swap in one of the saved shape (Shard(0) over the target's mesh) -> [(target, swapped)]."""
     found = []
     for k, v in state.items():
         meta = keys.get(prefix + k)

@@ -1,22 +1,17 @@
-"""Token data on disk and the loader every train.py uses.
-
-A dataset is a directory written by `python -m tools.prepare_data`:
+"""Token data on disk, as `python -m tools.prepare_data` writes it, and the loader every train.py uses:
   meta.json          {"format", "dtype", "vocab_size", "eos_id", "num_tokens", "num_documents", "shards", "tokenizer"}
   tokens_00000.bin   raw little-endian uint16/uint32 token ids, ...
-Raw text (format 1): documents concatenated, each followed by eos_id: one token stream, cut into windows of
-seq_len+1 tokens (stride seq_len), shuffled per epoch with a seeded permutation; each data-parallel rank takes its
-slice of the global batch.
+Raw text (format 1): documents, each followed by eos_id, concatenated into one token stream cut into windows of
+seq_len+1 tokens (stride seq_len), shuffled per epoch (seeded); each data-parallel rank takes its slice of a batch.
 
-Documents with loss masks (format 2, `tools.prepare_data --chat`): meta.json also holds "packing": "documents",
-"masks" (mask_00000.bin ...: one uint8 per token, 1 = trained), "documents" (documents.bin: int64 start of every
-document, and the stream's end) and "max_document_tokens"; no eos is added (the chat template ends each turn).
-Documents are never split: a seeded permutation of them is packed into windows of seq_len tokens (next fit), each
-padded with untrained eos_id tokens (a document of their own), and the windows are shuffled per epoch. The label
-of token t is token t+1 when that one is trained and in the same document, else -100.
+Documents with loss masks (format 2, `tools.prepare_data --chat`): meta.json adds "packing": "documents", "masks"
+(mask_00000.bin ...: a uint8 per token, 1 = trained), "documents" (documents.bin: int64 document starts, then the
+stream's end) and "max_document_tokens"; no eos is added (the chat template ends each turn). Documents are never split:
+a seeded permutation is packed into windows of seq_len tokens (next fit), padded with untrained eos_id tokens (their own
+document); windows are shuffled per epoch. Token t's label is token t+1 if trained and in t's document, else -100.
 
-Everything is a pure function of (seed, step): resume is exact and the number of ranks may change between runs.
-`next_batch(documents=True)` also returns each token's document index (format 1: core.context.doc_ids_from_eos),
-for train.py's --document-mask and positions restarting at every document (positions_in_documents).
+Batches depend only on (seed, step): exact resume, even on another rank count. `next_batch(documents=True)` also gives
+each token's document id (format 1: doc_ids_from_eos) for --document-mask and positions_in_documents.
 """
 
 import json
@@ -38,8 +33,7 @@ PREPARE_HINT = "run `python -m tools.prepare_data --default` (or with --input FI
 
 
 def _dtype(name: str) -> np.dtype:
-    # explicit little-endian so shards written on one machine read the same on any other
-    return np.dtype({"uint16": "<u2", "uint32": "<u4"}[name])
+    return np.dtype({"uint16": "<u2", "uint32": "<u4"}[name])  # little-endian: shards read the same on any machine
 
 
 def write_shards(token_docs: Iterable, out_dir, vocab_size: int, eos_id: int, tokenizer: dict,
@@ -48,8 +42,7 @@ def write_shards(token_docs: Iterable, out_dir, vocab_size: int, eos_id: int, to
     lists, each then followed by eos_id (format 1); with loss_masks, (ids, 0/1 mask) pairs as they are (format 2)."""
     assert shard_tokens > 0 and 0 <= eos_id < vocab_size
     os.makedirs(out_dir, exist_ok=True)
-    # drop the old meta.json first: while we overwrite shards the directory must not look complete
-    for name in os.listdir(out_dir):
+    for name in os.listdir(out_dir):  # meta.json goes first: mid-overwrite, the folder must not look complete
         if name in ("meta.json", "documents.bin") or (name.startswith(("tokens_", "mask_")) and name.endswith(".bin")):
             os.remove(os.path.join(out_dir, name))
     dtype_name = "uint16" if vocab_size <= 2**16 else "uint32"
@@ -134,7 +127,7 @@ def read_meta(data_dir) -> dict:
 
 def _open_shards(data_dir, names: list[str], dtype: np.dtype, what: str) -> list[np.ndarray]:
     shards = []
-    for name in names:
+    for name in names:  # memory-mapped: the OS pages in only the windows we touch (np.memmap refuses empty files)
         path = os.path.join(data_dir, name)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{what} {path} listed in meta.json is missing; rerun tools.prepare_data --force")
@@ -142,14 +135,12 @@ def _open_shards(data_dir, names: list[str], dtype: np.dtype, what: str) -> list
         if size % dtype.itemsize:
             raise ValueError(f"{what} {path} has {size} bytes, not a whole number of {dtype.itemsize}-byte values; "
                              "the dataset is corrupt, rerun tools.prepare_data --force")
-        # np.memmap refuses empty files; the OS pages in only the windows we touch
         shards.append(np.memmap(path, dtype=dtype, mode="r") if size else np.empty(0, dtype))
     return shards
 
 
 def pack_documents(lengths: np.ndarray, seq_len: int, seed: int) -> list[np.ndarray]:
-    """Windows of whole documents: a seeded permutation of the documents, packed in that order, each window
-    taking documents while they fit in seq_len tokens (next fit). Returns the document indices of each window."""
+    """Document indices of each window: documents in a seeded order, packed while they fit in seq_len (next fit)."""
     order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).numpy()
     windows, first, fill = [], 0, 0
     for i, n in enumerate(lengths[order].tolist()):
@@ -162,15 +153,13 @@ def pack_documents(lengths: np.ndarray, seq_len: int, seed: int) -> list[np.ndar
 
 
 def positions_in_documents(doc_ids_BK: torch.Tensor) -> torch.Tensor:
-    """Each token's position inside its document [B, K] (rope restarts at every document): its index minus the
-    index of its document's first token in the window."""
+    """Each token's position in its document [B, K] (rope restarts per document): index minus its document's start."""
     index_BK = torch.arange(doc_ids_BK.shape[1], device=doc_ids_BK.device).expand_as(doc_ids_BK)
     return index_BK - torch.where(document_starts(doc_ids_BK), index_BK, 0).cummax(1).values  # (index 0: 0)
 
 
 class TokenLoader:
-    """Deterministic, resumable, data-parallel batches: stream windows of raw text (format 1) or windows of whole
-    documents with loss masks (format 2), see the top of this file."""
+    """Deterministic, resumable, data-parallel batches of format 1 or 2 windows (see the top of this file)."""
 
     def __init__(self, data_dir, seq_len: int, global_batch: int, rank: int = 0, world: int = 1, seed: int = 0):
         if seq_len < 1 or global_batch < 1:
@@ -204,28 +193,24 @@ class TokenLoader:
                                  f"--seq-len {seq_len}")
             if self.meta["num_documents"] == 0:
                 raise ValueError(f"dataset {data_dir} holds no documents; rerun tools.prepare_data with more input")
-            # seeded apart from the epochs' window orders (seed + epoch)
-            self.windows = pack_documents(np.diff(self.doc_starts), seq_len, seed + (1 << 40))
+            self.windows = pack_documents(np.diff(self.doc_starts), seq_len, seed + (1 << 40))  # not an epoch's seed
             self.num_samples = len(self.windows)
         else:
             if n < seq_len + 1:
                 raise ValueError(f"dataset {data_dir} has {n} tokens, fewer than one sample of seq_len+1 = "
                                  f"{seq_len + 1}; use more text or a shorter --seq-len")
-            # the last token of a window is the first input of the next, so every token except the last is predicted
-            self.num_samples = (n - 1) // seq_len
+            self.num_samples = (n - 1) // seq_len  # windows overlap by one token: all but the last are predicted
         self.step = 0
         self._perm_epoch, self._perm = -1, None
 
     def _order(self, epoch: int) -> torch.Tensor:
-        # consecutive batches almost always share an epoch, so caching one permutation is enough
-        if epoch != self._perm_epoch:
+        if epoch != self._perm_epoch:  # one cached permutation: consecutive batches almost always share an epoch
             g = torch.Generator().manual_seed(self.seed + epoch)
             self._perm, self._perm_epoch = torch.randperm(self.num_samples, generator=g), epoch
         return self._perm
 
     def _read(self, shards: list[np.ndarray], start: int, end: int) -> np.ndarray:
-        # a range may straddle shards: gather it piece by piece
-        parts = []
+        parts = []  # a range may straddle shards: gather it piece by piece
         i = int(np.searchsorted(self.starts, start, side="right")) - 1
         while start < end:
             lo = start - int(self.starts[i])
@@ -261,8 +246,7 @@ class TokenLoader:
         return (self._document_window if self.documents else self._stream_window)(int(self._order(epoch)[pos]))
 
     def next_batch(self, documents: bool = False) -> tuple[torch.Tensor, ...]:
-        """(input_ids, labels), int64 [global_batch // world, seq_len]: this rank's rows of global step `step`;
-        documents: also each token's document index in its row (the same shape)."""
+        """(input_ids, labels[, doc ids if documents]) int64 [global_batch // world, seq_len]: this rank's next rows."""
         local = self.global_batch // self.world
         first = self.step * self.global_batch + self.rank * local  # position in the endless shuffled sequence
         rows = [self.row(g) for g in range(first, first + local)]
@@ -270,8 +254,7 @@ class TokenLoader:
         ids, labels, docs = (torch.from_numpy(np.stack(x)) for x in zip(*rows))
         return (ids, labels, docs) if documents else (ids, labels)
 
-    def state_dict(self) -> dict:
-        # rank and world are deliberately absent: position is global, so resuming on a different dp size works
+    def state_dict(self) -> dict:  # no rank or world: the position is global, so resume works on another dp size
         return {"step": self.step, "seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch}
 
     def load_state_dict(self, sd: dict) -> None:
@@ -311,10 +294,9 @@ def parse_mixture(spec: str) -> list[tuple[str, str, float]]:
 
 
 def mixture_counts(weights: list[float], global_batch: int, steps: np.ndarray, seed: int) -> np.ndarray:
-    """Sequences of each source in each of `steps` [len(steps), sources]: the floor of its quota weight x
-    global_batch, the remaining slots by systematic sampling over the quotas' fractional parts at a golden-ratio
-    offset from a seeded start. A step's count is within 1 of its quota, each source's mean is its quota, and no
-    step's counts need an earlier step (exact resume)."""
+    """Sequences of each source in each of `steps` [len(steps), sources]: the floor of its quota weight x global_batch,
+    the rest of the slots by systematic sampling over the quotas' fractional parts (golden-ratio offsets from a seeded
+    start). Counts are within 1 of the quota and average to it; no step needs an earlier one (exact resume)."""
     quota = np.asarray(weights, dtype=np.float64) * global_batch
     floor = np.floor(quota)
     edges = np.concatenate([[0.0], np.cumsum(quota - floor)])  # the fractional parts laid end to end
@@ -326,11 +308,10 @@ def mixture_counts(weights: list[float], global_batch: int, steps: np.ndarray, s
 
 
 class MixtureLoader:
-    """Batches of several datasets (TokenLoaders of one tokenizer) by weight, with the TokenLoader interface. Step t
-    has mixture_counts(t) sequences of each source at seeded positions; source s's j-th is draw (its sequences
-    before t) + j of its own shuffled epochs (no window twice within its epoch), all a function of (seed, step) for
-    any number of data ranks. `sources`: the source of each row of the last batch [local batch] (per-source loss).
-    Raw-text rows get document ids 0 (plain causal) under a document mask; rows of whole documents their own."""
+    """Weighted batches of several TokenLoaders (one tokenizer), used as one TokenLoader: step t has mixture_counts(t)
+    sequences of each source at seeded positions; source s's j-th is draw (its sequences before t) + j of its own
+    shuffled epochs (no window twice per epoch), a function of (seed, step) for any rank count. `sources`: each row's
+    source in the last batch [local batch] (per-source loss). Raw-text rows have document id 0 (plain causal)."""
 
     def __init__(self, sources: list[tuple[str, str, float]], seq_len: int, global_batch: int, rank: int = 0,
                  world: int = 1, seed: int = 0):
@@ -413,9 +394,7 @@ class Tokenizer:
     decode: Callable[[list[int]], str]
     vocab_size: int
     eos_id: int
-    # the chat template of a Hugging Face tokenizer that has one: messages -> ids of the prompt that asks for the
-    # assistant's next turn (apply_chat_template with add_generation_prompt); None otherwise
-    chat_prompt: Callable[[list[dict]], list[int]] | None = None
+    chat_prompt: Callable[[list[dict]], list[int]] | None = None  # HF chat template: messages -> generation prompt ids
 
 
 def load_tokenizer(meta: dict) -> Tokenizer:
@@ -434,8 +413,7 @@ def load_tokenizer(meta: dict) -> Tokenizer:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if tok.eos_token_id is None:
             raise ValueError(f"Hugging Face tokenizer {path} has no eos token; documents need one to be packed")
-        # no BOS/EOS added per call: the packer puts exactly one eos after each document; and a literal
-        # "<|endoftext|>" inside a document is text, not a document boundary (split_special_tokens)
+        # no BOS/EOS per call (the packer adds one eos per document); a literal "<|endoftext|>" is text, not a boundary
         chat = (lambda messages: list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                                                 return_dict=True)["input_ids"])) \
             if tok.chat_template else None

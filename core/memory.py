@@ -10,9 +10,9 @@ Components of the most loaded pipeline rank (every pp rank is built; the largest
   weight cache bf16 casts of the routed experts and LM head (core/weight_cache.py); fp8: two 1-byte copies of
                every attention / dense MLP / expert matrix instead (core/fp8.py)
   activations  bytes saved for backward, measured once with torch.autograd.graph.saved_tensors_hooks on the
-               recipe's tiny config on CPU (per token and layer, per token and vocab entry for the head), scaled
-               by tokens (micro_batch * seq_len / cp), layers, hidden_size / tiny's, vocab, 1/2 for bf16, and
-               micro-batches in flight (pp + 1 under DualPipeV, else 1)
+               recipe's tiny config on CPU (per token and layer, and per routed choice: an MoE layer keeps [T*k, H]
+               rows; per token and vocab entry for the head), scaled by top-k, tokens (micro_batch * seq_len / cp),
+               layers, hidden_size / tiny's, vocab, 1/2 for bf16, micro-batches in flight (pp + 1 under DualPipeV)
   comm buffers MoE all-to-all rows (sent and received, tokens * top-k * hidden), a reduce-scatter bucket
 With `shard="fsdp"` (core/fsdp.py) every parameter lies on 1/n shards of ceil(d0 / n) rows: 16 bytes per shard
 element, no bf16 cache. pp = 1: the comm buffers hold the two largest units gathered and the largest unit's
@@ -104,19 +104,35 @@ _CALIBRATION = {}
 
 
 def activation_calibration(mod, recompute: str, batch: int = 2, seq: int = 64) -> tuple:
-    """(tiny config, saved bytes per token and layer, per token and vocab entry of the head), on the tiny config on
-    CPU in fp32 (the model minus one without layers gives the layers; seq 64: whole linear-attention chunks)."""
+    """(tiny config, saved bytes per token and layer (at k = 0, per routed choice: a run at twice the tiny k), per
+    token and vocab entry of the head), on CPU in fp32 (the model minus one without layers gives the layers; seq
+    64: whole linear-attention chunks)."""
     key = (mod.__name__, recompute)
     if key not in _CALIBRATION:
         tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
+        tokens = batch * seq
+        k = getattr(tiny, "num_experts_per_tok", 0)
         with torch.random.fork_rng():
             torch.manual_seed(0)
             ids = torch.randint(0, tiny.vocab_size, (batch, seq))
-            full = saved_bytes(mod.Model(tiny, recompute=recompute), ids)
             head = saved_bytes(mod.Model(tiny, layers=[], recompute=recompute), ids)
-        tokens = batch * seq
-        _CALIBRATION[key] = (tiny, (full - head) / (tokens * tiny.num_hidden_layers), head / (tokens * tiny.vocab_size))
+            layers = saved_bytes(mod.Model(tiny, recompute=recompute), ids) - head
+            per_choice = 0.0
+            if k:
+                try:
+                    more = saved_bytes(mod.Model(replace(tiny, num_experts_per_tok=2 * k), recompute=recompute), ids)
+                    per_choice = (more - head - layers) / (k * tokens * tiny.num_hidden_layers)
+                except (ValueError, RuntimeError):  # 2k choices not allowed (expert groups, too few experts)
+                    pass
+        per_layer = layers / (tokens * tiny.num_hidden_layers)
+        _CALIBRATION[key] = (tiny, (per_layer - per_choice * k, per_choice), head / (tokens * tiny.vocab_size))
     return _CALIBRATION[key]
+
+
+def saved_per_token_layer(mod, cfg, recompute: str) -> float:
+    """fp32 bytes autograd keeps per token and decoder layer at the tiny config's width, for cfg's top-k."""
+    _, (per_token_layer, per_choice), _ = activation_calibration(mod, recompute)
+    return per_token_layer + per_choice * getattr(cfg, "num_experts_per_tok", 0)
 
 
 def fsdp_unit(name: str) -> str:
@@ -193,7 +209,8 @@ def estimate(mod, cfg, layout: Layout) -> dict:
     """Bytes per component on the most loaded pp rank, plus 'total' and 'pp_rank'. mod: the recipe's model module."""
     if layout.seq_len % (2 * layout.cp):
         raise ValueError(f"--seq-len {layout.seq_len} is not divisible by 2*cp = {2 * layout.cp}")
-    tiny, per_token_layer, per_token_vocab = activation_calibration(mod, layout.recompute)
+    tiny, _, per_token_vocab = activation_calibration(mod, layout.recompute)
+    per_token_layer = saved_per_token_layer(mod, cfg, layout.recompute)
     tokens = layout.micro_batch * layout.seq_len // layout.cp
     in_flight = layout.pp + 1 if layout.pp > 1 else 1
     width = cfg.hidden_size / tiny.hidden_size * (0.5 if layout.bf16 else 1.0)

@@ -28,7 +28,7 @@ can interleave (`start_*` returns at once, `.wait()` gives the result with autog
 
     plan = DispatchPlan(topk_ids_Tk, E, ep_group, placement)   # routing exchange (small, blocking)
     x_QX = plan.start_dispatch(x_TH, topk_weights_Tk).wait()    # (2)
-    y_QH = plan.run_experts(x_QX, experts_fn)                   # (3) experts_fn(rows_RH, counts_L) -> [R, H]
+    y_QH = plan.run_experts(x_QX, experts_fn)                   # (3) experts_fn(rows_RH, counts_L, w_R) -> [R, H]
     y_PH = plan.start_combine(y_QH).wait()                      # (4)
     out_TH = plan.unpermute(y_PH)                               # (5) before the residual add
 
@@ -164,6 +164,27 @@ class _Traffic:
 traffic = _Traffic()
 
 
+def weighted_rows(experts, rows_RH: torch.Tensor, counts_L: torch.Tensor, weights_R: torch.Tensor) -> torch.Tensor:
+    """experts(rows_RH, counts_L) [R, H], each row times its routing weight: what a recipe's routed_experts returns.
+    Inside its recompute region the product is recomputed too (else autograd keeps the unweighted [R, H] rows)."""
+    return experts(rows_RH, counts_L) * weights_R.unsqueeze(-1)
+
+
+class _SumRows(torch.autograd.Function):
+    """out_NH[index_R[r]] += src_RH[r] (index_add into zeros); backward gathers grad rows. It keeps only the index
+    for backward: torch's index_add keeps the source too (for its shape), an [R, H] tensor per MoE layer."""
+
+    @staticmethod
+    def forward(ctx, src_RH: torch.Tensor, index_R: torch.Tensor, n: int) -> torch.Tensor:
+        ctx.save_for_backward(index_R)
+        return src_RH.new_zeros(n, src_RH.shape[-1]).index_add_(0, index_R, src_RH)
+
+    @staticmethod
+    def backward(ctx, grad_NH):
+        (index_R,) = ctx.saved_tensors
+        return grad_NH.index_select(0, index_R), None, None
+
+
 def _true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     """Flat indices of mask's `count` True entries, in order (nonzero without its host sync: count is known)."""
     flat = mask.flatten()
@@ -234,11 +255,10 @@ class DispatchPlan:
         """(3) Expand received rows to one row per local expert (grouped by expert), run the experts, and sum
         each received row's weighted expert outputs: [Q, H]."""
         x_QH, w_Qk = x_QX[:, : -self.k], x_QX[:, -self.k :]
-        row_R = self.order_R // self.k
+        row_R, w_R = self.order_R // self.k, w_Qk.reshape(-1)[self.order_R]
         # no local experts: no rows (R = 0), and the empty result stays in the graph so the combine's backward runs
-        y_RH = experts_fn(x_QH[row_R], self.counts_L) if self.counts_L.numel() else x_QH[row_R]
-        y_RH = y_RH * w_Qk.reshape(-1)[self.order_R].unsqueeze(-1)
-        return y_RH.new_zeros(x_QH.shape[0], y_RH.shape[-1]).index_add(0, row_R, y_RH)
+        y_RH = experts_fn(x_QH[row_R], self.counts_L, w_R) if self.counts_L.numel() else x_QH[row_R] * w_R[:, None]
+        return _SumRows.apply(y_RH, row_R, x_QH.shape[0])
 
     def start_combine(self, y_QH: torch.Tensor) -> AllToAll:
         """(4) Send each received row's result back to the rank it came from."""
@@ -246,7 +266,7 @@ class DispatchPlan:
 
     def unpermute(self, y_PH: torch.Tensor) -> torch.Tensor:
         """(5) Sum the results of a token's destination ranks: [T, H]."""
-        return y_PH.new_zeros(self.num_tokens, y_PH.shape[-1]).index_add(0, self.token_P, y_PH)
+        return _SumRows.apply(y_PH, self.token_P, self.num_tokens)
 
 
 def moe_forward(x_TH, topk_ids_Tk, topk_weights_Tk, num_experts: int, group, experts_fn,

@@ -1,17 +1,13 @@
-"""Keeping a long run alive and honest: one-line user errors, a per-step watchdog, the finiteness check that
-keeps a bad step from being applied, and fault injection for the tests of all three.
+"""Keeping a long run alive and honest: one-line user errors, a per-step watchdog, no bad step applied, fault injection.
 
-- `run_main(main)`: a ValueError / FileNotFoundError (bad input) or StopRun prints `error: <message>` once, on
-  rank 0, and exits with code 2; a marker file (`_stop_marker`) makes torchrun's restarts exit at once. Other
-  exceptions keep their traceback and exit non-zero: torchrun restarts, train.py resumes from the newest checkpoint.
-- `Watchdog`: when a step (or save, evaluation) runs past its limit, prints which rank waits in which phase and
-  collective, dumps every thread's Python stack and exits with code 3.
+- `run_main(main)`: a USER_ERRORS exception (bad input, StopRun) prints `error: <message>` once (rank 0) and exits 2, as
+  torchrun's restarts do at once (`_stop_marker`); others keep their traceback: torchrun restarts, train.py resumes.
+- `Watchdog`: a step, save or evaluation past its limit prints the rank, phase and collective, all stacks, and exits 3.
 - `step_is_finite`: one all-reduce that tells every rank whether any rank saw a non-finite loss or gradient.
 - `StopRequest`: SIGTERM / SIGUSR1 or --time-limit stop every rank at the same step boundary, to save once.
-- MOE_TRAIN_FAULT (tests only): comma-separated `kind@step[:rank[:attempt]]` (rank, restart attempt default 0).
-  kind: `kill` (SIGKILL before the optimizer step), `kill-in-save` (SIGKILL after this rank wrote its part of the
-  checkpoint), `nan` (in this rank's first gradient), `hang` (sleep at the step's start), `sigterm` / `sigusr1`
-  (to this rank at the step's end), `sigterm-launcher` (SIGTERM to torchrun, which forwards it to every rank).
+- MOE_TRAIN_FAULT (tests only): comma-separated `kind@step[:rank[:attempt]]` (rank, restart attempt default 0): `kill` /
+  `kill-in-save` (SIGKILL before the optimizer step / after writing its checkpoint part), `nan` (in its first gradient),
+  `hang` (sleep at step start), `sigterm` / `sigusr1` (to itself at step end), `sigterm-launcher` (SIGTERM to torchrun).
 """
 
 import faulthandler
@@ -54,8 +50,7 @@ def _attempt() -> int:
 
 
 def _stop_marker() -> Path | None:
-    """Where the ranks leave the error that stopped the run: $MOE_TRAIN_STOP_FILE (launch.sh's, printed again after
-    torchrun's summary), else a temp file named after torchrun's run id."""
+    """Where the stopping error goes: $MOE_TRAIN_STOP_FILE (launch.sh reprints it last), else a temp file per run id."""
     if os.environ.get("MOE_TRAIN_STOP_FILE"):
         return Path(os.environ["MOE_TRAIN_STOP_FILE"])
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
@@ -122,10 +117,9 @@ def inject_fault(kind: str, step: int, model: torch.nn.Module | None = None) -> 
 
 
 class StopRequest:
-    """When to stop early. SIGTERM or SIGUSR1 (torchrun forwards SIGTERM; Slurm's `--signal=USR1@SECONDS`, a
-    preemption, scancel) sets a flag; --time-limit (time_limit_s) stops once start-up time plus the longest step and
-    save so far (before any save: a tenth of the limit) would pass it. `agree`, after every step: one all-reduce
-    (max) of [signal, time up, a background write running], so every rank stops at the same step boundary."""
+    """SIGTERM or SIGUSR1 (torchrun forwards SIGTERM; Slurm's `--signal=USR1@SECONDS`, preemption, scancel) sets a flag;
+    --time-limit stops once elapsed time + longest step + longest save (no save yet: limit / 10) would pass it. `agree`,
+    after every step, all-reduces (max) [signal, time up, background write running]: all ranks stop together."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -187,9 +181,8 @@ def _where(thread_id: int) -> str:
 
 
 class Watchdog:
-    """Per-step deadline. timeout_s > 0: fixed limit for steps, checkpoints and evaluation; 0: the slow limit for
-    the first WARMUP_STEPS steps (always for checkpoints and evaluation), then max(60 s, 10x the median step time),
-    capped at it. It watches only in a process run_main started (a test calling main() is never ended)."""
+    """Step deadline. timeout_s > 0: a fixed limit; 0: SLOW_LIMIT_S (checkpoints, evaluation, first WARMUP_STEPS steps),
+    then min(SLOW_LIMIT_S, max(60 s, 10x median step time)). Only under run_main (never ends a test calling main())."""
 
     def __init__(self, timeout_s: float, rank: int, world: int):
         self.fixed, self.rank, self.world = timeout_s > 0, rank, world
@@ -238,8 +231,7 @@ class Watchdog:
 
 
 def grads_finite(model: torch.nn.Module) -> tuple[torch.Tensor, list[str]]:
-    """(bool tensor: every local gradient finite, parameter names in order of the check), by one fused norm per
-    tensor; under FSDP2 (core/fsdp.py) the local part of this rank's reduced shard is checked."""
+    """(bool tensor: each local gradient finite, by fused norms; parameter names in order); FSDP2: the local shard."""
     named = [(n, p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()
              if p.grad is not None]
     if not named:
@@ -269,9 +261,8 @@ def step_is_finite(stats: torch.Tensor, finite_P: torch.Tensor, names: list[str]
 
 
 def collapse_warning(step: int, load_LE, moe_layer_ids: list[int], live_LE=None, threshold: float = 2.0) -> str:
-    """A log line naming the layers whose expert load max/mean (load_LE [MoE layers, E], summed over the last steps)
-    exceeds threshold ('' if none), over the experts the router could choose throughout (live_LE nonzero; None:
-    all). With top-k of E live experts the worst case is E/k."""
+    """A log line naming layers whose expert load max/mean (load_LE [MoE layers, E], summed over recent steps) exceeds
+    threshold ('' if none), among experts routable throughout (live_LE nonzero; None: all; top-k of E: worst E/k)."""
     per_layer = load_max_over_mean(load_LE, live_LE)
     bad = [f"layer {i} {x:.2f}x" for i, x in zip(moe_layer_ids, per_layer) if x > threshold]
     if not bad:

@@ -10,6 +10,13 @@ from tests.recipe_checks import write_counting_data
 TINY_TRAIN_CONFIG = {**qwen3_check_setup()["config"], "num_hidden_layers": 2}
 
 
+def config_with(config_dir, **fields):
+    """config_dir's config.json with `fields` replaced, written beside it as bad.json (for from_hf's errors)."""
+    hf = json.loads((config_dir / "config.json").read_text())
+    (config_dir.parent / "bad.json").write_text(json.dumps({**hf, **fields}))
+    return config_dir.parent / "bad.json"
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` are skipped on a machine without CUDA; tests marked `slow` unless -m selects them."""
     slow_selected = "slow" in (config.option.markexpr or "")

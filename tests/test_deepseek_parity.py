@@ -1,7 +1,6 @@
 """DeepSeek-V2 recipe against transformers' DeepseekV2ForCausalLM (tiny random models, fp32, CPU), the
 sequence-wise balance loss against the formula, and the released config's size."""
 
-import json
 import math
 
 import pytest
@@ -10,6 +9,7 @@ from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
 from recipes.deepseek_v2_lite import model as deepseek
 from recipes.deepseek_v2_lite.model import Model, ModelConfig, load_hf_checkpoint, real_config_path, save_hf_checkpoint
+from tests.conftest import config_with
 from tests.recipe_checks import assert_partial_model_reads_only_its_tensors
 from tools.hf_parity import check_recipe, format_table, grads_by_checkpoint_name
 
@@ -101,19 +101,14 @@ def test_released_config_parameter_count():
 def test_config_errors(tmp_path):
     path = save_tiny(tmp_path / "ckpt")
 
-    def with_fields(**fields):
-        hf = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-        (tmp_path / "bad.json").write_text(json.dumps({**hf, **fields}))
-        return tmp_path / "bad.json"
-
     with pytest.raises(ValueError, match="num_key_value_heads must equal"):
-        ModelConfig.from_hf(with_fields(num_key_value_heads=2))
+        ModelConfig.from_hf(config_with(tmp_path / "ckpt", num_key_value_heads=2))
     with pytest.raises(ValueError, match="topk_method 'noaux_tc' is not supported"):
-        ModelConfig.from_hf(with_fields(topk_method="noaux_tc"))
+        ModelConfig.from_hf(config_with(tmp_path / "ckpt", topk_method="noaux_tc"))
     with pytest.raises(ValueError, match="group_limited_greedy needs n_group"):
-        ModelConfig.from_hf(with_fields(topk_method="group_limited_greedy", n_group=3, topk_group=1))
+        ModelConfig.from_hf(config_with(tmp_path / "ckpt", topk_method="group_limited_greedy", n_group=3, topk_group=1))
     with pytest.raises(ValueError, match="model_type is 'qwen3_moe'"):
-        ModelConfig.from_hf(with_fields(model_type="qwen3_moe"))
+        ModelConfig.from_hf(config_with(tmp_path / "ckpt", model_type="qwen3_moe"))
     wrong = ModelConfig.from_hf(path)
     wrong.kv_lora_rank = 32
     with pytest.raises(ValueError, match=r"kv_a_proj_with_mqa.weight has shape \[24, 48\] but the model config "

@@ -13,6 +13,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from recipes.deepseek_v3 import model as deepseek
 from recipes.deepseek_v3.model import Model, ModelConfig, Router, load_hf_checkpoint
+from tests.conftest import config_with
 from tests.recipe_checks import assert_partial_model_reads_only_its_tensors
 from tools.hf_parity import check_recipe, format_table
 
@@ -143,25 +144,20 @@ def test_fp8_block_checkpoint_is_dequantized_on_load(tmp_path):
 
 
 def test_config_errors(tmp_path):
-    path = save_tiny(tmp_path / "ckpt")
-
-    def with_fields(**fields):
-        hf = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-        (tmp_path / "bad.json").write_text(json.dumps({**hf, **fields}))
-        return tmp_path / "bad.json"
+    save_tiny(tmp_path / "ckpt")
 
     with pytest.raises(ValueError, match="num_key_value_heads must equal"):
-        ModelConfig.from_hf(with_fields(num_key_value_heads=2))
+        ModelConfig.from_hf(config_with(tmp_path / "ckpt", num_key_value_heads=2))
     with pytest.raises(ValueError, match="scoring_func='softmax' is not supported"):
-        ModelConfig.from_hf(with_fields(scoring_func="softmax"))
+        ModelConfig.from_hf(config_with(tmp_path / "ckpt", scoring_func="softmax"))
     with pytest.raises(ValueError, match="n_group=3 must divide n_routed_experts=8"):
-        ModelConfig.from_hf(with_fields(n_group=3))
+        ModelConfig.from_hf(config_with(tmp_path / "ckpt", n_group=3))
     with pytest.raises(ValueError, match="num_experts_per_tok=5 exceeds the experts of topk_group groups"):
-        ModelConfig.from_hf(with_fields(num_experts_per_tok=5))
+        ModelConfig.from_hf(config_with(tmp_path / "ckpt", num_experts_per_tok=5))
     with pytest.raises(ValueError, match="num_nextn_predict_layers=2"):
-        ModelConfig.from_hf(with_fields(num_nextn_predict_layers=2))
+        ModelConfig.from_hf(config_with(tmp_path / "ckpt", num_nextn_predict_layers=2))
     with pytest.raises(ValueError, match="model_type is 'deepseek_v2'"):
-        ModelConfig.from_hf(with_fields(model_type="deepseek_v2"))
+        ModelConfig.from_hf(config_with(tmp_path / "ckpt", model_type="deepseek_v2"))
 
 
 def test_group_limit_and_expert_bias_move_the_choice_not_the_weights():

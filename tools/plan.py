@@ -67,7 +67,7 @@ from pathlib import Path
 
 import torch
 
-from core.memory import GIB, Layout, activation_calibration, estimate, meta_model
+from core.memory import GIB, Layout, activation_calibration, estimate, meta_model, saved_per_token_layer
 from core.placement import Placement
 from core.reliability import run_main
 from recipes import recipe_names
@@ -371,9 +371,8 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
     op_s = machine.op_latency
     if not machine.async_launch and "elementwise" in r:
         op_s += 3 * T * cfg.hidden_size * act_bytes / r["elementwise"]["rate"]
-    _, saved_per_token_layer, saved_per_token_vocab = activation_calibration(mod, layout.recompute)
-    tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
-    saved = saved_per_token_layer * cfg.hidden_size / tiny.hidden_size * (0.5 if layout.bf16 else 1.0)
+    tiny, _, saved_per_token_vocab = activation_calibration(mod, layout.recompute)
+    saved = saved_per_token_layer(mod, cfg, layout.recompute) * cfg.hidden_size / tiny.hidden_size * (0.5 if layout.bf16 else 1.0)
     out = {key: _zero() for key in ("F", "B", "W")}
     a2a = {"F": 0.0, "B": 0.0}
     E, k, H = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size

@@ -43,7 +43,7 @@ from core.fp8 import convert_linears, fp8_grouped_mm
 from core.hf_io import CheckpointReader, read_hf_config, variant_config, write_hf_folder
 from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.swiglu import swiglu
-from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias
+from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias, weighted_rows
 from core.pipeline import running
 from core.placement import Placement
 from core.precision import compute_dtype, upcast
@@ -431,8 +431,9 @@ class DecoderLayer(nn.Module):
         h_BSH = x_BSH + _run(self._attention_block, x_BSH, recompute=self.recompute == "attention")
         return h_BSH, self.post_attention_layernorm(h_BSH).flatten(0, 1)
 
-    def routed_experts(self, rows_MH, counts_L):  # (3) counts_L: rows per local expert
-        return _run(self.mlp.experts, rows_MH, counts_L, recompute=self.recompute == "layer")
+    def routed_experts(self, rows_MH, counts_L, weights_R):  # (3) counts_L: rows per local expert
+        return _run(weighted_rows, self.mlp.experts, rows_MH, counts_L, weights_R,  # [M, H] x routing weights
+                    recompute=self.recompute == "layer")
 
     def finish(self, state, out_TH):  # (5)
         h_BSH, *more = state

@@ -40,7 +40,7 @@ from core.fp8 import convert_linears, fp8_grouped_mm
 from core.hf_io import CheckpointReader, read_hf_config, variant_config, write_hf_folder
 from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.swiglu import swiglu
-from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias
+from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias, weighted_rows
 from core.pipeline import running
 from core.placement import Placement
 from core.precision import compute_dtype, upcast
@@ -287,7 +287,7 @@ class DecoderLayer(nn.Module):
 
     recompute (RECOMPUTE): "attention" keeps only the input of each attention block (input norm, projections,
     q/k norms, rope, attention, output projection) and recomputes the rest in backward; "layer" keeps only the
-    inputs of step (1) without the router and of step (3) (the expert GEMMs and SwiGLU), or of a dense layer. The
+    inputs of step (1) without the router and of step (3) (expert GEMMs, SwiGLU, weighting), or of a dense layer. The
     all-to-alls and the router (whose expert counts are statistics) never run twice."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, expert_ids: list[int], ep_group, cp_group=None,
@@ -320,8 +320,9 @@ class DecoderLayer(nn.Module):
         h_BSH = x_BSH + _run(self._attention_block, x_BSH, recompute=self.recompute == "attention")
         return h_BSH, self.post_attention_layernorm(h_BSH).flatten(0, 1)
 
-    def routed_experts(self, rows_RH, counts_L):  # (3)
-        return _run(self.mlp.experts, rows_RH, counts_L, recompute=self.recompute == "layer")
+    def routed_experts(self, rows_RH, counts_L, weights_R):  # (3)
+        return _run(weighted_rows, self.mlp.experts, rows_RH, counts_L, weights_R,  # [R, H] x routing weights
+                    recompute=self.recompute == "layer")
 
     def finish(self, state, out_TH):  # (5)
         h_BSH, *more = state

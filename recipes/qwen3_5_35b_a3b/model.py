@@ -46,7 +46,7 @@ from core.kernels.cross_entropy import linear_cross_entropy
 from core.kernels.gated_delta import chunk_gated_delta_flops_per_token
 from core.kernels.swiglu import swiglu
 from core.linear_attention import causal_conv1d, gated_delta_rule
-from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias
+from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bias, weighted_rows
 from core.pipeline import running
 from core.placement import Placement
 from core.precision import compute_dtype, upcast
@@ -432,8 +432,9 @@ class DecoderLayer(nn.Module):
         h_BSH = x_BSH + _run(self._attention_block, x_BSH, recompute=self.recompute == "attention")
         return h_BSH, self.post_attention_layernorm(h_BSH).flatten(0, 1)
 
-    def routed_experts(self, rows_RH, counts_L):  # (3)
-        return _run(self.mlp.experts, rows_RH, counts_L, recompute=self.recompute == "layer")
+    def routed_experts(self, rows_RH, counts_L, weights_R):  # (3)
+        return _run(weighted_rows, self.mlp.experts, rows_RH, counts_L, weights_R,  # [R, H] x routing weights
+                    recompute=self.recompute == "layer")
 
     def finish(self, state, out_TH):  # (5)
         h_BSH, *more = state
