@@ -84,29 +84,33 @@ def meta_model(mod, cfg, **parts):
         return mod.Model(cfg, **parts)
 
 
-def saved_bytes(model, input_ids_BS) -> int:
-    """Bytes autograd keeps for backward in one forward_train (fp32 on CPU), each storage once, weights excluded."""
+def saved_bytes(model, input_ids_BS) -> tuple[int, int]:
+    """Bytes autograd keeps for backward in one forward_train (fp32 on CPU), each storage once, weights excluded;
+    and of them, the bytes of received dispatch payloads (core/moe.py: [Q, H + k] rows, kept as [Q, H] views)."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
+    payload_row = model.cfg.hidden_size + getattr(model.cfg, "num_experts_per_tok", 0)
+    seen, received = {}, set()
 
     def pack(t):
         s = t.untyped_storage()
         if s.data_ptr() not in weights:
             seen[s.data_ptr()] = s.nbytes()
+            if t.dim() == 2 and t.shape[1] == model.cfg.hidden_size and t.stride(0) == payload_row != t.shape[1]:
+                received.add(s.data_ptr())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.forward_train(input_ids_BS, input_ids_BS)
-    return sum(seen.values())
+    return sum(seen.values()), sum(seen[p] for p in received)
 
 
 _CALIBRATION = {}
 
 
 def activation_calibration(mod, recompute: str, batch: int = 2, seq: int = 64) -> tuple:
-    """(tiny config, saved bytes per token and layer (at k = 0, per routed choice: a run at twice the tiny k), per
-    token and vocab entry of the head), on CPU in fp32 (the model minus one without layers gives the layers; seq
-    64: whole linear-attention chunks)."""
+    """(tiny config, saved bytes per token and layer (at k = 0; per routed choice, from a run at twice the tiny k;
+    per row received by the experts' rank, one per token in one process), per token and vocab entry of the head),
+    on CPU in fp32 (the model minus one without layers gives the layers; seq 64: whole linear-attention chunks)."""
     key = (mod.__name__, recompute)
     if key not in _CALIBRATION:
         tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
@@ -115,24 +119,35 @@ def activation_calibration(mod, recompute: str, batch: int = 2, seq: int = 64) -
         with torch.random.fork_rng():
             torch.manual_seed(0)
             ids = torch.randint(0, tiny.vocab_size, (batch, seq))
-            head = saved_bytes(mod.Model(tiny, layers=[], recompute=recompute), ids)
-            layers = saved_bytes(mod.Model(tiny, recompute=recompute), ids) - head
-            per_choice = 0.0
+            head, _ = saved_bytes(mod.Model(tiny, layers=[], recompute=recompute), ids)
+            full, received = saved_bytes(mod.Model(tiny, recompute=recompute), ids)
+            layers, per_choice = full - head - received, 0.0
             if k:
                 try:
-                    more = saved_bytes(mod.Model(replace(tiny, num_experts_per_tok=2 * k), recompute=recompute), ids)
-                    per_choice = (more - head - layers) / (k * tokens * tiny.num_hidden_layers)
+                    more, more_received = saved_bytes(mod.Model(replace(tiny, num_experts_per_tok=2 * k),
+                                                                recompute=recompute), ids)
+                    per_choice = (more - more_received - head - layers) / (k * tokens * tiny.num_hidden_layers)
                 except (ValueError, RuntimeError):  # 2k choices not allowed (expert groups, too few experts)
                     pass
-        per_layer = layers / (tokens * tiny.num_hidden_layers)
-        _CALIBRATION[key] = (tiny, (per_layer - per_choice * k, per_choice), head / (tokens * tiny.vocab_size))
+        per_layer, per_row = (layers / (tokens * tiny.num_hidden_layers), received / (tokens * tiny.num_hidden_layers))
+        _CALIBRATION[key] = (tiny, (per_layer - per_choice * k, per_choice, per_row), head / (tokens * tiny.vocab_size))
     return _CALIBRATION[key]
 
 
-def saved_per_token_layer(mod, cfg, recompute: str) -> float:
-    """fp32 bytes autograd keeps per token and decoder layer at the tiny config's width, for cfg's top-k."""
-    _, (per_token_layer, per_choice), _ = activation_calibration(mod, recompute)
-    return per_token_layer + per_choice * getattr(cfg, "num_experts_per_tok", 0)
+def received_rows_per_token(cfg, layout: Layout) -> float:
+    """Rows the most loaded ep rank receives per token of its own (deduplicated dispatch, core/moe.py) under uniform
+    routing: each of the ep ranks' tokens once if any of its k experts is among this rank's L of E."""
+    E, k = cfg.num_experts, getattr(cfg, "num_experts_per_tok", 0)
+    L = max(len(e) for e in Placement.parse(layout.expert_placement, E, layout.ep).experts)
+    return layout.ep * (1 - math.comb(E - L, k) / math.comb(E, k)) if k else 1.0
+
+
+def saved_per_token_layer(mod, cfg, layout: Layout) -> float:
+    """fp32 bytes autograd keeps per token and decoder layer at the tiny config's width, for cfg's top-k and the
+    rows this layout's most loaded ep rank receives."""
+    _, (per_token_layer, per_choice, per_row), _ = activation_calibration(mod, layout.recompute)
+    return (per_token_layer + per_choice * getattr(cfg, "num_experts_per_tok", 0)
+            + per_row * received_rows_per_token(cfg, layout))
 
 
 def fsdp_unit(name: str) -> str:
@@ -210,7 +225,7 @@ def estimate(mod, cfg, layout: Layout) -> dict:
     if layout.seq_len % (2 * layout.cp):
         raise ValueError(f"--seq-len {layout.seq_len} is not divisible by 2*cp = {2 * layout.cp}")
     tiny, _, per_token_vocab = activation_calibration(mod, layout.recompute)
-    per_token_layer = saved_per_token_layer(mod, cfg, layout.recompute)
+    per_token_layer = saved_per_token_layer(mod, cfg, layout)
     tokens = layout.micro_batch * layout.seq_len // layout.cp
     in_flight = layout.pp + 1 if layout.pp > 1 else 1
     width = cfg.hidden_size / tiny.hidden_size * (0.5 if layout.bf16 else 1.0)

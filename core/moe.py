@@ -28,7 +28,7 @@ can interleave (`start_*` returns at once, `.wait()` gives the result with autog
 
     plan = DispatchPlan(topk_ids_Tk, E, ep_group, placement)   # routing exchange (small, blocking)
     x_QX = plan.start_dispatch(x_TH, topk_weights_Tk).wait()    # (2)
-    y_QH = plan.run_experts(x_QX, experts_fn)                   # (3) experts_fn(rows_RH, counts_L, w_R) -> [R, H]
+    y_QH = plan.run_experts(x_QX, experts_fn)                   # (3) experts_fn(x_QH, row_R, counts_L, w_R) -> [R, H]
     y_PH = plan.start_combine(y_QH).wait()                      # (4)
     out_TH = plan.unpermute(y_PH)                               # (5) before the residual add
 
@@ -164,10 +164,12 @@ class _Traffic:
 traffic = _Traffic()
 
 
-def weighted_rows(experts, rows_RH: torch.Tensor, counts_L: torch.Tensor, weights_R: torch.Tensor) -> torch.Tensor:
-    """experts(rows_RH, counts_L) [R, H], each row times its routing weight: what a recipe's routed_experts returns.
-    Inside its recompute region the product is recomputed too (else autograd keeps the unweighted [R, H] rows)."""
-    return experts(rows_RH, counts_L) * weights_R.unsqueeze(-1)
+def weighted_rows(experts, x_QH: torch.Tensor, row_R: torch.Tensor, counts_L: torch.Tensor,
+                  weights_R: torch.Tensor) -> torch.Tensor:
+    """experts(x_QH[row_R], counts_L) [R, H] (each received row once per local expert it chose), each row times its
+    routing weight: what a recipe's routed_experts returns. Inside its recompute region the expansion and the
+    product run again in backward, so autograd keeps the Q received rows, not R expanded or unweighted ones."""
+    return experts(x_QH[row_R], counts_L) * weights_R.unsqueeze(-1)
 
 
 class _SumRows(torch.autograd.Function):
@@ -257,7 +259,7 @@ class DispatchPlan:
         x_QH, w_Qk = x_QX[:, : -self.k], x_QX[:, -self.k :]
         row_R, w_R = self.order_R // self.k, w_Qk.reshape(-1)[self.order_R]
         # no local experts: no rows (R = 0), and the empty result stays in the graph so the combine's backward runs
-        y_RH = experts_fn(x_QH[row_R], self.counts_L, w_R) if self.counts_L.numel() else x_QH[row_R] * w_R[:, None]
+        y_RH = experts_fn(x_QH, row_R, self.counts_L, w_R) if self.counts_L.numel() else x_QH[row_R] * w_R[:, None]
         return _SumRows.apply(y_RH, row_R, x_QH.shape[0])
 
     def start_combine(self, y_QH: torch.Tensor) -> AllToAll:

@@ -14,7 +14,7 @@ Contract with a model.py (plain attributes, no registry). A stage object provide
 state`; one with routed experts the three compute steps, this file running the two all-to-alls (core/moe.py):
     (1) layer.attention(state) -> (state, x_TH, topk_ids_Tk, topk_weights_Tk)   norms, attention, router
     (2) dispatch all-to-all                          [here]
-    (3) layer.routed_experts(rows_RH, counts_L, w_R) -> [R, H]   routed experts x weights (core.moe.weighted_rows)
+    (3) layer.routed_experts(x_QH, row_R, counts_L, w_R) -> [R, H]   routed experts x weights (core.moe.weighted_rows)
     (4) combine all-to-all                           [here]
     (5) layer.finish(state, out_TH) -> state         residual add (the weighted sum happened in the combine)
 plus `layer.num_experts`, `layer.ep_group` and `layer.placement` (core/placement.py; None: the even split).

@@ -29,7 +29,10 @@ H, I, E = 8, 6, 4  # hidden, expert ffn, experts for the core-level checks
 
 
 def expert_mlp(w1, w2):
-    return lambda rows_RH, counts, w_R: grouped_mm(F.silu(grouped_mm(rows_RH, w1, counts)), w2, counts) * w_R[:, None]
+    def experts(x_QH, row_R, counts, w_R):
+        return grouped_mm(F.silu(grouped_mm(x_QH[row_R], w1, counts)), w2, counts) * w_R[:, None]
+
+    return experts
 
 
 def routings(tokens: int, k_max: int):

@@ -64,8 +64,8 @@ def core_checks(group) -> dict:
         (ref * probe).sum().backward()
         x, weights = x_all[mine].clone().requires_grad_(), weights_all[mine].clone().requires_grad_()
         w1_local, w2_local = (w[me * L:(me + 1) * L].clone().requires_grad_() for w in (w1, w2))
-        def experts(rows, counts, weights, w1=w1_local, w2=w2_local):
-            return expert_matmul(F.silu(expert_matmul(rows, w1, counts)), w2, counts) * weights[:, None]
+        def experts(x_QH, row_R, counts, weights, w1=w1_local, w2=w2_local):
+            return expert_matmul(F.silu(expert_matmul(x_QH[row_R], w1, counts)), w2, counts) * weights[:, None]
 
         out, rows = moe_forward(x, ids_all[mine], weights, E, group, experts)
         (out * probe[mine]).sum().backward()

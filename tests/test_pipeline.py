@@ -40,7 +40,8 @@ class ToyLayer(nn.Module):
             ids = ids.masked_fill(weights < self.drop, -1)
         return [h], x_TH, ids, weights
 
-    def routed_experts(self, rows_RH, counts, weights_R):
+    def routed_experts(self, x_QH, row_R, counts, weights_R):
+        rows_RH = x_QH[row_R]
         return expert_matmul(F.silu(expert_matmul(rows_RH, self.w1, counts)), self.w2, counts) * weights_R[:, None]
 
     def finish(self, state, out_TH):

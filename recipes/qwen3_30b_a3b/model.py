@@ -287,8 +287,9 @@ class DecoderLayer(nn.Module):
 
     recompute (RECOMPUTE): "attention" keeps only the input of each attention block (input norm, projections,
     q/k norms, rope, attention, output projection) and recomputes the rest in backward; "layer" keeps only the
-    inputs of step (1) without the router and of step (3) (expert GEMMs, SwiGLU, weighting), or of a dense layer. The
-    all-to-alls and the router (whose expert counts are statistics) never run twice."""
+    inputs of step (1) without the router and of step (3) (the received rows: their expansion, the expert GEMMs,
+    SwiGLU and the weighting run again), or of a dense layer. The all-to-alls and the router (whose expert counts
+    are statistics) never run twice."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, expert_ids: list[int], ep_group, cp_group=None,
                  recompute: str = "none", placement: Placement | None = None):
@@ -320,8 +321,8 @@ class DecoderLayer(nn.Module):
         h_BSH = x_BSH + _run(self._attention_block, x_BSH, recompute=self.recompute == "attention")
         return h_BSH, self.post_attention_layernorm(h_BSH).flatten(0, 1)
 
-    def routed_experts(self, rows_RH, counts_L, weights_R):  # (3)
-        return _run(weighted_rows, self.mlp.experts, rows_RH, counts_L, weights_R,  # [R, H] x routing weights
+    def routed_experts(self, x_QH, row_R, counts_L, weights_R):  # (3)
+        return _run(weighted_rows, self.mlp.experts, x_QH, row_R, counts_L, weights_R,  # [R, H] x weights
                     recompute=self.recompute == "layer")
 
     def finish(self, state, out_TH):  # (5)

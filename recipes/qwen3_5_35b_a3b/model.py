@@ -432,8 +432,8 @@ class DecoderLayer(nn.Module):
         h_BSH = x_BSH + _run(self._attention_block, x_BSH, recompute=self.recompute == "attention")
         return h_BSH, self.post_attention_layernorm(h_BSH).flatten(0, 1)
 
-    def routed_experts(self, rows_RH, counts_L, weights_R):  # (3)
-        return _run(weighted_rows, self.mlp.experts, rows_RH, counts_L, weights_R,  # [R, H] x routing weights
+    def routed_experts(self, x_QH, row_R, counts_L, weights_R):  # (3)
+        return _run(weighted_rows, self.mlp.experts, x_QH, row_R, counts_L, weights_R,  # [R, H] x weights
                     recompute=self.recompute == "layer")
 
     def finish(self, state, out_TH):  # (5)
