@@ -88,14 +88,14 @@ def saved_bytes(model, input_ids_BS) -> tuple[int, int]:
     """Bytes autograd keeps for backward in one forward_train (fp32 on CPU), each storage once, weights excluded;
     and of them, the bytes of received dispatch payloads (core/moe.py: [Q, H + k] rows, kept as [Q, H] views)."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    payload_row = model.cfg.hidden_size + getattr(model.cfg, "num_experts_per_tok", 0)
+    H, k = model.cfg.hidden_size, getattr(model.cfg, "num_experts_per_tok", 0)
     seen, received = {}, set()
 
     def pack(t):
         s = t.untyped_storage()
         if s.data_ptr() not in weights:
             seen[s.data_ptr()] = s.nbytes()
-            if t.dim() == 2 and t.shape[1] == model.cfg.hidden_size and t.stride(0) == payload_row != t.shape[1]:
+            if k and t.dim() == 2 and t.shape[1] == H and t.stride(0) == H + k:  # payload rows without their weights
                 received.add(s.data_ptr())
         return t
 

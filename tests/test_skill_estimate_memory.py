@@ -94,6 +94,15 @@ def test_optimizer_shards_exact_on_two_ranks():
         assert ranks[1][recipe][0] <= dp2
 
 
+def assert_activations_estimated(mod, cfg, recomputes, seed: int):
+    """One process, micro-batch 4 x seq 128, fp32: the estimate within 8% of the bytes measured, per recompute mode."""
+    for recompute in recomputes:
+        torch.manual_seed(seed)
+        want = measured_saved_bytes(mod.Model(cfg, recompute=recompute), 4, 128)
+        got = memory.estimate(mod, cfg, memory.Layout(micro_batch=4, seq_len=128, bf16=False, recompute=recompute))
+        assert abs(got["activations"] / want - 1) < 0.08, (recompute, got["activations"], want)
+
+
 @pytest.mark.parametrize("recipe", recipe_names())
 def test_activations_match_saved_tensors(recipe):
     """The estimate (calibrated at micro-batch 2 x seq 64) against bytes measured at micro-batch 4 x seq 128, for
@@ -102,11 +111,7 @@ def test_activations_match_saved_tensors(recipe):
     for DeepSeek-V2 and GPT-OSS; the others 0-3%). Both lengths are multiples of 64: chunked linear attention pads
     a sequence to its 64-token chunks (at 32 tokens the padding doubles its saved bytes per token)."""
     mod, cfg = tiny(recipe)
-    for recompute in ("none", "attention", "layer"):
-        torch.manual_seed(0)
-        want = measured_saved_bytes(mod.Model(cfg, recompute=recompute), 4, 128)
-        got = memory.estimate(mod, cfg, memory.Layout(micro_batch=4, seq_len=128, bf16=False, recompute=recompute))
-        assert abs(got["activations"] / want - 1) < 0.08, (recompute, got["activations"], want)
+    assert_activations_estimated(mod, cfg, ("none", "attention", "layer"), seed=0)
 
 
 @pytest.mark.parametrize("recipe", recipe_names())
@@ -116,11 +121,7 @@ def test_activations_scale_with_top_k(recipe):
     8% as above."""
     mod, cfg = tiny(recipe)
     cfg = dataclasses.replace(cfg, num_experts_per_tok=2 * cfg.num_experts_per_tok)
-    for recompute in ("none", "layer"):
-        torch.manual_seed(1)
-        want = measured_saved_bytes(mod.Model(cfg, recompute=recompute), 4, 128)
-        got = memory.estimate(mod, cfg, memory.Layout(micro_batch=4, seq_len=128, bf16=False, recompute=recompute))
-        assert abs(got["activations"] / want - 1) < 0.08, (recompute, got["activations"], want)
+    assert_activations_estimated(mod, cfg, ("none", "layer"), seed=1)
 
 
 @pytest.mark.parametrize("recipe", recipe_names())
@@ -173,12 +174,11 @@ def test_activations_at_ep2_with_layer_recompute():
     [T, V] logits dominate), so 3%: measured within 1.1% (routing is not exactly uniform: a 20% imbalance of a rank's
     rows moves its total by 1%); one row per token fails it. Without recompute the estimate is 4-9% short here (not
     from the received rows)."""
-    recompute = "layer"
-    ranks = run_ranks(2, _saved_bytes_at_ep2, recompute)
+    ranks = run_ranks(2, _saved_bytes_at_ep2, "layer")
     for recipe in recipe_names():
         mod, cfg = tiny(recipe)
         got = memory.estimate(mod, cfg, memory.Layout(ep=2, micro_batch=4, seq_len=128, bf16=False,
-                                                      recompute=recompute))["activations"]
+                                                      recompute="layer"))["activations"]
         for want in (ranks[0][recipe], ranks[1][recipe]):
             assert abs(got / want - 1) < 0.03, (recipe, got, want)
 
