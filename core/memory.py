@@ -9,7 +9,8 @@ Components of the most loaded pipeline rank (every pp rank is built; the largest
   optimizer    AdamW's two fp32 moments of this rank's ZeRO-1 shard (core/optimizer.py: ceil(numel / n) each)
   weight cache bf16 casts of the routed experts and LM head (core/weight_cache.py); fp8: two 1-byte copies of
                every attention / dense MLP / expert matrix instead (core/fp8.py)
-  activations  bytes saved for backward, measured once with torch.autograd.graph.saved_tensors_hooks on the
+  activations  bytes saved for backward and held when the forward ends (core/moe.py frees received rows it
+               dispatches again), measured once with torch.autograd.graph.saved_tensors_hooks on the
                recipe's tiny config on CPU (per token and layer, and per routed choice: an MoE layer keeps [T*k, H]
                rows; per token and vocab entry for the head), scaled by top-k, tokens (micro_batch * seq_len / cp),
                layers, hidden_size / tiny's, vocab, 1/2 for bf16, micro-batches in flight (pp + 1 under DualPipeV)
@@ -85,23 +86,28 @@ def meta_model(mod, cfg, **parts):
 
 
 def saved_bytes(model, input_ids_BS) -> tuple[int, int]:
-    """Bytes autograd keeps for backward in one forward_train (fp32 on CPU), each storage once, weights excluded;
-    and of them, the bytes of received dispatch payloads (core/moe.py: [Q, H + k] rows, kept as [Q, H] views)."""
+    """Bytes autograd keeps for backward in one forward_train (fp32 on CPU), each storage once at its size when the
+    forward ends (core/moe.py frees received rows it dispatches again), weights excluded; and of them, the bytes of
+    received dispatch payloads (core/moe.py: [Q, H + k] rows, kept as [Q, H] views)."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     H, k = model.cfg.hidden_size, getattr(model.cfg, "num_experts_per_tok", 0)
     seen, received = {}, set()
 
     def pack(t):
         s = t.untyped_storage()
+        if s.data_ptr() in seen and seen[s.data_ptr()].data_ptr() != s.data_ptr():
+            received.discard(s.data_ptr())  # the storage seen at this address was freed: this is another one
         if s.data_ptr() not in weights:
-            seen[s.data_ptr()] = s.nbytes()
+            seen[s.data_ptr()] = s
             if k and t.dim() == 2 and t.shape[1] == H and t.stride(0) == H + k:  # payload rows without their weights
                 received.add(s.data_ptr())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.forward_train(input_ids_BS, input_ids_BS)
-    return sum(seen.values()), sum(seen[p] for p in received)
+        out = model.forward_train(input_ids_BS, input_ids_BS)
+    sizes = {ptr: s.nbytes() for ptr, s in seen.items()}
+    del out  # (the graph, and the storages only it held)
+    return sum(sizes.values()), sum(sizes[p] for p in received)
 
 
 _CALIBRATION = {}

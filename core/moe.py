@@ -34,6 +34,11 @@ can interleave (`start_*` returns at once, `.wait()` gives the result with autog
 
 ep_group None skips the all-to-alls. Host syncs: one per layer and micro-batch, in DispatchPlan (the row counts
 that size the all-to-alls and GEMMs); the backward reuses them (on the grouped-GEMM path, see `grouped_mm`).
+
+recompute_dispatch (a recipe's --recompute layer, Megatron's full recompute): the received [Q, X] rows are freed
+once the experts ran, and in backward the dispatch all-to-all runs again (same splits: no host sync) to refill them
+before the experts' recompute region reads them, then they are freed again. Every ep rank runs it (also one without
+experts), at the same point of its backward. Costs one more dispatch per layer and micro-batch; saves Q x X.
 """
 
 import torch
@@ -168,7 +173,7 @@ def weighted_rows(experts, x_QH: torch.Tensor, row_R: torch.Tensor, counts_L: to
                   weights_R: torch.Tensor) -> torch.Tensor:
     """experts(x_QH[row_R], counts_L) [R, H] (each received row once per local expert it chose), each row times its
     routing weight: what a recipe's routed_experts returns. Inside its recompute region the expansion and the
-    product run again in backward, so autograd keeps the Q received rows, not R expanded or unweighted ones."""
+    product run again in backward, so autograd keeps only the Q received rows (freed under recompute_dispatch)."""
     return experts(x_QH[row_R], counts_L) * weights_R.unsqueeze(-1)
 
 
@@ -187,6 +192,21 @@ class _SumRows(torch.autograd.Function):
         return grad_NH.index_select(0, index_R), None, None
 
 
+class _OnBackward(torch.autograd.Function):
+    """Identity whose backward first calls then() (recompute_dispatch: on the experts' output, before their backward,
+    the received rows are refilled; on the received rows, after every reader, freed again)."""
+
+    @staticmethod
+    def forward(ctx, x, then):
+        ctx.then = then
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.then()
+        return grad, None
+
+
 def _true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     """Flat indices of mask's `count` True entries, in order (nonzero without its host sync: count is known)."""
     flat = mask.flatten()
@@ -198,8 +218,10 @@ def _true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
 class DispatchPlan:
     """Where one micro-batch's tokens go in the ep group, and how received rows map onto local experts."""
 
-    def __init__(self, topk_ids_Tk: torch.Tensor, num_experts: int, group, placement: Placement | None = None):
-        """placement: which rank holds each expert (None: Placement.even over the group)."""
+    def __init__(self, topk_ids_Tk: torch.Tensor, num_experts: int, group, placement: Placement | None = None,
+                 recompute_dispatch: bool = False):
+        """placement: which rank holds each expert (None: Placement.even over the group); recompute_dispatch: see
+        the module docstring."""
         n = 1 if group is None else dist.get_world_size(group)
         me = 0 if group is None else dist.get_rank(group)
         placement = Placement.even(num_experts, n) if placement is None else placement
@@ -207,6 +229,7 @@ class DispatchPlan:
         T, k = topk_ids_Tk.shape
         L = len(placement.experts[me])
         self.group, self.num_tokens, self.k = group, T, k
+        self.recompute_dispatch, self.source, self.received = recompute_dispatch, None, None
         ids_Tk = topk_ids_Tk.long()
         keep_Tk = (ids_Tk >= 0) & (ids_Tk < num_experts)  # ids >= E are reported below, on every rank
         rank_E, local_E = placement.tables(ids_Tk.device)
@@ -246,6 +269,8 @@ class DispatchPlan:
 
     def dispatch_payload(self, x_TH: torch.Tensor, topk_weights_Tk: torch.Tensor) -> torch.Tensor:
         """Each token once per destination rank, with its routing weights for that rank's experts: [P, X]."""
+        if self.recompute_dispatch and torch.is_grad_enabled():  # kept anyway: the router saves x_TH
+            self.source = (x_TH.detach(), topk_weights_Tk.detach())
         w_Pk = torch.where(self.here_Pk, topk_weights_Tk[self.token_P], 0).to(x_TH.dtype)
         return torch.cat([x_TH[self.token_P], w_Pk], dim=-1)
 
@@ -256,11 +281,37 @@ class DispatchPlan:
     def run_experts(self, x_QX: torch.Tensor, experts_fn) -> torch.Tensor:
         """(3) Expand received rows to one row per local expert (grouped by expert), run the experts, and sum
         each received row's weighted expert outputs: [Q, H]."""
+        recompute = self.source is not None and x_QX.requires_grad
+        if recompute:
+            x_QX = _OnBackward.apply(x_QX, self.free_received)  # (a pipeline's tape still refers to them)
         x_QH, w_Qk = x_QX[:, : -self.k], x_QX[:, -self.k :]
         row_R, w_R = self.order_R // self.k, w_Qk.reshape(-1)[self.order_R]
         # no local experts: no rows (R = 0), and the empty result stays in the graph so the combine's backward runs
         y_RH = experts_fn(x_QH, row_R, self.counts_L, w_R) if self.counts_L.numel() else x_QH[row_R] * w_R[:, None]
-        return _SumRows.apply(y_RH, row_R, x_QH.shape[0])
+        y_QH = _SumRows.apply(y_RH, row_R, x_QH.shape[0])
+        if not recompute:
+            return y_QH
+        # an alias with its own version counter: refilling it in place leaves autograd's saved views valid
+        self.received = torch.empty(0, dtype=x_QX.dtype, device=x_QX.device).set_(
+            x_QX.untyped_storage(), x_QX.storage_offset(), x_QX.shape, x_QX.stride())
+        self.received_bytes = x_QX.untyped_storage().nbytes()
+        self.free_received()
+        return _OnBackward.apply(y_QH, self.refill)
+
+    def free_received(self) -> None:
+        self.received.untyped_storage().resize_(0)
+
+    @torch.no_grad()
+    def refill(self) -> None:
+        """The dispatch again (backward, recompute_dispatch): the senders' payloads rebuilt from the kept x_TH and
+        weights, the received rows written into their freed storage."""
+        self.received.untyped_storage().resize_(self.received_bytes)
+        payload = self.dispatch_payload(*self.source)
+        if self.group is None:
+            self.received.copy_(payload)
+        else:
+            dist.all_to_all_single(self.received, payload, self.recv_splits, self.send_splits, group=self.group)
+        self.source = None
 
     def start_combine(self, y_QH: torch.Tensor) -> AllToAll:
         """(4) Send each received row's result back to the rank it came from."""
@@ -272,9 +323,9 @@ class DispatchPlan:
 
 
 def moe_forward(x_TH, topk_ids_Tk, topk_weights_Tk, num_experts: int, group, experts_fn,
-                placement: Placement | None = None):
+                placement: Placement | None = None, recompute_dispatch: bool = False):
     """The five steps back to back (no overlap): routed-expert output [T, H] and rows moved [2]."""
-    plan = DispatchPlan(topk_ids_Tk, num_experts, group, placement)
+    plan = DispatchPlan(topk_ids_Tk, num_experts, group, placement, recompute_dispatch)
     x_QX = plan.start_dispatch(x_TH, topk_weights_Tk).wait()
     y_PH = plan.start_combine(plan.run_experts(x_QX, experts_fn)).wait()
     return plan.unpermute(y_PH), plan.rows_moved

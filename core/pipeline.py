@@ -17,7 +17,8 @@ state`; one with routed experts the three compute steps, this file running the t
     (3) layer.routed_experts(x_QH, row_R, counts_L, w_R) -> [R, H]   routed experts x weights (core.moe.weighted_rows)
     (4) combine all-to-all                           [here]
     (5) layer.finish(state, out_TH) -> state         residual add (the weighted sum happened in the combine)
-plus `layer.num_experts`, `layer.ep_group` and `layer.placement` (core/placement.py; None: the even split).
+plus `layer.num_experts`, `layer.ep_group` and `layer.placement` (core/placement.py; None: the even split), and
+optionally `layer.recompute_dispatch` (core/moe.py; absent: False).
 
 Overlap: a chunk's forward is a generator that yields right after starting an all-to-all; its backward runs
 segment by segment (autograd segments cut at the all-to-alls), yielding after starting a reverse all-to-all. The
@@ -143,7 +144,8 @@ def _forward_steps(stage, inputs: list, mb: int, tape: _Tape, out: list):
             state = layer.dense(state)
             continue
         state, x_TH, ids_Tk, weights_Tk = layer.attention(state)  # (1)
-        plan = DispatchPlan(ids_Tk, layer.num_experts, layer.ep_group, layer.placement)
+        plan = DispatchPlan(ids_Tk, layer.num_experts, layer.ep_group, layer.placement,
+                            getattr(layer, "recompute_dispatch", False))
         *state, payload = tape.cut([*state, plan.dispatch_payload(x_TH, weights_Tk)])
         dispatch = AllToAll(payload, plan.send_splits, plan.recv_splits, layer.ep_group)  # (2)
         [buffer] = tape.cut([dispatch.out])

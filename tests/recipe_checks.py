@@ -13,8 +13,8 @@ Each check returns Result rows (check, worst error, tolerance, where the worst w
            each document run alone (fp32)
   layouts  ep2, pp2, cp2, pp2xep2, cp2xep2, and ep2 / ep4 under uneven expert placements (PLACED) equal one
            process (losses, grad norms, every weight after 3 steps); the model-level loss, aux loss, expert load,
-           logits and gradients at cp2 and cp2xep2; resume at ep2; --recompute; pp2 in bf16; an export at pp2xep2
-           and at ep4 under an uneven placement; the same five layouts on conversations (whole documents, loss
+           logits and gradients at cp2 and cp2xep2; resume at ep2; --recompute (layer at pp2xep2 and in the ep4
+           placement); pp2 in bf16; an export at pp2xep2 and at ep4 under an uneven placement; the same five layouts on conversations (whole documents, loss
            masks, --document-mask) and pp2 --recompute layer on them. One process group per world size runs all
            of its jobs, both side by side with the one-process references.
 
@@ -509,7 +509,7 @@ def layout_results(recipe: Recipe, data, workdir: Path, meanwhile=lambda: [], pr
     is each tensor's rounding noise; bf16 on one thread), after `meanwhile()`'s rows (other checks this process runs
     while the ranks start and run; they come first in the result). The jobs: the five layouts and the two placements
     (PLACED) against fp32 (pp2xep2 and ep4 placed also exporting), the model-level cp checks, resume at ep2,
-    recompute at pp2 and cp2 against the same layout without, pp2 in bf16. A fp32 layout's tensor passes within tests/test_train.py:noise_bound of its noise
+    recompute at pp2xep2 and cp2 against the same layout without, pp2 in bf16. A fp32 layout's tensor passes within tests/test_train.py:noise_bound of its noise
     (the derivation and the measured noise are there)."""
     config = write_config(workdir / "check_config.json", recipe.config)
     args = lambda out, **extra: check_args(recipe, config, data, workdir / out, **extra)
@@ -517,18 +517,19 @@ def layout_results(recipe: Recipe, data, workdir: Path, meanwhile=lambda: [], pr
     documents = "document_mask" in model_features(recipe)  # (Model.features: what the model declines is skipped)
     chats = write_counting_chats(workdir / "chats", recipe.seq_len)
     chat_args = lambda out, **extra: check_args(recipe, config, chats, workdir / out, **extra)
-    jobs = {2: {"pp2 recompute": ("train", args("pp2r", pp=2, recompute="layer")),
-                "cp2 recompute": ("train", args("cp2r", cp=2, recompute="attention")),
+    jobs = {2: {"cp2 recompute": ("train", args("cp2r", cp=2, recompute="attention")),
                 "pp2 bf16": ("train", args("pp2bf16", pp=2, dtype="bf16")),
                 # resume at ep=2: 4 steps with a checkpoint at 2, then again from that checkpoint
                 "full": ("train", args("full", ep=2, steps=4, ckpt_every=2)),
                 "resumed": ("train", args("resumed", ep=2, steps=4, resume=workdir / "full/checkpoints/step_00000002")),
                 "grads cp2": ("grads", (config, 2, 1, recipe.seq_len)),
                 "docs pp2 recompute": ("train", chat_args("docs_pp2r", pp=2, recompute="layer"))},
-            4: {"grads cp2xep2": ("grads", (config, 2, 2, recipe.seq_len))}}
+            4: {"grads cp2xep2": ("grads", (config, 2, 2, recipe.seq_len)),
+                # DualPipeV with the experts' rows dispatched again in backward (core/moe.py recompute_dispatch)
+                "pp2xep2 recompute": ("train", args("pp2xep2r", pp=2, ep=2, recompute="layer"))}}
     recompute = "recompute" in model_features(recipe)  # (Model.features: what the model declines is skipped)
     if not recompute:
-        del jobs[2]["pp2 recompute"], jobs[2]["cp2 recompute"]
+        del jobs[4]["pp2xep2 recompute"], jobs[2]["cp2 recompute"]
     if not (recompute and documents):
         del jobs[2]["docs pp2 recompute"]
     for name, layout in LAYOUTS.items():
@@ -540,7 +541,9 @@ def layout_results(recipe: Recipe, data, workdir: Path, meanwhile=lambda: [], pr
     placements = {name: table(num_experts) for name, table in PLACED.items()}
     for name, table in placements.items():
         ep = int(name[2])
-        export = {"export_hf": workdir / "hf_ep4_placed"} if ep == 4 else {}
+        # ep4: a rank without experts, whose backward dispatches again under --recompute layer like the others'
+        export = {"export_hf": workdir / "hf_ep4_placed", **({"recompute": "layer"} if recompute else {})} \
+            if ep == 4 else {}
         jobs[ep][name] = ("train", args(name.replace(" ", "_"), ep=ep, expert_placement=",".join(map(str, table)),
                                         **export))
     # both process groups start now and run side by side with the references below: a rank waiting in a collective
@@ -611,7 +614,8 @@ def layout_results(recipe: Recipe, data, workdir: Path, meanwhile=lambda: [], pr
     uninterrupted = [(losses[2:], norms[2:], weights) for losses, norms, weights in runs["full"]]
     results.append(same_runs_result("resume at ep2 from step 2 = uninterrupted run", uninterrupted, runs["resumed"]))
     if recompute:
-        results.append(same_runs_result("pp2 --recompute layer = pp2", runs["pp2"], runs["pp2 recompute"]))
+        results.append(same_runs_result("pp2xep2 --recompute layer = pp2xep2", runs["pp2xep2"],
+                                        runs["pp2xep2 recompute"]))
         results.append(same_runs_result("cp2 --recompute attention = cp2", runs["cp2"], runs["cp2 recompute"]))
     error, where = worst_error((e, f"{what} {w}") for what, (e, w, _) in
                                layout_errors(single_bf16, runs["pp2 bf16"], error=bitwise_error).items())

@@ -2,6 +2,7 @@
 rows it moves, the Qwen3 model's gradients at ep=2/4 and dp2 x ep2, training parity, resharding checkpoints,
 export from a sharded run, ZeRO-1 memory and the aux-loss-free bias."""
 
+import functools
 import json
 import os
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from core.mesh import build_mesh, destroy_mesh
 from core.moe import grouped_mm, moe_forward, update_expert_bias
@@ -73,20 +75,25 @@ def dispatch_worker(tokens_per_rank: int):
             (ref * probe).sum().backward()
 
             mine = slice(me * tokens_per_rank, (me + 1) * tokens_per_rank)
-            x = x_all.detach()[mine].clone().requires_grad_(True)
-            w = w_all.detach()[mine].clone().requires_grad_(True)
-            w1_local = w1.detach()[mine_E].clone().requires_grad_(True)
-            w2_local = w2.detach()[mine_E].clone().requires_grad_(True)
-            out, rows = moe_forward(x, ids_all[mine], w, E, group, expert_mlp(w1_local, w2_local), placement)
-            (out * probe[mine]).sum().backward()
-            errors = {"out": rel_err(out, ref[mine]), "dx": rel_err(x.grad, x_all.grad[mine]),
-                      "dweights": rel_err(w.grad, w_all.grad[mine])}
-            if mine_E:  # (a rank without experts has no weights)
-                errors.update({"dw1": rel_err(w1_local.grad, w1.grad[mine_E]),
-                               "dw2": rel_err(w2_local.grad, w2.grad[mine_E])})
             dest = [[rank_E[e] for e in t] for t in ids_all[mine].tolist()]  # analytic: one row per (token, other
             expected = [sum(len(set(d) - {me}) for d in dest), sum(r != me for d in dest for r in d)]  # rank) vs slot
-            results.append((f"{name}, placement {table}", errors, rows.tolist(), expected))
+            for recompute in (False, True):  # the experts checkpointed, their received rows dispatched again
+                x = x_all.detach()[mine].clone().requires_grad_(True)
+                w = w_all.detach()[mine].clone().requires_grad_(True)
+                w1_local = w1.detach()[mine_E].clone().requires_grad_(True)
+                w2_local = w2.detach()[mine_E].clone().requires_grad_(True)
+                experts = expert_mlp(w1_local, w2_local)
+                if recompute:
+                    experts = functools.partial(checkpoint, experts, use_reentrant=False)
+                out, rows = moe_forward(x, ids_all[mine], w, E, group, experts, placement, recompute)
+                (out * probe[mine]).sum().backward()
+                errors = {"out": rel_err(out, ref[mine]), "dx": rel_err(x.grad, x_all.grad[mine]),
+                          "dweights": rel_err(w.grad, w_all.grad[mine])}
+                if mine_E:  # (a rank without experts has no weights)
+                    errors.update({"dw1": rel_err(w1_local.grad, w1.grad[mine_E]),
+                                   "dw2": rel_err(w2_local.grad, w2.grad[mine_E])})
+                results.append((f"{name}, placement {table}" + (", recompute_dispatch" if recompute else ""),
+                                errors, rows.tolist(), expected))
     destroy_mesh()
     return results
 

@@ -34,7 +34,8 @@ on a GPU without one the datasheet x the published efficiencies of GPU_EFFICIENC
              goes to each ep rank holding one of its k experts once: expected rows per token, the sum over ranks
              of 1 - C(E - L_r, k) / C(E, k), L_r experts on rank r (the run's placement; uniform routing), or
              what the busiest rank receives if more, rows of H + k numbers out and H back (the busiest rank's
-             expert GEMMs scale with its max L_r * ep / E too); plus the two small blocking exchanges of DispatchPlan. Without pp they are
+             expert GEMMs scale with its max L_r * ep / E too); plus the two small blocking exchanges of DispatchPlan;
+             --recompute layer dispatches once more in backward, blocking (never hidden). Without pp they are
              exposed; under DualPipeV an overlapped F&B hides each chunk's all-to-alls behind the other's compute.
   cp gather  all-gather of `cp_gather_width` numbers per token per layer (K/V, or the MLA latent) forward, a
              reduce-scatter of the same size backward; blocking inside attention.
@@ -354,7 +355,7 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
                 machine: Machine, gpus_per_node: int, imbalance: float) -> dict:
     """Seconds of one micro-batch on one stage, by class: {'F': ..., 'B': ..., 'W': ...} (W: the expert
     weight-gradient GEMMs that DualPipeV delays; B includes them) and 'a2a_F' / 'a2a_B' (the all-to-all part of
-    F and B, which an overlapped pair can hide)."""
+    F and B, which an overlapped pair can hide), 'a2a_refill' (B's blocking dispatch again, which it cannot)."""
     S, T = layout.seq_len, layout.micro_batch * layout.seq_len // layout.cp
     fpt = mod.flops_by_layer(cfg, S, layout.cp)
     r = machine.rates
@@ -374,7 +375,7 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
     tiny, _, saved_per_token_vocab = activation_calibration(mod, layout.recompute)
     saved = saved_per_token_layer(mod, cfg, layout) * cfg.hidden_size / tiny.hidden_size * (0.5 if layout.bf16 else 1.0)
     out = {key: _zero() for key in ("F", "B", "W")}
-    a2a = {"F": 0.0, "B": 0.0}
+    a2a = {"F": 0.0, "B": 0.0, "refill": 0.0}
     E, k, H = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
     # on CUDA core/attention.py:attention runs flex for a CPMask (cp, windows, documents) or sinks, flash SDPA for
     # plain causal attention; a recipe whose tiny-config forward is not plain SDPA is taken as flex
@@ -444,6 +445,11 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
                     t += 2 * collective_s(machine, "all_to_all", 64, layout.ep, ep_span, gpus_per_node)
                 a2a[key] += t
                 out[key]["exposed all-to-all"] += t
+            if layout.recompute == "layer":  # the dispatch again in B, blocking (core/moe.py recompute_dispatch)
+                t = collective_s(machine, "all_to_all", rows * imbalance * (H + k) * act_bytes, layout.ep, ep_span,
+                                 gpus_per_node)
+                a2a["refill"] += t
+                out["B"]["exposed all-to-all"] += t
         if layout.cp > 1:
             gathered = T * mod.cp_gather_width(cfg) * act_bytes * layout.cp  # the whole sequence's K/V (or latent)
             out["F"]["CP gather"] += collective_s(machine, "all_gather", gathered, layout.cp, cp_span, gpus_per_node)
@@ -461,7 +467,7 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
         out["B"]["dense GEMMs"] += 2 * t_head / 3
         out["F"]["other compute"] += t_other / 3
         out["B"]["other compute"] += 2 * t_other / 3
-    out["a2a_F"], out["a2a_B"] = a2a["F"], a2a["B"]
+    out["a2a_F"], out["a2a_B"], out["a2a_refill"] = a2a["F"], a2a["B"], a2a["refill"]
     return out
 
 
@@ -503,8 +509,9 @@ def predict(mod, cfg, cfg_path: str, layout: Layout, global_batch: int, machine:
             if len(acts) == 2:  # overlapped pair: each chunk's all-to-alls run behind the other's compute
                 (_, sf), (_, sb) = acts
                 compute_f = total(sf["F"]) - sf["a2a_F"]
-                compute_b = total(sb["B"]) - sb["a2a_B"]
-                out["exposed all-to-all"] = max(0.0, sf["a2a_F"] - compute_b) + max(0.0, sb["a2a_B"] - compute_f)
+                compute_b = total(sb["B"]) - sb["a2a_B"] - sb["a2a_refill"]  # (the refill blocks both)
+                out["exposed all-to-all"] = max(0.0, sf["a2a_F"] - compute_b) + max(0.0, sb["a2a_B"] - compute_f) + \
+                    sb["a2a_refill"]
             return out
 
         memo = {}

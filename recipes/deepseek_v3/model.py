@@ -413,14 +413,16 @@ class DecoderLayer(nn.Module):
 
     recompute (RECOMPUTE): "attention" keeps only the input of each attention block (input norm, projections,
     latent norm, rope, expansion, attention, output projection) and recomputes the rest in backward; "layer" keeps
-    only the inputs of step (1) without the router, of the shared experts and of step (3) (the expert GEMMs and
-    SwiGLU), or of a dense layer. The all-to-alls and the router (whose expert counts are statistics) never run
-    twice; with cp, the latent gather runs again with its attention block (on every cp rank alike)."""
+    only the inputs of step (1) and of the router, of the shared experts, or of a dense layer: in backward the
+    dispatch all-to-all runs again (core/moe.py recompute_dispatch), then step (3) (the expert GEMMs and SwiGLU).
+    The router (whose expert counts are statistics) and the combine run once; with cp, the latent gather runs
+    again with its attention block (on every cp rank alike)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, expert_ids: list[int], ep_group, cp_group=None,
                  recompute: str = "none", placement: Placement | None = None):
         super().__init__()
         self.recompute = recompute
+        self.recompute_dispatch = recompute == "layer"  # core/moe.py, core/pipeline.py read it
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, cp_group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -471,7 +473,7 @@ class DecoderLayer(nn.Module):
             return self.dense(state)
         state, x_TH, ids_Tk, weights_Tk = self.attention(state)
         out_TH, _ = moe_forward(x_TH, ids_Tk, weights_Tk, self.num_experts, self.ep_group, self.routed_experts,
-                                self.placement)
+                                self.placement, self.recompute_dispatch)
         return self.finish(state, out_TH)
 
 

@@ -287,14 +287,15 @@ class DecoderLayer(nn.Module):
 
     recompute (RECOMPUTE): "attention" keeps only the input of each attention block (input norm, projections,
     q/k norms, rope, attention, output projection) and recomputes the rest in backward; "layer" keeps only the
-    inputs of step (1) without the router and of step (3) (the received rows: their expansion, the expert GEMMs,
-    SwiGLU and the weighting run again), or of a dense layer. The all-to-alls and the router (whose expert counts
-    are statistics) never run twice."""
+    inputs of step (1) and of the router, or of a dense layer: in backward the dispatch all-to-all runs again
+    (core/moe.py recompute_dispatch), then step (3) (the expansion, the expert GEMMs, SwiGLU and the weighting).
+    The router (whose expert counts are statistics) and the combine run once."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, expert_ids: list[int], ep_group, cp_group=None,
                  recompute: str = "none", placement: Placement | None = None):
         super().__init__()
         self.recompute = recompute
+        self.recompute_dispatch = recompute == "layer"  # core/moe.py, core/pipeline.py read it
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, cp_group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -343,7 +344,7 @@ class DecoderLayer(nn.Module):
             return self.dense(state)
         state, x_TH, ids_Tk, weights_Tk = self.attention(state)
         out_TH, _ = moe_forward(x_TH, ids_Tk, weights_Tk, self.num_experts, self.ep_group, self.routed_experts,
-                                self.placement)
+                                self.placement, self.recompute_dispatch)
         return self.finish(state, out_TH)
 
 

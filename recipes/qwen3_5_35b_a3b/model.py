@@ -390,13 +390,15 @@ class DecoderLayer(nn.Module):
 
     recompute (RECOMPUTE): "attention" keeps only the input of each token-mixer block (input norm, projections,
     conv, norms, rope, attention or delta rule, output projection) and recomputes the rest in backward; "layer"
-    keeps only the inputs of step (1) without the router, of the shared expert and of step (3) (the expert GEMMs
-    and SwiGLU). The all-to-alls and the router (whose expert counts are statistics) never run twice."""
+    keeps only the inputs of step (1) and of the router and the shared expert: in backward the dispatch all-to-all
+    runs again (core/moe.py recompute_dispatch), then step (3) (the expert GEMMs and SwiGLU). The router (whose
+    expert counts are statistics) and the combine run once."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, expert_ids: list[int], ep_group, cp_group=None,
                  recompute: str = "none", placement: Placement | None = None):
         super().__init__()
         self.recompute = recompute
+        self.recompute_dispatch = recompute == "layer"  # core/moe.py, core/pipeline.py read it
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.linear = cfg.is_linear(layer_id)
         if self.linear:
@@ -444,7 +446,7 @@ class DecoderLayer(nn.Module):
         """The five steps back to back (the pipeline schedule runs them interleaved instead)."""
         state, x_TH, ids_Tk, weights_Tk = self.attention(state)
         out_TH, _ = moe_forward(x_TH, ids_Tk, weights_Tk, self.num_experts, self.ep_group, self.routed_experts,
-                                self.placement)
+                                self.placement, self.recompute_dispatch)
         return self.finish(state, out_TH)
 
 
