@@ -1,20 +1,16 @@
-"""Which attention kernel runs when, model-agnostic. Every recipe calls `attention` (end of the file), which gathers
-K and V over cp (core/context.py:gather_kv); its docstring's table says which kernel runs.
+"""Attention, model-agnostic: every recipe calls `attention` (end of the file), whose table says which kernel runs.
 
-Masks come from global positions, once per forward for every layer (`cp_attention_mask` -> a `CPMask`): causal
-(j <= i), optional sliding window (i - window < j, GPT-OSS) and documents of packed sequences. Attention sinks
-(GPT-OSS: one logit per head in the softmax denominator, no value) apply over the gathered keys.
+Masks come from global positions, once per forward for every layer (`cp_attention_mask` -> a `CPMask`): causal, sliding
+window (GPT-OSS), packed documents (`attention_mask`); GPT-OSS's sinks (`sink_rescale`) apply over the gathered keys.
 
-On CUDA flex_attention (compiled) reads the CPMask as a BlockMask (empty key blocks skipped, fully visible ones
-unmasked): O(S + K) memory per head plus an int32 [S/128, K/128] block table, not the [B, N, S, K] fp32 scores of
-SDPA's math kernel (where a boolean mask with GQA falls back); sinks enter through flex's log-sum-exp. Elsewhere the
-reference over a dense boolean [B, S, K] (`attention_reference`): flex_attention has no CPU backward (torch 2.13).
-Not per-chunk SDPA merged by log-sum-exp: public SDPA returns none, and window or document blocks need a mask.
-A CPMask may be per head: a block selection (block-sparse attention, `select_from_indices`) or a per-head mask
-(blocks of 1); on CUDA the BlockMask then has a head dimension and unselected tiles are never loaded.
+On CUDA flex_attention (compiled) reads the CPMask as a BlockMask (empty key blocks skipped, full ones unmasked):
+O(S + K) memory per head plus an int32 [S/128, K/128] block table, not the [B, N, S, K] fp32 scores of SDPA's math
+kernel (used for a boolean mask with GQA). Elsewhere a dense boolean [B, S, K] (SDPA or `attention_reference`): flex has
+no CPU backward (torch 2.13). Not per-chunk SDPA merged by log-sum-exp: public SDPA returns none, and window or document
+blocks need a mask. A per-head mask (block selection) adds a head dimension: unselected tiles are never loaded.
 
-Legend: B batch, S local sequence (this rank's queries, = K / cp), K whole sequence (gathered keys), N query
-heads, G key/value heads, n = N / G query heads per kv head, D head dim of q and k, E head dim of v.
+Legend: B batch, S local sequence (this rank's queries, = K / cp), K whole sequence (gathered keys), N query heads, G
+key/value heads, n = N / G query heads per kv head, D head dim of q and k, E head dim of v.
 """
 
 from dataclasses import dataclass, field, replace
@@ -42,10 +38,9 @@ def attention_mask(q_pos_S, k_pos_K, window: int | None = None, q_doc_BS=None, k
 
 @dataclass(eq=False)
 class CPMask:
-    """Which of the K gathered keys (global positions 0..K-1) this rank's queries see: dense() for the reference,
-    block_mask() for flex_attention, each cached (one mask serves every layer of a forward). select_BNQJ (from
-    with_selection): per (batch, query head, block of `select_block` local queries) the key blocks it may attend,
-    the rule (causal, window, documents) applying inside them; select_block 1 is a per-head mask [B, N, S, K]."""
+    """Which of the K gathered keys (positions 0..K-1) this rank's queries see: dense() (reference) and block_mask()
+    (flex), both cached. select_BNQJ (with_selection): per (batch, query head, `select_block` local queries) the key
+    blocks it may attend, the rule applying within them; select_block 1: a per-head mask [B, N, S, K]."""
 
     q_pos_S: torch.Tensor  # global positions of this rank's queries
     seq_len: int  # K
@@ -198,9 +193,8 @@ def cp_attention_mask(seq_len: int, cp_rank: int = 0, cp_size: int = 1, window: 
 
 
 def attention_reference(q_BNSD, k_BGKD, v_BGKE, mask_BSK=None, scale=None, sinks_N=None) -> torch.Tensor:
-    """Explicit attention [B, N, S, E] (trains on CPU): logits in the input dtype, softmax in fp32 as transformers.
-    mask: None (causal, same positions), a CPMask, bool [B or 1, S, K] or per head [B or 1, N or 1, S, K] (a query
-    that sees no key then outputs 0, as flex does)."""
+    """Attention [B, N, S, E] (trains on CPU): logits in the input dtype, fp32 softmax as transformers. mask: None
+    (causal), a CPMask, bool [B or 1, S, K] or per head [B or 1, N or 1, S, K] (no visible key: output 0, as flex)."""
     B, N, S, D = q_BNSD.shape
     G, K = k_BGKD.shape[1], k_BGKD.shape[2]
     if isinstance(mask_BSK, CPMask):
@@ -214,8 +208,7 @@ def attention_reference(q_BNSD, k_BGKD, v_BGKE, mask_BSK=None, scale=None, sinks
     else:
         mask_BGnSK = mask_BSK[:, None, None]
     scale = D**-0.5 if scale is None else scale
-    # GQA without copies: query head h uses kv head h // n (transformers' repeat_kv order)
-    q_BGnSD = q_BNSD.view(B, G, N // G, S, D)
+    q_BGnSD = q_BNSD.view(B, G, N // G, S, D)  # no GQA copies: head h reads kv head h // n (transformers' repeat_kv)
     logits_BGnSK = (q_BGnSD @ k_BGKD[:, :, None].transpose(-1, -2)) * scale
     logits_BGnSK = upcast(logits_BGnSK).masked_fill(~mask_BGnSK, float("-inf"))
     if sinks_N is not None:  # one more column per head: the sink logit, softmaxed with the keys, then dropped
@@ -268,14 +261,13 @@ def _causal_mask(S: int, device) -> CPMask:
 
 def attention(q_BNSD, k_BGSD, v_BGSE, mask=None, cp_group=None, scale=None, sinks_N=None,
               select_BNQJ=None, select_block: int = 1) -> torch.Tensor:
-    """Every recipe's attention: this rank's queries over the keys of the whole sequence. Returns [B, N, S, E].
+    """Every recipe's attention: this rank's queries over the keys of the whole sequence -> [B, N, S, E].
 
-    q [B, N, S, D]; k [B, G, S or K, D], v [B, G, S or K, E] (GQA: query head h reads kv head h // (N / G)). mask:
-    None (causal, same positions), a CPMask (cp_attention_mask) or bool [B or 1, S, K]. cp_group: K and V are
-    gathered over it (gather_kv) when they hold fewer positions than the mask's K; whole-sequence keys (e.g. from
-    an MLA latent the caller gathered) are used as given. scale: None = D**-0.5. sinks_N: GPT-OSS's sink logits.
-    select_BNQJ: a per-head block selection (CPMask.with_selection; select_from_indices); a query that sees no key
-    outputs 0.
+    q [B, N, S, D]; k [B, G, S or K, D], v [B, G, S or K, E] (GQA: query head h reads kv head h // (N / G)). mask: None
+    (causal, same positions), a CPMask (cp_attention_mask) or bool [B or 1, S, K]. cp_group: K and V are gathered over
+    it (gather_kv) when they hold fewer positions than the mask's K; whole-sequence keys (e.g. an MLA latent the caller
+    gathered) are used as given. scale: None = D**-0.5. sinks_N: GPT-OSS's sink logits. select_BNQJ: a per-head block
+    selection (CPMask.with_selection; select_from_indices); a query that sees no key outputs 0.
 
     Which kernel runs (the one place that decides):
 

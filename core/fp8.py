@@ -1,33 +1,26 @@
-"""FP8 (e4m3) GEMMs for training on Hopper: linear layers and grouped expert GEMMs, row-wise scaled, with the FP8
-copy of each weight made once per optimizer step and reused by every micro-batch.
+"""FP8 (e4m3) GEMMs for training on Hopper: linear layers and grouped expert GEMMs, row-wise scaled, with the FP8 copy
+of each weight made once per optimizer step and reused by every micro-batch.
 
 Legend: T tokens (rows), K input features, N output features, E experts, R expert rows (grouped by expert).
 
-Numerics (row-wise scaling; DeepSeek-V3 uses finer 1x128 blocks, torchao calls this recipe "rowwise"):
-  a tensor is quantised along its reduction dim: q = round_e4m3(x / s), s = amax(|row|) / 448 per row (fp32), so
-  each row's largest value maps to the largest e4m3 number and every element keeps 3 mantissa bits (relative
-  rounding error <= 2^-4; values below 2^-6 * s are subnormal, absolute error <= 2^-10 * s).
+Row-wise (torchao's "rowwise"): a tensor is quantised along its reduction dim, q = round_e4m3(x / s), s = amax(|row|) /
+448 per row (fp32), so each row's largest value maps to the largest e4m3 number and every element keeps 3 mantissa bits
+(relative rounding error <= 2^-4; values below 2^-6 * s are subnormal, absolute error <= 2^-10 * s).
   forward   y  = x @ w.T      x per row over K, w per output row over K          -> torch._scaled_mm, fp32 accumulate
   dgrad     dx = dy @ w       dy per row over N, w per input column over N (a second cached copy of w)
-  wgrad     dw = dy.T @ x     in the high-precision dtype (bf16 on GPU): its reduction runs over tokens, where a
-                              per-token scale cannot be factored out of the sum.
-  Straight-through: the quantisation counts as identity in backward; x is saved in the compute dtype (as bf16
-  training would), not in FP8.
+  wgrad     dw = dy.T @ x     high precision (GPU: bf16): per-token scales do not factor out of its sum over tokens
+Straight-through: quantisation is the identity in backward; x is saved in the compute dtype, as bf16 training would.
 
-Weight cache (core/weight_cache.py): a weight is quantised (both copies) the first time it is used after an update
-and the stored copy is returned on every later use: with n micro-batches per step, one quantisation instead of 2n.
-The GEMMs are torch custom ops, so the lookup also works inside a torch.compile graph (the op is opaque to the
-compiler and runs its Python at run time).
+Weight cache (core/weight_cache.py): a weight is quantised (both copies) at its first use after an update, then reused:
+one quantisation per step instead of 2n with n micro-batches. The GEMMs are torch custom ops, opaque to torch.compile,
+so the lookup (plain Python, reading the weight's version counter) runs at run time, also inside a compiled graph.
 
-Paths: on CUDA, torch._scaled_mm and torch._scaled_grouped_mm (Hopper, out dtype bf16). Elsewhere the reference:
-torch._scaled_mm runs float8_e4m3fn on CPU (seen in torch 2.13), and the grouped GEMM is a loop over experts of it.
+Paths: torch._scaled_mm (also on CPU: torch 2.13 runs float8_e4m3fn) and, on CUDA, torch._scaled_grouped_mm (bf16 out).
 
-Blockwise (SCALING = "blockwise", train.py --fp8 --fp8-recipe blockwise; DeepSeek-V3's recipe, its paper's 3.3):
-  activations and gradients in 1x128 tiles along the reduction dim (one scale per 128 consecutive elements of a
-  row), weights in 128x128 blocks (one quantisation serves forward and dgrad: a block's scale is its transpose's),
-  and the wgrad in FP8 too, both operands in 1x128 tiles along the tokens; the last tile / block may be partial.
-  CUDA: torch.nn.functional.scaled_mm with BlockWise1x128 / BlockWise128x128 scales (Hopper; the experts one GEMM
-  each); elsewhere the reference, operands dequantised to fp32 and multiplied (block_scaled_mm).
+Blockwise (--fp8-recipe blockwise; DeepSeek-V3's recipe, paper 3.3): activations, gradients in 1x128 tiles along the
+reduction dim, weights in 128x128 blocks (one quantisation serves forward and dgrad: a block's scale is its
+transpose's), the wgrad in FP8 too, both operands in 1x128 tiles along the tokens; last tiles / blocks may be partial.
+`block_scaled_mm`: F.scaled_mm with BlockWise1x128 / BlockWise128x128 scales on CUDA (one GEMM per expert), else fp32.
 """
 
 import functools
@@ -47,8 +40,7 @@ BLOCK = 128
 
 
 def set_scaling(recipe: str, device) -> None:
-    """Choose the FP8 recipe of every FP8 GEMM (train.py --fp8-recipe); blockwise on CUDA needs torch's
-    block-scaled scaled_mm (torch.nn.functional.ScalingType.BlockWise1x128, torch >= 2.10)."""
+    """Set SCALING (train.py --fp8-recipe); blockwise on CUDA needs F.scaled_mm with BlockWise1x128 (torch >= 2.10)."""
     global SCALING
     if recipe == "blockwise" and torch.device(device).type == "cuda" and not hasattr(getattr(F, "ScalingType", None),
                                                                                      "BlockWise1x128"):
@@ -80,9 +72,8 @@ def _expand(scale, rows: int, cols: int, row_block: int) -> torch.Tensor:
 
 
 def block_scaled_mm(qa_MK, sa, qb_NK, sb, out_dtype, b_tiles: bool = False) -> torch.Tensor:
-    """(qa * sa) @ (qb * sb).T -> [M, N]: a in 1x128 tiles (sa [M, k]), b in 128x128 blocks (sb [n, k]) or, with
-    b_tiles, in 1x128 tiles too (sb [N, k]). CUDA: one block-scaled GEMM (fp32 accumulation); else the fp32
-    reference."""
+    """(qa * sa) @ (qb * sb).T -> [M, N]: a in 1x128 tiles (sa [M, k]), b in 128x128 blocks (sb [n, k]) or with b_tiles
+    in 1x128 tiles (sb [N, k]). CUDA: one block-scaled GEMM (fp32 accumulate), else the fp32 reference."""
     (M, K), N = qa_MK.shape, qb_NK.shape[0]
     if qa_MK.is_cuda:
         kind = F.ScalingType  # tile scales outer-dim major, as torch's block-scaled kernels read them
@@ -110,8 +101,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale
 
 
-# On CUDA the quantiser runs compiled: two fused passes over x (amax, then scale + cast) instead of five eager
-# ones, which would cost about as much as the FP8 GEMM saves. dynamic: the row count changes every micro-batch.
+# Compiled on CUDA: 2 fused passes over x, not 5 eager ones (costing what FP8 saves); dynamic: rows vary by micro-batch.
 @functools.cache
 def _quantize_cuda():
     return torch.compile(quantize_rowwise, dynamic=True)
@@ -141,17 +131,13 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _scaled_mm(a_MK: torch.Tensor, q_NK: torch.Tensor, s_N1: torch.Tensor) -> torch.Tensor:
-    """a [M, K] (high precision, quantised here per row) @ (q * s)[N, K].T -> [M, N] in a's dtype. q_NK.T is the
-    column-major operand cuBLAS wants; the scales are fp32, [M, 1] and [1, N]. Blockwise: a in 1x128 tiles, s_N1
-    the weight's block scales [n, k]."""
+    """a [M, K] (high precision, quantised per row) @ (q * s)[N, K].T -> [M, N] in a's dtype; q_NK.T is cuBLAS's
+    column-major operand, fp32 scales [M, 1], [1, N]. Blockwise: a in 1x128 tiles, s_N1 block scales [n, k]."""
     if SCALING == "blockwise":
         return block_scaled_mm(*quantize_tiles(a_MK), q_NK, s_N1, a_MK.dtype)
     qa_MK, sa_M1 = _quantize(a_MK)
     return torch._scaled_mm(qa_MK, q_NK.T, scale_a=sa_M1, scale_b=s_N1.T, out_dtype=a_MK.dtype)
 
-
-# The GEMMs are torch custom ops: torch.compile keeps them opaque, so the cache lookup (plain Python, reading the
-# weight's version counter) runs at run time, also inside a compiled graph; their autograd formulas are below.
 
 # ------------------------------------------------------------------------------------------ linear
 
@@ -196,8 +182,7 @@ torch.library.register_autograd("moe_fp8::linear", _linear_backward, setup_conte
 
 
 def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    """x @ w.T (no bias) with FP8 operands: x [..., K], w [N, K] -> [..., N] in compute_dtype(x); gradients for x
-    and w (straight-through)."""
+    """x @ w.T (no bias) in FP8: x [..., K], w [N, K] -> [..., N] in compute_dtype(x); straight-through gradients."""
     dtype = compute_dtype(x)
     return _linear(x.reshape(-1, x.shape[-1]).to(dtype), w_NK).view(*x.shape[:-1], w_NK.shape[0])
 
@@ -211,8 +196,7 @@ class FP8Linear(nn.Linear):
 
 
 def convert_linears(module: nn.Module) -> None:
-    """Replace every nn.Linear below `module` by an FP8Linear holding the same parameter objects (names,
-    optimizer state and checkpoints are unchanged)."""
+    """Each nn.Linear below `module` -> FP8Linear on the same parameters (names, optimizer state, checkpoints kept)."""
     for name, child in module.named_children():
         if type(child) is nn.Linear:
             new = FP8Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
@@ -285,6 +269,5 @@ torch.library.register_autograd("moe_fp8::grouped_mm", _grouped_backward, setup_
 
 
 def fp8_grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """core.moe.grouped_mm with FP8 operands: y[rows of expert e] = x[rows of e] @ w[e]; x [R, K], w [E, K, N],
-    counts [E] -> [R, N] in compute_dtype(x)."""
+    """core.moe.grouped_mm in FP8: x [R, K] grouped by expert, w [E, K, N], counts [E] -> [R, N] in compute_dtype(x)."""
     return _grouped_mm(x_RK.to(compute_dtype(x_RK)), w_EKN, counts_E)

@@ -1,23 +1,19 @@
 """Muon for the weight matrices, ZeRO-1 AdamW (core/optimizer.py) for every other parameter, exact in every layout.
 
-Muon (Moonlight's variant, as torch.optim.Muon with adjust_lr_fn="match_rms_adamw") updates each weight matrix
-W (A x B) from its gradient G:
+Muon (Moonlight's variant: torch.optim.Muon, adjust_lr_fn="match_rms_adamw") updates W (A x B) from its gradient G:
 
     M <- mu M + (1 - mu) G                          momentum (mu 0.95), kept in fp32; torch.optim.Muon's lerp form
     U <- (1 - mu) G + mu M                          Nesterov
     O <- NS5(U / ||U||_F)                           5 quintic Newton-Schulz steps (3.4445, -4.7750, 2.0315): ~U V^T
     W <- W (1 - lr wd) - lr 0.2 sqrt(max(A, B)) O   decoupled weight decay; the update's RMS matched to AdamW's
 
-so one learning rate and schedule serve both groups. The model says which tensors split into which matrices
-(`split(name, t)`, each recipe's `Model.muon_matrices`: transformers' layout, so [L, H, 2I] experts are 2L
-matrices). Newton-Schulz runs in bf16 on GPU (Moonlight's and torch's choice), in fp32 on CPU (exact against
-torch.optim.Muon to fp32 rounding); weights and momentum stay fp32.
+so one learning rate and schedule serve both groups. The model splits tensors into matrices (`split(name, t)`, each
+recipe's `Model.muon_matrices`: transformers' layout, so [L, H, 2I] experts are 2L matrices). Newton-Schulz runs in bf16
+on GPU (as Moonlight and torch), in fp32 on CPU (matching torch.optim.Muon to rounding); weights and momentum stay fp32.
 
-Distribution. Newton-Schulz needs a whole matrix, so within each ReplicaSet every matrix has one owner rank (the
-owners' FLOPs balanced greedily, largest first). A bucket's send buffer is laid out owner by owner ([n, segment]),
-so one reduce-scatter hands each owner its matrices' summed gradients and one all-gather of the same layout brings
-back the new weights. An owner orthogonalises its matrices of one shape as one batched stack. The gradient norm
-sums the AdamW shards and the owned matrices over all ranks: each element once.
+Distribution. Newton-Schulz needs whole matrices: in each ReplicaSet every matrix has one owner rank (balanced by
+FLOPs). A bucket's send buffer is laid out owner by owner ([n, segment]): one reduce-scatter hands each owner its
+matrices' summed gradients, an all-gather of the same layout returns the new weights. Owners batch matrices by shape.
 
 Checkpoints: ShardedAdamW's, plus every matrix's momentum whole, written by its owner under
 `muon_momentum.<parameter name>[.<kind>][.expert<global id>]`, which any other layout's owners read.
@@ -40,8 +36,7 @@ RMS_MATCH = 0.2  # update scale 0.2 sqrt(max(A, B)): an orthogonal A x B matrix 
 
 
 def newton_schulz(u_SAB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Orthogonalise each matrix of the stack on its own: 5 quintic Newton-Schulz steps on U / ||U||_F, computed in
-    `dtype` (on the wide side: a tall matrix is transposed, as in torch.optim.Muon). Returns [S, A, B] in `dtype`."""
+    """[S, A, B] -> each matrix orthogonalised in `dtype` (NS5 at the top), on its wide side as torch.optim.Muon."""
     a, b, c = NS_COEFFICIENTS
     x = u_SAB.to(dtype)
     tall = x.shape[-2] > x.shape[-1]
@@ -103,15 +98,13 @@ class _Bucket:
 
 
 class MuonAdamW:
-    """Muon on the matrices `split` names, ShardedAdamW on the rest, with ShardedAdamW's calls; the learning rate is
-    the AdamW groups' (the scheduler drives `self.optimizer`, torch's AdamW)."""
+    """Muon on `split`'s matrices, ShardedAdamW (same calls) on the rest; one lr, scheduled via `self.optimizer`."""
 
     def __init__(self, replica_sets: list[ReplicaSet], split, lr: float, weight_decay: float, betas, eps: float,
                  momentum: float = 0.95, norm_group=None, ns_dtype: torch.dtype | None = None,
                  bucket_bytes: int = 256 << 20):
-        """split(name, t) -> {kind: ([S, A, B] view of t, global expert ids of the S matrices or None)}, {} for an
-        AdamW parameter; t is the parameter or a tensor of its shape (its gradient). ns_dtype: Newton-Schulz's dtype,
-        default bf16 on GPU and fp32 on CPU."""
+        """split(name, t) -> {kind: ([S, A, B] view of t, the S matrices' global expert ids or None)}, {} for an AdamW
+        parameter; t: the parameter or one of its shape (the gradient). ns_dtype: default bf16 on GPU, fp32 on CPU."""
         self.split, self.momentum, self.weight_decay = split, momentum, weight_decay
         adamw_sets, self.buckets, self.pieces = [], [], []
         for rs in replica_sets:
@@ -174,8 +167,7 @@ class MuonAdamW:
     # ------------------------------------------------------------------------------------------- the step
 
     def reduce_gradients(self) -> None:
-        """AdamW's reduce-scatter, and for the matrices one reduce-scatter per bucket whose segment r is what rank
-        r owns: each owner receives its matrices' gradients summed over the replicas. Full gradients are freed."""
+        """AdamW's reduce-scatter, then one per bucket (segment r: what rank r owns, summed); frees full gradients."""
         self.adamw.reduce_gradients()
         for bucket in self.buckets:
             grads = {id(p): p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params}
@@ -252,8 +244,7 @@ class MuonAdamW:
 
     @torch.no_grad()
     def reinit_(self, name: str, index: int | slice, values: torch.Tensor | None = None) -> None:
-        """ShardedAdamW.reinit_ (same contract): param[index] = values, and that part's Adam moments (AdamW
-        parameter) or the momentum of the owned matrices it meets (Muon parameter) reset."""
+        """ShardedAdamW.reinit_'s contract: param[index] = values, that part's Adam moments or Muon momentum reset."""
         if not any(pc.name == name for pc in self.pieces):
             return self.adamw.reinit_(name, index, values)  # (its error lists the parameters for an unknown name)
         p = next(pc.param for pc in self.pieces if pc.name == name)
@@ -276,8 +267,7 @@ class MuonAdamW:
     # ----------------------------------------------------------------------------------------- checkpoints
 
     def checkpoint_state(self, model: torch.nn.Module) -> dict:
-        """ShardedAdamW's state plus optim.muon_momentum: each owned matrix's momentum as a plain [A, B] view (a load
-        fills it in place), keyed by parameter, kind and global expert id."""
+        """ShardedAdamW's state + optim.muon_momentum: the owned momenta as [A, B] views (loaded in place)."""
         state = self.adamw.checkpoint_state(model, replicas=self.replicas)
         state["optim"]["muon_momentum"] = {b.piece.key(int(s)): m_AB for b in self.owned
                                            for s, m_AB in zip(b.index_k.tolist(), b.momentum_kAB)}

@@ -1,5 +1,4 @@
-"""The chunked gated delta rule (Gated DeltaNet's recurrence, any decayed delta-rule layer): a PyTorch reference
-and, on CUDA, fla-core's Triton kernels.
+"""Chunked gated delta rule (Gated DeltaNet, any decayed delta rule): PyTorch reference; fla-core's Triton on CUDA.
 
 The recurrence, per (batch, value head), state S [K, V] in fp32, token t:
     S  <- exp(g_t) * S                          (decay; g_t <= 0 is a log decay)
@@ -7,36 +6,29 @@ The recurrence, per (batch, value head), state S [K, V] in fp32, token t:
     S  <- S + beta_t * k_t u_t^T                (delta update, beta_t in (0, 1) its learning rate)
     o_t = S^T q_t * scale                       (scale defaults to K^-0.5)
 
-Chunked form (what the reference computes; exact, the chunk size only changes rounding). Within a chunk of C
-tokens entering with state S0, let gam_t = g_1 + ... + g_t (log decay from the chunk start through t) and
-Gam_t = exp(gam_t). Unrolling the recurrence gives, row t of each [C, *] matrix,
+Chunked form (the reference's; exact, C only changes rounding): in a chunk of C tokens entering with state S0, gam_t =
+g_1 + ... + g_t (log decay from the chunk start to t), Gam_t = exp(gam_t). Unrolled, row t of each [C, *] matrix:
     u_t = v_t - Gam_t S0^T k_t - sum_{j<t} exp(gam_t - gam_j) beta_j (k_t . k_j) u_j
-i.e. (I + L) U = V - diag(Gam) K S0 with L strictly lower triangular: one unit-triangular solve per chunk with
-the right-hand side [V | Gam*K] gives U = U_v - W S0 for every S0. Then
+i.e. (I + L) U = V - diag(Gam) K S0, L strictly lower: a unit-triangular solve of [V | Gam*K] gives U = U_v - W S0. Then
     O    = diag(Gam) Q S0 + (Q K^T * D * beta_j) U              D_tj = exp(gam_t - gam_j) for j <= t, else 0
     S_C  = Gam_C S0 + (K * beta * exp(gam_C - gam))^T U
 and only S crosses chunks. Decays are differences in log space before exp (every exponent <= 0, none grows). The
 sequence is padded to whole chunks with g = beta = k = v = 0 tokens, which leave the state unchanged.
 
-Documents (reset_BS, bool [B, S], from core.context.document_starts): the state entering a document's first token
-is 0. A reset at t is g_t = -inf, so every decay product spanning a reset is 0: with seg_t the resets in the chunk
-up to t, D_tj = 0 unless seg_t = seg_j, Gam_t = 0 unless seg_t = 0, likewise towards the chunk end. A mask on the
-same matrices (no split, no host sync); initial_state reaches only the tokens before a row's first reset. gam
-restarts at each reset; masked log decays become -inf before exp (a difference across a reset may be > 0).
-fla runs documents as varlen (cu_seqlens; one host sync per call).
+Documents (reset_BS, bool [B, S]: core.context.document_starts): the state entering a document's first token is 0. A
+reset at t is g_t = -inf, so any decay product across a reset is 0: with seg_t the resets in the chunk up to t, D_tj = 0
+unless seg_t = seg_j, Gam_t = 0 unless seg_t = 0, likewise towards the chunk end: a mask on the same matrices (no split,
+no host sync). initial_state reaches only tokens before a row's first reset. fla: varlen (cu_seqlens, a host sync).
 
-Grouped value heads (Qwen3.5: 16 key heads, 32 value heads): key head h serves value heads h*n .. h*n+n-1 (n =
-Hv / Hk, transformers' repeat_interleave); g and beta are per value head. use_qk_l2norm_in_kernel=True
-L2-normalises q and k over K (x * rsqrt(sum x^2 + 1e-6), fp32), as fla and transformers do.
+Grouped value heads (Qwen3.5: 16 key, 32 value heads): key head h serves value heads h*n .. h*n+n-1 (n = Hv / Hk,
+transformers' repeat_interleave); g and beta are per value head. use_qk_l2norm_in_kernel: q and k through `l2norm`.
 
-Backends: on CUDA with bf16/fp16 inputs and fla-core installed, fla's chunk_gated_delta_rule (chunk 64); else the
-reference below, autograd through it. fla sits in two torch.library custom ops (forward; backward = fla's forward
-recomputed under autograd) with fake (shape) implementations: the recipes compile with fullgraph=True, where fla
-0.6's torch.compiler.disable entry is an error and its autotuned launchers untraceable. Only fla's public function
-is called (any release with the [B, T, H, *] API).
+Backends: fla's chunk_gated_delta_rule (chunk 64) where `fla_usable` (CUDA, bf16/fp16, fla-core), else the reference
+below, autograd through it. fla sits in two torch.library custom ops with fake (shape) implementations (backward: fla's
+forward recomputed): the recipes compile with fullgraph=True, where fla 0.6's torch.compiler.disable entry is an error
+and its autotuned launchers untraceable. Only fla's public function is called (any release with the [B, T, H, *] API).
 
-Legend: B batch, S sequence, Hk key/query heads, Hv value heads (H after grouping), K key dim, V value dim,
-N chunks, C chunk size.
+Legend: B batch, S sequence, Hk q/k heads, Hv value heads (H once grouped), K/V key/value dims, N chunks, C chunk size.
 """
 
 import torch
@@ -172,8 +164,7 @@ def _fla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 def _fla_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      h0: torch.Tensor, cu_seqlens: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor,
                      scale: float, use_qk_l2norm_in_kernel: bool) -> list[torch.Tensor]:
-    # a custom op's kernel runs with autograd (and autocast) dispatch excluded; the recompute needs autograd back
-    # (autocast stays off, as in the forward op)
+    # a custom op runs with autograd and autocast excluded: the recompute needs autograd back (autocast stays off)
     autocast_only = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU).add(torch._C.DispatchKey.AutocastCUDA)
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), autocast_only), \
             torch.enable_grad():
@@ -236,9 +227,8 @@ def _fla_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale, initia
 def chunk_gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | None = None,
                            initial_state_BHKV=None, output_final_state: bool = False, chunk_size: int = 64,
                            use_qk_l2norm_in_kernel: bool = False, reset_BS=None):
-    """The gated delta rule over whole sequences of any S: (o [B, S, Hv, V], final state [B, Hv, K, V] fp32 or None).
-    fla where `fla_usable` (chunk_size then fla's 64), else `chunk_gated_delta_rule_reference`. reset_BS: bool
-    [B, S], True where a document starts."""
+    """The gated delta rule over sequences of any S: (o [B, S, Hv, V], final state [B, Hv, K, V] fp32 or None). fla
+    where `fla_usable` (fla's chunk 64), else the reference. reset_BS: bool [B, S], True where a document starts."""
     _check_inputs(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, initial_state_BHKV, reset_BS)
     scale = q_BSHK.shape[-1] ** -0.5 if scale is None else scale
     if fla_usable(v_BSHV):
