@@ -63,6 +63,7 @@ import sys
 import sysconfig
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from fnmatch import fnmatch
 from itertools import chain
 from pathlib import Path
@@ -75,7 +76,8 @@ from core.shards import ShardWriter, load_tokenizer, token_array, write_atomic, 
 STDLIB_SKIP = {"test", "tests", "idlelib", "turtledemo", "encodings", "pydoc_data", "site-packages", "dist-packages",
                "__pycache__"}
 SHOWN_BAD_LINES = 5  # --skip-bad: the first few are named at the end, the rest counted
-FAULT = "MOE_TRAIN_PREPARE_FAULT"  # tests only: kill@N (SIGKILL after the N-th batch is written) or kill@finish
+PROGRESS_EVERY_S = {True: 0.5, False: 30.0}  # the progress line: redrawn on a terminal, a new line in a log
+FAULT = "MOE_TRAIN_PREPARE_FAULT"  # tests only: inject_fault
 
 
 class BadLine(ValueError):
@@ -332,20 +334,24 @@ def encode_batch(batch: tuple) -> dict:
 
 def ordered_map(batches, workers: int, encoder_args: tuple):
     """encode_batch over the batches, results in order, with at most 4 x workers + 2 batches in flight (a pool's
-    map would read the whole input ahead). One worker: in this process."""
+    map would read the whole input ahead). One worker: in this process. A worker that dies (out of memory) fails
+    the run (BrokenProcessPool) instead of hanging it."""
     if workers == 1:
         start_worker(encoder_args, child=False)
         yield from map(encode_batch, batches)
         return
     start = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"  # fork: no imports again
-    with multiprocessing.get_context(start).Pool(workers, start_worker, (encoder_args, True)) as pool:
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context(start), start_worker, (encoder_args, True))
+    try:
         pending = deque()
         for batch in batches:
-            pending.append(pool.apply_async(encode_batch, (batch,)))
+            pending.append(pool.submit(encode_batch, batch))
             if len(pending) >= 4 * workers + 2:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(cancel_futures=True)  # on an error: the batches started finish, the rest never start
 
 
 # ------------------------------------------------------------------------------------------ units and parts
@@ -402,7 +408,7 @@ class Progress:
         self.docs += len(res["docs"][1])
         self.tokens += len(res["docs"][0])
         now = time.time()
-        if now - self.shown < (0.5 if self.tty else 30):
+        if now - self.shown < PROGRESS_EVERY_S[self.tty]:
             return
         self.shown, seconds = now, now - self.t0
         eta = (self.total - self.bytes) * seconds / max(self.bytes, 1)
@@ -415,10 +421,15 @@ class Progress:
             print(file=sys.stderr)
 
 
-def kill_if_asked(point: str) -> None:
-    """Fault injection (tests only): SIGKILL this run, its workers included, as a scheduler kills a job."""
-    if f"kill@{point}" in os.environ.get(FAULT, "").split(","):
-        os.killpg(os.getpgrp(), signal.SIGKILL) if os.getpgrp() == os.getpid() else os.kill(os.getpid(), signal.SIGKILL)
+def inject_fault(point: str) -> None:
+    """Tests only ($MOE_TRAIN_PREPARE_FAULT, comma-separated): kill@POINT SIGKILLs this run, its workers included (as
+    a scheduler kills a job) at POINT, the number of batches written or `finish`; pause@S sleeps S seconds after
+    each batch, so that a kill at a random moment lands inside the run."""
+    for fault in os.environ.get(FAULT, "").split(","):
+        if fault == f"kill@{point}":
+            os.killpg(os.getpgrp(), signal.SIGKILL) if os.getpgrp() == os.getpid() else os.kill(os.getpid(), signal.SIGKILL)
+        if fault.startswith("pause@") and point.isdigit():
+            time.sleep(float(fault[len("pause@"):]))
 
 
 # ------------------------------------------------------------------------------------------ the output folder
@@ -463,16 +474,16 @@ def commit_unit(out: Path, u: int, key: str, writers: tuple, counts: dict) -> No
 
 
 def remove_outputs(out: Path, units: list[int] | None) -> None:
-    """meta.json first (the folder must not look complete), then the given units' records and shards (None: all)."""
+    """meta.json first (the folder must not look complete), then the given units' shards and records (None: all)."""
     for folder in (out, out / "val"):
-        (folder / "meta.json").unlink(missing_ok=True)
-    prefixes = None if units is None else tuple(f"{u:05d}" for u in units)
+        for name in ("meta.json", "documents.bin"):
+            (folder / name).unlink(missing_ok=True)
     for folder in (out, out / "val", out / "units"):
-        for name in os.listdir(folder) if folder.is_dir() else []:
-            stem = name.split("_", 1)[-1] if name.startswith(("tokens_", "mask_")) else name
-            if (folder.name == "units" or name.startswith(("tokens_", "mask_")) or name == "documents.bin") and \
-                    (prefixes is None or stem.startswith(prefixes)):
-                (folder / name).unlink(missing_ok=True)
+        for name in os.listdir(folder) if folder.is_dir() else []:  # tokens_U_K.bin, mask_U_K.bin, units/U.json, ...
+            if folder.name == "units" or name.startswith(("tokens_", "mask_")):
+                owner = name.split(".")[0] if folder.name == "units" else name.split("_")[1]
+                if units is None or (owner.isdigit() and int(owner) in units):
+                    (folder / name).unlink(missing_ok=True)
 
 
 def open_plan(out: Path, plan: dict, force: bool, mine: list[int] | None) -> bool:
@@ -484,7 +495,7 @@ def open_plan(out: Path, plan: dict, force: bool, mine: list[int] | None) -> boo
     kept = (out / "meta.json").exists() or any(json.loads(u.read_text()).get("plan") == (old or {}).get("key")
                                                 for u in units)
     if force or (old is not None and old["key"] != plan["key"] and not kept):
-        remove_outputs(out, mine if force else None)
+        remove_outputs(out, set(mine) if force and mine is not None else None)
     elif old is None and kept:
         raise ValueError(f"{out} holds a dataset without prepare.json (an earlier tools.prepare_data, or another "
                          "tool): pass --force to replace it, or choose another --out")
@@ -523,7 +534,7 @@ def finish(out: Path, n_units: int, key: str, tok, tok_meta: dict, args) -> tupl
         write_meta(out / "val", [r["val"] for r in records], tok.vocab_size, tok.eos_id, tok_meta, val_extra, args.chat)
     else:
         shutil.rmtree(out / "val", ignore_errors=True)
-    kill_if_asked("finish")
+    inject_fault("finish")
     meta = write_meta(out, [r["train"] for r in records], tok.vocab_size, tok.eos_id, tok_meta, extra, args.chat)
     return meta, [e for r in records for e in r["bad"]][:SHOWN_BAD_LINES]
 
@@ -646,7 +657,7 @@ def main(argv=None):
                              "\"chat_template\" or chat_template.jinja); use the instruct model's tokenizer folder")
     units = group_units([s.st_size for s in stats], args.unit_bytes)
     unit_sizes = [sum(s.st_size for s in stats[a:b]) for a, b in units]
-    inputs = hashlib.sha256(json.dumps([(str(f), s.st_size, s.st_mtime_ns) for f, s in zip(files, stats)]).encode())
+    inputs = hashlib.sha256(json.dumps([(str(f.resolve()), s.st_size, s.st_mtime_ns) for f, s in zip(files, stats)]).encode())
     plan = {"inputs": inputs.hexdigest()[:16], "files": len(files), "bytes": sum(unit_sizes), "units": len(units),
             "unit_bytes": args.unit_bytes, "tokenizer": tokenizer_fingerprint(tok_meta, args.train_sp),
             "jsonl_key": args.jsonl_key, "val_fraction": args.val_fraction, "chat": args.chat,
@@ -689,7 +700,7 @@ def main(argv=None):
         counts["bad"] = (counts["bad"] + res["bad"])[:SHOWN_BAD_LINES]
         progress.update(res)
         written += 1
-        kill_if_asked(str(written))
+        inject_fault(str(written))
         if res["last"]:
             commit_unit(out, u, plan["key"], writers, counts)
             writers = None
