@@ -24,7 +24,7 @@ from tools.prepare_data import render_conversation
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the quick brown fox jumps over a lazy dog while experts route tokens to layers of mixture models".split()
-UNIT_BYTES, FRACTION = 30_000, 0.05  # ~7 units of the ~200 KB corpus, each 2 batches of >= 16 KB (kill points)
+UNIT_BYTES, FRACTION = 30_000, 0.05  # ~6 units of the ~160 KB corpus, each 2-4 batches of 8 KB (kill points)
 
 
 def text(seed: int, n_words: int) -> str:
@@ -60,7 +60,7 @@ def corpus(tmp_path_factory):
 def flags(corpus, out, *more) -> list[str]:
     root, _, model = corpus
     return ["--input", str(root), "--sp-model", str(model), "--out", str(out), "--unit-bytes", str(UNIT_BYTES),
-            "--shard-tokens", "3000", "--val-fraction", str(FRACTION), *more]
+            "--batch-bytes", "8000", "--shard-tokens", "3000", "--val-fraction", str(FRACTION), *more]
 
 
 def run(args: list[str], fault: str = "", **popen) -> subprocess.CompletedProcess | subprocess.Popen:
@@ -165,7 +165,7 @@ def test_resume_after_sigkill_at_chosen_and_random_moments(corpus, reference):
         deadline = time.time() + 120
         while len(list(again.glob("units/*.json"))) <= kill and time.time() < deadline:
             time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 0.2))  # >= 3 units (6 batches of >= 0.05 s) to go: inside a unit or at its end
+        time.sleep(rng.uniform(0.0, 0.2))  # >= 3 units (>= 6 batches of >= 0.05 s) to go: inside a unit or at its end
         os.killpg(proc.pid, signal.SIGKILL)
         assert proc.wait() == -signal.SIGKILL and not (again / "meta.json").exists()
     assert run(flags(corpus, again, "--workers", "2")).returncode == 0

@@ -18,7 +18,7 @@ one call), then appends the results in order to the unit's shards, tokens_<unit>
 document of a unit (`held_out`) goes to the held-out dataset <out>/val/ instead, which train.py evaluates and
 tools/evaluate.py reads like any dataset. So the output, split included, is byte-identical for any --workers and
 --part. Memory stays bounded whatever the input's size: the main process holds at most 4 x --workers + 2 batches in
-flight (each 16 KB to 1 MB of input, or one document if longer), one parquet row group and the file list; a worker
+flight (each --batch-bytes of input, 64 KB, or one document if longer), one parquet row group and the file list; a worker
 holds one batch; no file is read whole, except a plain text file, which is one document.
 Shapes: D documents of a batch, N their tokens.
 
@@ -589,6 +589,8 @@ def parse_args(argv):
                    "task: --part $SLURM_ARRAY_TASK_ID/N with --array=1-N); the same --out for every part")
     p.add_argument("--unit-bytes", type=int, default=2**28, help="input bytes per work unit (the resume and --part "
                    "granularity; a bigger file is one unit)")
+    p.add_argument("--batch-bytes", type=int, default=2**16, help="input bytes per batch handed to a worker (small: even "
+                   "ends and little memory; big: less to send per byte)")
     p.add_argument("--skip-bad", action="store_true", help="count malformed lines, name the first few at the end, "
                    "go on (default: stop at the first, naming its file and line)")
     args = p.parse_args(argv)
@@ -598,8 +600,8 @@ def parse_args(argv):
         p.error(f"--seq-len must be >= 2, got {args.seq_len}")
     if not 0 <= args.val_fraction < 1:
         p.error(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
-    if args.workers < 1 or args.shard_tokens < 1 or args.unit_bytes < 1:
-        p.error("--workers, --shard-tokens and --unit-bytes must be >= 1")
+    if min(args.workers, args.shard_tokens, args.unit_bytes, args.batch_bytes) < 1:
+        p.error("--workers, --shard-tokens, --unit-bytes and --batch-bytes must be >= 1")
     if args.default == bool(args.input):
         p.error("give either --input PATH ... or --default")
     if args.default:
@@ -677,11 +679,10 @@ def main(argv=None):
     # ---- tokenize the units of this run not done yet, in order, each into its shards and then its record
     todo = [u for u in mine if unit_record(out, u, plan["key"], False) is None]
     pending_bytes = sum(unit_sizes[u] for u in todo)
-    batch_bytes = min(2**20, max(2**14, pending_bytes // (64 * args.workers)))  # ~64 batches per worker: even ends
     progress, writers, counts, written = Progress(pending_bytes), None, None, 0
     t_tokenize = time.time()
     encoder_args = (tok_meta, args.jsonl_key, args.seq_len if args.chat else None, args.skip_bad)
-    for res in ordered_map(batches(files, units, todo, args.jsonl_key, batch_bytes), args.workers, encoder_args):
+    for res in ordered_map(batches(files, units, todo, args.jsonl_key, args.batch_bytes), args.workers, encoder_args):
         u = res["unit"]
         if writers is None:
             writers = tuple(ShardWriter(folder, f"{u:05d}_", tok.vocab_size, args.shard_tokens, args.chat)
