@@ -1,11 +1,9 @@
-"""The loader every train.py uses, over datasets as core/shards.py describes them (tools/prepare_data.py writes them).
-Raw text (format 1): the token stream cut into windows of seq_len+1 tokens (stride seq_len), shuffled per epoch (seeded);
-each data-parallel rank takes its slice of a batch. Documents with loss masks (format 2) are never split: a seeded
-permutation is packed into windows of seq_len tokens (next fit), padded with untrained eos_id tokens (their own
-document); windows are shuffled per epoch. Token t's label is token t+1 if trained and in t's document, else -100.
-
-Batches depend only on (seed, step): exact resume, even on another rank count. `next_batch(documents=True)` also gives
-each token's document id (format 1: doc_ids_from_eos) for --document-mask and positions_in_documents.
+"""The loader every train.py uses, over the datasets of core/shards.py. Raw text (format 1): the token stream cut into
+windows of seq_len+1 tokens (stride seq_len). Documents with loss masks (format 2) are never split: a seeded permutation
+is packed into windows of seq_len tokens (next fit), padded with untrained eos_id tokens (their own document); token t's
+label is token t+1 if trained and in t's document, else -100. Windows are shuffled per epoch (seeded) and each data rank
+takes its slice of a batch: batches depend only on (seed, step), exact resume on any rank count. With documents=True,
+next_batch also gives each token's document id (format 1: doc_ids_from_eos) for --document-mask and positions.
 """
 
 import json
@@ -124,8 +122,7 @@ class TokenLoader:
                 raise ValueError(f"dataset {data_dir} has {n} tokens, fewer than one sample of seq_len+1 = "
                                  f"{seq_len + 1}; use more text or a shorter --seq-len")
             self.num_samples = (n - 1) // seq_len  # windows overlap by one token: all but the last are predicted
-        self.step = 0
-        self._perm_epoch, self._perm = -1, None
+        self.step, self._perm_epoch, self._perm = 0, -1, None
 
     def _order(self, epoch: int) -> torch.Tensor:
         if epoch != self._perm_epoch:  # one cached permutation: consecutive batches almost always share an epoch
@@ -218,9 +215,8 @@ def parse_mixture(spec: str) -> list[tuple[str, str, float]]:
 
 
 def mixture_counts(weights: list[float], global_batch: int, steps: np.ndarray, seed: int) -> np.ndarray:
-    """Sequences of each source in each of `steps` [len(steps), sources]: the floor of its quota weight x global_batch,
-    the rest of the slots by systematic sampling over the quotas' fractional parts (golden-ratio offsets from a seeded
-    start). Counts are within 1 of the quota and average to it; no step needs an earlier one (exact resume)."""
+    """Sequences of each source in each of `steps` [len(steps), sources]: floor(weight x global_batch), the other slots
+    by systematic sampling over the fractional parts (golden-ratio offsets): within 1 of the quota, no step's state."""
     quota = np.asarray(weights, dtype=np.float64) * global_batch
     floor = np.floor(quota)
     edges = np.concatenate([[0.0], np.cumsum(quota - floor)])  # the fractional parts laid end to end
@@ -232,10 +228,8 @@ def mixture_counts(weights: list[float], global_batch: int, steps: np.ndarray, s
 
 
 class MixtureLoader:
-    """Weighted batches of several TokenLoaders (one tokenizer), used as one TokenLoader: step t has mixture_counts(t)
-    sequences of each source at seeded positions; source s's j-th is draw (its sequences before t) + j of its own
-    shuffled epochs (no window twice per epoch), a function of (seed, step) for any rank count. `sources`: each row's
-    source in the last batch [local batch] (per-source loss). Raw-text rows have document id 0 (plain causal)."""
+    """Weighted batches of several TokenLoaders (one tokenizer) used as one (README, "Dataset mixtures"): step t has
+    mixture_counts(t) rows of each source; `sources`: each row's source in the last batch [local batch]."""
 
     def __init__(self, sources: list[tuple[str, str, float]], seq_len: int, global_batch: int, rank: int = 0,
                  world: int = 1, seed: int = 0):
@@ -292,9 +286,8 @@ class MixtureLoader:
 
 def source_losses(names: list[str], sums_G: torch.Tensor, labels_BS: torch.Tensor, sources_B: torch.Tensor,
                   data_group) -> dict[str, float]:
-    """{"loss_<name>": cross-entropy per trained label of that source in the global batch} from this rank's loss
-    sums (core/kernels/cross_entropy.py:LossGroups; zeros where pp > 0), labels and rows' sources: sums over every
-    rank, label counts over data_group (the ranks holding other tokens; None: this rank alone)."""
+    """{"loss_<name>": cross-entropy per trained label of that source in the global batch}: this rank's loss sums
+    (LossGroups; zeros where pp > 0) summed over every rank, its label counts over data_group (None: this rank alone)."""
     counts_G = torch.zeros(len(names), dtype=torch.float64, device=labels_BS.device)
     counts_G.index_add_(0, sources_B, (labels_BS != -100).sum(1).double())
     if dist.is_initialized():

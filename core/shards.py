@@ -1,11 +1,9 @@
-"""Token datasets on disk (tools/prepare_data.py writes them, core/data.py:TokenLoader reads them) and the tokenizer
-a dataset names; numpy only (no torch): the data tool's processes start in a fraction of a second.
-  meta.json          {"format", "dtype", "vocab_size", "eos_id", "num_tokens", "num_documents", "shards", "tokenizer"}
-  tokens_*.bin       raw little-endian uint16/uint32 token ids; the dataset is its shards in meta.json's order
-Raw text (format 1): documents, each followed by eos_id, concatenated into one token stream.
-Documents with loss masks (format 2, `tools.prepare_data --chat`): meta.json adds "packing": "documents", "masks"
-(mask_*.bin: a uint8 per token, 1 = trained), "documents" (documents.bin: int64 document starts, then the stream's
-end) and "max_document_tokens"; no eos is added (the chat template ends each turn).
+"""Token datasets on disk (tools/prepare_data.py writes them, core/data.py reads them) and the tokenizer a dataset
+names; numpy only, no torch: the data tool starts in a fraction of a second. meta.json: {"format", "dtype", "vocab_size",
+"eos_id", "num_tokens", "num_documents", "shards", "tokenizer"}; tokens_*.bin: little-endian uint16/uint32 token ids,
+the dataset being the shards in meta.json's order. Raw text (format 1): documents, each followed by eos_id. Documents
+with loss masks (format 2, --chat): no eos added; meta.json adds "packing": "documents", "masks" (mask_*.bin: a uint8
+per token, 1 = trained), "documents" (documents.bin: int64 document starts, then the end) and "max_document_tokens".
 """
 
 import json
@@ -57,17 +55,16 @@ class ShardWriter:
     def add(self, ids, lengths, mask=None) -> None:
         """Documents back to back: ids [N], their lengths (> 0, summing to N), with loss masks their 0/1 mask [N]."""
         ids, lengths = token_array(ids, self.vocab_size), np.asarray(lengths, dtype=np.int64)
-        assert lengths.sum() == len(ids) and (lengths > 0).all() and (mask is None) != self.loss_masks
+        assert lengths.sum() == len(ids) and (lengths > 0).all() and (mask is None or len(mask) == len(ids))
         self.num_tokens, self.num_docs = self.num_tokens + len(ids), self.num_docs + len(lengths)
         self.longest = max(self.longest, int(lengths.max(initial=0)))
         if self.loss_masks:  # format 2 keeps its documents' lengths (8 bytes each) for documents.bin
             mask = np.asarray(mask, dtype=MASK_DTYPE)
-            assert len(mask) == len(ids)
             self.trained += int(mask.sum())
             self.lengths.append(lengths)
         at = 0
         while at < len(ids):
-            if self.fill == self.shard_tokens:  # the next shard (and its mask)
+            if self.fill == self.shard_tokens:  # the next shard (and its mask); close() closes the open ones
                 self.close()
                 self.shards.append(f"tokens_{self.prefix}{len(self.shards):05d}.bin")
                 self.masks += [self.shards[-1].replace("tokens_", "mask_")] * self.loss_masks
@@ -91,13 +88,11 @@ class ShardWriter:
 
 def write_meta(out_dir, records: list[dict], vocab_size: int, eos_id: int, tokenizer: dict, extra: dict | None = None,
                loss_masks: bool = False) -> dict:
-    """meta.json of the dataset of the records' shards in order (format 2: and documents.bin), written last and
-    atomically: the dataset exists only once it lands. Returns the meta."""
+    """meta.json (format 2: and documents.bin) of the records' shards in order, written last, atomically; returned."""
     assert 0 <= eos_id < vocab_size
-    meta = {"format": FORMAT, "dtype": dtype_name(vocab_size), "vocab_size": int(vocab_size), "eos_id": int(eos_id)}
-    for key in ("num_tokens", "num_documents"):
-        meta[key] = sum(r[key] for r in records)
-    meta.update(shards=[s for r in records for s in r["shards"]], tokenizer=tokenizer)
+    meta = {"format": FORMAT, "dtype": dtype_name(vocab_size), "vocab_size": int(vocab_size), "eos_id": int(eos_id),
+            **{key: sum(r[key] for r in records) for key in ("num_tokens", "num_documents")},
+            "shards": [s for r in records for s in r["shards"]], "tokenizer": tokenizer}
     if loss_masks:
         starts = np.cumsum(np.concatenate([[0], *(r["lengths"] for r in records)]))
         write_atomic(os.path.join(out_dir, "documents.bin"), starts.astype("<i8").tobytes())
@@ -113,8 +108,6 @@ def write_shards(token_docs: Iterable, out_dir, vocab_size: int, eos_id: int, to
                  shard_tokens: int = 2**26, extra: dict | None = None, loss_masks: bool = False) -> dict:
     """One dataset in one call (tools/prepare_data.py writes a ShardWriter per work unit): token id lists, each then
     followed by eos_id (format 1); with loss_masks, (ids, 0/1 mask) pairs as they are (format 2)."""
-    if os.path.exists(os.path.join(out_dir, "meta.json")):
-        os.remove(os.path.join(out_dir, "meta.json"))  # mid-overwrite, the folder must not look complete
     writer = ShardWriter(out_dir, "", vocab_size, shard_tokens, loss_masks)
     for doc in token_docs:
         ids = list(doc[0]) if loss_masks else list(doc) + [eos_id]
@@ -143,8 +136,8 @@ def load_tokenizer(meta: dict) -> Tokenizer:
 
         sp = spm.SentencePieceProcessor(model_file=path)
         if sp.eos_id() < 0:
-            raise ValueError(f"sentencepiece model {path} has no end-of-text piece (eos_id -1); documents need one "
-                             "to be packed: train it with eos_id set (tools.prepare_data --train-sp does)")
+            raise ValueError(f"sentencepiece model {path} has no end-of-text piece (eos_id -1), which separates packed "
+                             "documents; train one with it (tools.prepare_data --train-sp does)")
         return Tokenizer(lambda text: sp.encode(text), lambda ids: sp.decode(list(ids)), sp.get_piece_size(),
                          sp.eos_id(), encode_batch=lambda texts: sp.encode(texts, num_threads=1))
     if kind == "hf":

@@ -659,7 +659,7 @@ def main(argv=None):
                              "\"chat_template\" or chat_template.jinja); use the instruct model's tokenizer folder")
     units = group_units([s.st_size for s in stats], args.unit_bytes)
     unit_sizes = [sum(s.st_size for s in stats[a:b]) for a, b in units]
-    inputs = hashlib.sha256(json.dumps([(str(f.resolve()), s.st_size, s.st_mtime_ns) for f, s in zip(files, stats)]).encode())
+    inputs = hashlib.sha256(json.dumps([(str(f.absolute()), s.st_size, s.st_mtime_ns) for f, s in zip(files, stats)]).encode())
     plan = {"inputs": inputs.hexdigest()[:16], "files": len(files), "bytes": sum(unit_sizes), "units": len(units),
             "unit_bytes": args.unit_bytes, "tokenizer": tokenizer_fingerprint(tok_meta, args.train_sp),
             "jsonl_key": args.jsonl_key, "val_fraction": args.val_fraction, "chat": args.chat,
