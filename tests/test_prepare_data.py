@@ -309,3 +309,19 @@ def test_conversations_over_units_parts_and_workers(tmp_path):
     assert sorted(train + val) == sorted(rendered) and len(val) in (3, 4, 5)  # 45 conversations: ~0.1 per unit
     loader = TokenLoader(tmp_path / "one", 512, 2)
     assert loader.documents and loader.next_batch(documents=True)[0].shape == (2, 512)
+
+
+def test_skill_checks_once_the_last_part_is_done(corpus, tmp_path, capsys):
+    """skills/prepare-data with --part: a part that leaves another to run says so and checks nothing; the last part
+    runs the checks on the whole dataset."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare_skill", ROOT / "skills/prepare-data/scripts/prepare.py")
+    skill = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(skill)
+    args = ["--recipe", "qwen3_30b_a3b", *flags(corpus, tmp_path / "s", "--workers", "1")]
+    assert skill.main([*args, "--part", "1/2"])["meta"] == {"complete": False, "waiting": [2]}
+    assert "not checked yet: parts 2 still to run" in capsys.readouterr().out
+    res = skill.main([*args, "--part", "2/2"])
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and "OK   validation split" in out and res["first_text"] == corpus[1][0]
