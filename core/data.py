@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from core.context import doc_ids_from_eos, document_starts
-from core.shards import FORMAT, FORMAT_DOCUMENTS, MASK_DTYPE, load_tokenizer, token_dtype, write_shards  # noqa: F401 (where train.py and the tests find them)
+from core.shards import FORMAT, FORMAT_DOCUMENTS, MASK_DTYPE, load_tokenizer, token_dtype, write_shards  # noqa: F401
 
 PREPARE_HINT = "run `python -m tools.prepare_data --default` (or with --input FILES --out DIR) first"
 
@@ -287,7 +287,7 @@ class MixtureLoader:
 def source_losses(names: list[str], sums_G: torch.Tensor, labels_BS: torch.Tensor, sources_B: torch.Tensor,
                   data_group) -> dict[str, float]:
     """{"loss_<name>": cross-entropy per trained label of that source in the global batch}: this rank's loss sums
-    (LossGroups; zeros where pp > 0) summed over every rank, its label counts over data_group (None: this rank alone)."""
+    (LossGroups; zeros where pp > 0) summed over all ranks, its label counts over data_group (None: this rank alone)."""
     counts_G = torch.zeros(len(names), dtype=torch.float64, device=labels_BS.device)
     counts_G.index_add_(0, sources_B, (labels_BS != -100).sum(1).double())
     if dist.is_initialized():

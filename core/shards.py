@@ -1,7 +1,7 @@
 """Token datasets on disk (tools/prepare_data.py writes them, core/data.py reads them) and the tokenizer a dataset
-names; numpy only, no torch: the data tool starts in a fraction of a second. meta.json: {"format", "dtype", "vocab_size",
-"eos_id", "num_tokens", "num_documents", "shards", "tokenizer"}; tokens_*.bin: little-endian uint16/uint32 token ids,
-the dataset being the shards in meta.json's order. Raw text (format 1): documents, each followed by eos_id. Documents
+names; numpy only, no torch: the data tool starts in a fraction of a second. meta.json: {"format", "dtype",
+"vocab_size", "eos_id", "num_tokens", "num_documents", "shards", "tokenizer"}; tokens_*.bin: little-endian
+uint16/uint32 token ids, the dataset being the shards in meta.json's order. Raw text (format 1): documents, each followed by eos_id. Documents
 with loss masks (format 2, --chat): no eos added; meta.json adds "packing": "documents", "masks" (mask_*.bin: a uint8
 per token, 1 = trained), "documents" (documents.bin: int64 document starts, then the end) and "max_document_tokens".
 """
@@ -44,8 +44,8 @@ def write_atomic(path, data: bytes) -> None:
 
 
 class ShardWriter:
-    """Whole documents appended to <out_dir>/tokens_<prefix>00000.bin, tokens_<prefix>00001.bin, ... (and mask_...
-    with loss masks) of shard_tokens tokens each but the last, written as they come; close() gives write_meta's record."""
+    """Whole documents appended to <out_dir>/tokens_<prefix>00000.bin, tokens_<prefix>00001.bin, ... (mask_... with
+    loss masks) of shard_tokens tokens each but the last, written as they come; close() gives write_meta's record."""
 
     def __init__(self, out_dir, prefix: str, vocab_size: int, shard_tokens: int, loss_masks: bool = False):
         self.out_dir, self.prefix, self.vocab_size, self.shard_tokens = out_dir, prefix, vocab_size, shard_tokens
@@ -82,7 +82,8 @@ class ShardWriter:
         record = {"shards": self.shards, "num_tokens": self.num_tokens, "num_documents": self.num_docs,
                   "max_document_tokens": self.longest}
         if self.loss_masks:
-            record.update(masks=self.masks, trained_tokens=self.trained, lengths=np.concatenate([np.zeros(0, np.int64), *self.lengths]))
+            lengths = np.concatenate([np.zeros(0, np.int64), *self.lengths])
+            record.update(masks=self.masks, trained_tokens=self.trained, lengths=lengths)
         return record
 
 
@@ -97,7 +98,7 @@ def write_meta(out_dir, records: list[dict], vocab_size: int, eos_id: int, token
         starts = np.cumsum(np.concatenate([[0], *(r["lengths"] for r in records)]))
         write_atomic(os.path.join(out_dir, "documents.bin"), starts.astype("<i8").tobytes())
         meta.update({"format": FORMAT_DOCUMENTS, "packing": "documents", "masks": [m for r in records for m in r["masks"]],
-                     "documents": "documents.bin", "max_document_tokens": max([0] + [r["max_document_tokens"] for r in records]),
+                     "documents": "documents.bin", "max_document_tokens": max([r["max_document_tokens"] for r in records], default=0),
                      "trained_tokens": sum(r["trained_tokens"] for r in records)})
     meta.update(extra or {})
     write_atomic(os.path.join(out_dir, "meta.json"), json.dumps(meta, indent=1).encode())

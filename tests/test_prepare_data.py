@@ -41,8 +41,8 @@ def corpus(tmp_path_factory):
         files[f"a/{i:02d}.txt"] = text(i, 60 + 70 * (i % 13))
     files["a/empty.txt"] = ""  # no document
     for j in range(6):  # a document per line, blank lines between some
-        files[f"b/{j}.jsonl"] = "".join(json.dumps({"text": text(100 * j + k, 10 + k % 50)}) + "\n" + "\n" * (k % 7 == 0)
-                                        for k in range(110))
+        files[f"b/{j}.jsonl"] = "".join(json.dumps({"text": text(100 * j + k, 10 + k % 50)}) + "\n"
+                                        + "\n" * (k % 7 == 0) for k in range(110))
     for name, body in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(body)
@@ -119,7 +119,8 @@ def test_same_bytes_for_any_workers_and_sentencepiece_per_document(corpus, refer
     docs_per_file = []
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         lines = path.read_text().splitlines() if path.suffix == ".jsonl" else [path.read_text()]
-        docs_per_file.append(sum(bool(line.strip()) for line in lines) if path.suffix == ".jsonl" else int(bool(lines[0])))
+        docs_per_file.append(sum(bool(line.strip()) for line in lines) if path.suffix == ".jsonl"
+                             else int(bool(lines[0])))
     for i, s in enumerate(sizes):  # units: [first, end) file ranges
         if i > first and size + s > UNIT_BYTES:
             units.append((first, i))
@@ -153,7 +154,8 @@ def test_resume_after_sigkill_at_chosen_and_random_moments(corpus, reference):
     partial = {p.name.split("_")[1] for p in resumed.glob("tokens_*.bin")} - done
     assert done and partial and not (resumed / "meta.json").exists()  # a unit half written, others finished
     res = run(flags(corpus, resumed, "--workers", "2"), fault="kill@finish")
-    assert res.returncode == -signal.SIGKILL and (resumed / "val/meta.json").exists() and not (resumed / "meta.json").exists()
+    assert res.returncode == -signal.SIGKILL and (resumed / "val/meta.json").exists()
+    assert not (resumed / "meta.json").exists()
     res = run(flags(corpus, resumed, "--workers", "2"))
     assert res.returncode == 0 and "units done before" in res.stdout, res.stderr
     assert tree(resumed) == files
@@ -238,7 +240,8 @@ def test_refusals_before_any_work_and_a_foreign_dataset(corpus, tmp_path):
     prepare(flags(corpus, tmp_path / "d", "--workers", "1"))
     with pytest.raises(ValueError, match="holds a dataset made with other val_fraction; .* --force"):
         prepare(flags(corpus, tmp_path / "d", "--workers", "1", "--val-fraction", "0.2"))
-    assert prepare(flags(corpus, tmp_path / "d", "--workers", "1", "--val-fraction", "0.2", "--force"))["val_fraction"] == 0.2
+    rebuilt = prepare(flags(corpus, tmp_path / "d", "--workers", "1", "--val-fraction", "0.2", "--force"))
+    assert rebuilt["val_fraction"] == 0.2
 
 
 def test_read_ahead_is_bounded_and_results_in_order(corpus):

@@ -18,8 +18,9 @@ one call), then appends the results in order to the unit's shards, tokens_<unit>
 document of a unit (`held_out`) goes to the held-out dataset <out>/val/ instead, which train.py evaluates and
 tools/evaluate.py reads like any dataset. So the output, split included, is byte-identical for any --workers and
 --part. Memory stays bounded whatever the input's size: the main process holds at most 4 x --workers + 2 batches in
-flight (each --batch-bytes of input, 64 KB, or one document if longer), one parquet row group and the file list; a worker
-holds one batch; no file is read whole, except a plain text file, which is one document.
+flight (each --batch-bytes of input, 64 KB, or one document if longer), one parquet row group's text column (as the
+file was written) and the file list; a worker holds one batch. No file is read whole but a plain text file, which is
+one document.
 Shapes: D documents of a batch, N their tokens.
 
 Resumable. A unit is done when units/<unit>.json lands (an atomic rename, after its shards are written); meta.json,
@@ -133,23 +134,27 @@ def read_raw(path: Path, key: str):
     """Yield (line or row number, raw document or None, input bytes consumed) through a file, streaming: a .jsonl
     (.zst) line as bytes (None: blank), a .parquet row's `key` column as text, any other file whole as bytes."""
     if path.name.endswith(".parquet"):
+        pa = optional_import("pyarrow", "pyarrow", path)
+        pa.set_memory_pool(pa.system_memory_pool())  # freed buffers go back (arrow's default pool keeps them)
         pf = optional_import("pyarrow.parquet", "pyarrow", path).ParquetFile(path)
         if key not in pf.schema_arrow.names:
             raise ValueError(f"{path} has no column {key!r} (columns: {', '.join(pf.schema_arrow.names)}); "
                              "name the text column with --jsonl-key")
         row, per_row = 0, path.stat().st_size / max(1, pf.metadata.num_rows)  # progress: compressed bytes per row
-        for batch in pf.iter_batches(batch_size=1024, columns=[key]):  # one row group at a time
-            for text in batch.column(0).to_pylist():
-                if text is not None and not isinstance(text, str):
-                    raise ValueError(f"{path} column {key!r} holds {type(text).__name__}, not text; name the text "
-                                     "column with --jsonl-key")
-                row += 1
-                yield row, text or None, int(row * per_row) - int((row - 1) * per_row)
+        for group in range(pf.num_row_groups):  # one row group's column in memory (iter_batches reads further ahead)
+            column = pf.read_row_group(group, columns=[key], use_threads=False).column(0)
+            for first in range(0, len(column), 1024):  # as Python strings, 1024 rows at a time
+                for text in column.slice(first, 1024).to_pylist():
+                    if text is not None and not isinstance(text, str):
+                        raise ValueError(f"{path} column {key!r} holds {type(text).__name__}, not text; name the "
+                                         "text column with --jsonl-key")
+                    row += 1
+                    yield row, text or None, int(row * per_row) - int((row - 1) * per_row)
     elif is_jsonl(path):
         with open(path, "rb") as raw:
             zst = path.name.endswith(".zst")
-            f = io.BufferedReader(optional_import("zstandard", "zstandard", path).ZstdDecompressor().stream_reader(raw)) \
-                if zst else raw
+            zstd = optional_import("zstandard", "zstandard", path) if zst else None
+            f = io.BufferedReader(zstd.ZstdDecompressor().stream_reader(raw)) if zst else raw  # streamed, not read whole
             done = 0
             for lineno, line in enumerate(f, 1):
                 at = raw.tell() if zst else done + len(line)  # progress: compressed bytes read so far
@@ -413,7 +418,8 @@ class Progress:
         self.shown, seconds = now, now - self.t0
         eta = (self.total - self.bytes) * seconds / max(self.bytes, 1)
         line = (f"tokenizing: {self.docs:,} documents, {self.tokens:,} tokens, {self.tokens / seconds:,.0f} tokens/s, "
-                f"{100 * self.bytes / max(self.total, 1):.0f}% of {self.total / 1e6:,.1f} MB, ETA {eta / 60:.0f}:{eta % 60:02.0f}")
+                f"{100 * self.bytes / max(self.total, 1):.0f}% of {self.total / 1e6:,.1f} MB, "
+                f"ETA {eta // 60:.0f}:{eta % 60:02.0f}")
         print("\r" + line if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
 
     def close(self) -> None:
@@ -427,7 +433,9 @@ def inject_fault(point: str) -> None:
     each batch, so that a kill at a random moment lands inside the run."""
     for fault in os.environ.get(FAULT, "").split(","):
         if fault == f"kill@{point}":
-            os.killpg(os.getpgrp(), signal.SIGKILL) if os.getpgrp() == os.getpid() else os.kill(os.getpid(), signal.SIGKILL)
+            if os.getpgrp() == os.getpid():  # a process group of its own (a job): the workers too
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
         if fault.startswith("pause@") and point.isdigit():
             time.sleep(float(fault[len("pause@"):]))
 
@@ -648,7 +656,8 @@ def main(argv=None):
         if needing:  # before any work: a missing reader fails now, not after hours of tokenizing
             optional_import(module, package, needing[0])
     if args.chat and not all(map(is_jsonl, files)):
-        raise ValueError(f"--chat reads .jsonl / .jsonl.zst files of conversations, not {next(f for f in files if not is_jsonl(f))}")
+        other = next(f for f in files if not is_jsonl(f))
+        raise ValueError(f"--chat reads .jsonl / .jsonl.zst files of conversations, not {other}")
     if not args.train_sp:
         tok = load_tokenizer({"tokenizer": tok_meta})  # no end-of-text token: one line here
     if args.chat:
@@ -659,7 +668,8 @@ def main(argv=None):
                              "\"chat_template\" or chat_template.jinja); use the instruct model's tokenizer folder")
     units = group_units([s.st_size for s in stats], args.unit_bytes)
     unit_sizes = [sum(s.st_size for s in stats[a:b]) for a, b in units]
-    inputs = hashlib.sha256(json.dumps([(str(f.absolute()), s.st_size, s.st_mtime_ns) for f, s in zip(files, stats)]).encode())
+    inputs = [(str(f.absolute()), s.st_size, s.st_mtime_ns) for f, s in zip(files, stats)]
+    inputs = hashlib.sha256(json.dumps(inputs).encode())
     plan = {"inputs": inputs.hexdigest()[:16], "files": len(files), "bytes": sum(unit_sizes), "units": len(units),
             "unit_bytes": args.unit_bytes, "tokenizer": tokenizer_fingerprint(tok_meta, args.train_sp),
             "jsonl_key": args.jsonl_key, "val_fraction": args.val_fraction, "chat": args.chat,
@@ -711,7 +721,8 @@ def main(argv=None):
     # ---- the dataset's meta.json, once every unit (of every part) is done
     finished = finish(out, len(units), plan["key"], tok, tok_meta, args)
     here = (f"tokenized here: {progress.docs:,} {'conversations' if args.chat else 'documents'} in {seconds:.1f}s, "
-            f"{progress.tokens / max(seconds, 1e-9):,.0f} tokens/s with {args.workers} worker{'s' * (args.workers > 1)}")
+            f"{progress.tokens / max(seconds, 1e-9):,.0f} tokens/s with {args.workers} "
+            f"worker{'s' * (args.workers > 1)}")
     if finished is None:
         owners = part_units(unit_sizes, args.parts)
         waiting = [p + 1 for p, owned in enumerate(owners) if any(unit_record(out, u, plan["key"], False) is None
