@@ -1,9 +1,9 @@
 """Token datasets on disk (tools/prepare_data.py writes them, core/data.py reads them) and the tokenizer a dataset
 names; numpy only, no torch: the data tool starts in a fraction of a second. meta.json: {"format", "dtype",
-"vocab_size", "eos_id", "num_tokens", "num_documents", "shards", "tokenizer"}; tokens_*.bin: little-endian
-uint16/uint32 token ids, the dataset being the shards in meta.json's order. Raw text (format 1): documents, each followed by eos_id. Documents
-with loss masks (format 2, --chat): no eos added; meta.json adds "packing": "documents", "masks" (mask_*.bin: a uint8
-per token, 1 = trained), "documents" (documents.bin: int64 document starts, then the end) and "max_document_tokens".
+"vocab_size", "eos_id", "num_tokens", "num_documents", "shards", "tokenizer"}; tokens_*.bin: uint16/uint32 token ids
+(little-endian), the dataset being the shards in order. Raw text (format 1): documents, each followed by eos_id.
+Documents with loss masks (format 2, --chat): no eos; meta.json adds "packing": "documents", "masks" (mask_*.bin: a
+uint8 per token, 1 = trained), "documents" (documents.bin: int64 document starts, then the end), "max_document_tokens".
 """
 
 import json
@@ -98,8 +98,8 @@ def write_meta(out_dir, records: list[dict], vocab_size: int, eos_id: int, token
         starts = np.cumsum(np.concatenate([[0], *(r["lengths"] for r in records)]))
         write_atomic(os.path.join(out_dir, "documents.bin"), starts.astype("<i8").tobytes())
         meta.update({"format": FORMAT_DOCUMENTS, "packing": "documents", "masks": [m for r in records for m in r["masks"]],
-                     "documents": "documents.bin", "max_document_tokens": max([r["max_document_tokens"] for r in records], default=0),
-                     "trained_tokens": sum(r["trained_tokens"] for r in records)})
+                     "documents": "documents.bin", "trained_tokens": sum(r["trained_tokens"] for r in records),
+                     "max_document_tokens": max([0] + [r["max_document_tokens"] for r in records])})
     meta.update(extra or {})
     write_atomic(os.path.join(out_dir, "meta.json"), json.dumps(meta, indent=1).encode())
     return meta
