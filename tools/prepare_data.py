@@ -420,7 +420,7 @@ class Progress:
         line = (f"tokenizing: {self.docs:,} documents, {self.tokens:,} tokens, {self.tokens / seconds:,.0f} tokens/s, "
                 f"{100 * self.bytes / max(self.total, 1):.0f}% of {self.total / 1e6:,.1f} MB, "
                 f"ETA {eta // 60:.0f}:{eta % 60:02.0f}")
-        print("\r" + line if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+        print("\r" + line.ljust(99) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.tty and self.shown > self.t0:
