@@ -406,7 +406,7 @@ class Progress:
     def __init__(self, total_bytes: int):
         self.total, self.bytes, self.docs, self.tokens = total_bytes, 0, 0, 0
         self.tty, self.t0 = sys.stderr.isatty(), time.time()
-        self.shown = self.t0  # the first line after the first interval
+        self.shown, self.width = self.t0, 0  # the first line after the first interval
 
     def update(self, res: dict) -> None:
         self.bytes += res["bytes"]
@@ -420,7 +420,9 @@ class Progress:
         line = (f"tokenizing: {self.docs:,} documents, {self.tokens:,} tokens, {self.tokens / seconds:,.0f} tokens/s, "
                 f"{100 * self.bytes / max(self.total, 1):.0f}% of {self.total / 1e6:,.1f} MB, "
                 f"ETA {eta // 60:.0f}:{eta % 60:02.0f}")
-        print("\r" + line.ljust(99) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+        print("\r" + line.ljust(self.width) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr,
+              flush=True)
+        self.width = len(line)  # the next redraw covers this one
 
     def close(self) -> None:
         if self.tty and self.shown > self.t0:
