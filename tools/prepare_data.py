@@ -499,12 +499,13 @@ def remove_outputs(out: Path, units: list[int] | None) -> None:
 def open_plan(out: Path, plan: dict, force: bool, mine: list[int] | None) -> bool:
     """Check out against the plan and write it; True if the dataset is already complete. --force removes this run's
     units (mine; None: all) and meta.json; a dataset or a finished unit of another plan stops the run with one line
-    (a run that stopped before finishing a unit left nothing to keep: replaced)."""
+    (without --part, a run that stopped before finishing a unit left nothing to keep: replaced; a part never
+    replaces what another part may be writing)."""
     old = json.loads((out / "prepare.json").read_text()) if (out / "prepare.json").is_file() else None
     units = list((out / "units").glob("*.json")) if (out / "units").is_dir() else []
     kept = (out / "meta.json").exists() or any(json.loads(u.read_text()).get("plan") == (old or {}).get("key")
                                                 for u in units)
-    if force or (old is not None and old["key"] != plan["key"] and not kept):
+    if force or (old is not None and old["key"] != plan["key"] and not kept and mine is None):
         remove_outputs(out, set(mine) if force and mine is not None else None)
     elif old is None and kept:
         raise ValueError(f"{out} holds a dataset without prepare.json (an earlier tools.prepare_data, or another "
