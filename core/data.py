@@ -1,101 +1,23 @@
-"""Token data on disk, as `python -m tools.prepare_data` writes it, and the loader every train.py uses:
-  meta.json          {"format", "dtype", "vocab_size", "eos_id", "num_tokens", "num_documents", "shards", "tokenizer"}
-  tokens_00000.bin   raw little-endian uint16/uint32 token ids, ...
-Raw text (format 1): documents, each followed by eos_id, concatenated into one token stream cut into windows of
-seq_len+1 tokens (stride seq_len), shuffled per epoch (seeded); each data-parallel rank takes its slice of a batch.
-
-Documents with loss masks (format 2, `tools.prepare_data --chat`): meta.json adds "packing": "documents", "masks"
-(mask_00000.bin ...: a uint8 per token, 1 = trained), "documents" (documents.bin: int64 document starts, then the
-stream's end) and "max_document_tokens"; no eos is added (the chat template ends each turn). Documents are never split:
-a seeded permutation is packed into windows of seq_len tokens (next fit), padded with untrained eos_id tokens (their own
-document); windows are shuffled per epoch. Token t's label is token t+1 if trained and in t's document, else -100.
-
-Batches depend only on (seed, step): exact resume, even on another rank count. `next_batch(documents=True)` also gives
-each token's document id (format 1: doc_ids_from_eos) for --document-mask and positions_in_documents.
+"""The loader every train.py uses, over the datasets of core/shards.py. Raw text (format 1): the token stream cut into
+windows of seq_len+1 tokens (stride seq_len). Documents with loss masks (format 2) are never split: a seeded permutation
+is packed into windows of seq_len tokens (next fit), padded with untrained eos_id tokens (their own document); token t's
+label is token t+1 if trained and in t's document, else -100. Windows are shuffled per epoch (seeded) and each data rank
+takes its slice of a batch: batches depend only on (seed, step), exact resume on any rank count. With documents=True,
+next_batch also gives each token's document id (format 1: doc_ids_from_eos) for --document-mask and positions.
 """
 
 import json
 import math
 import os
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from core.context import doc_ids_from_eos, document_starts
+from core.shards import FORMAT, FORMAT_DOCUMENTS, MASK_DTYPE, load_tokenizer, token_dtype, write_shards  # noqa: F401
 
-FORMAT = 1  # raw text: one token stream
-FORMAT_DOCUMENTS = 2  # whole documents with per-token loss masks
-MASK_DTYPE = np.dtype("u1")
 PREPARE_HINT = "run `python -m tools.prepare_data --default` (or with --input FILES --out DIR) first"
-
-
-def _dtype(name: str) -> np.dtype:
-    return np.dtype({"uint16": "<u2", "uint32": "<u4"}[name])  # little-endian: shards read the same on any machine
-
-
-def write_shards(token_docs: Iterable, out_dir, vocab_size: int, eos_id: int, tokenizer: dict,
-                 shard_tokens: int = 2**26, extra: dict | None = None, loss_masks: bool = False) -> dict:
-    """Pack documents into shards of shard_tokens tokens; return the meta written (plus `extra`). token_docs: token id
-    lists, each then followed by eos_id (format 1); with loss_masks, (ids, 0/1 mask) pairs as they are (format 2)."""
-    assert shard_tokens > 0 and 0 <= eos_id < vocab_size
-    os.makedirs(out_dir, exist_ok=True)
-    for name in os.listdir(out_dir):  # meta.json goes first: mid-overwrite, the folder must not look complete
-        if name in ("meta.json", "documents.bin") or (name.startswith(("tokens_", "mask_")) and name.endswith(".bin")):
-            os.remove(os.path.join(out_dir, name))
-    dtype_name = "uint16" if vocab_size <= 2**16 else "uint32"
-    buf = np.empty(shard_tokens, dtype=_dtype(dtype_name))  # one shard is filled in memory, then written
-    mask_buf = np.empty(shard_tokens if loss_masks else 0, dtype=MASK_DTYPE)
-    fill, shards, masks, num_tokens, num_docs, starts, longest = 0, [], [], 0, 0, [0], 0
-
-    def flush():
-        name = f"tokens_{len(shards):05d}.bin"
-        buf[:fill].tofile(os.path.join(out_dir, name))
-        shards.append(name)
-        if loss_masks:
-            masks.append(name.replace("tokens_", "mask_"))
-            mask_buf[:fill].tofile(os.path.join(out_dir, masks[-1]))
-
-    for doc in token_docs:
-        if loss_masks:
-            ids, mask = np.asarray(doc[0], dtype=np.int64), np.asarray(doc[1], dtype=MASK_DTYPE)
-            assert len(ids) == len(mask) > 0
-        else:
-            ids, mask = np.asarray(list(doc) + [eos_id], dtype=np.int64), None
-        bad = ids[(ids < 0) | (ids >= vocab_size)]
-        if len(bad):
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); "
-                             "pass the tokenizer's full vocab_size (len(tokenizer))")
-        num_docs += 1
-        num_tokens += len(ids)
-        starts.append(num_tokens)
-        longest = max(longest, len(ids))
-        while len(ids):
-            n = min(len(ids), shard_tokens - fill)
-            buf[fill:fill + n] = ids[:n]
-            if loss_masks:
-                mask_buf[fill:fill + n], mask = mask[:n], mask[n:]
-            fill, ids = fill + n, ids[n:]
-            if fill == shard_tokens:
-                flush()
-                fill = 0
-    if fill:
-        flush()
-    meta = {"format": FORMAT, "dtype": dtype_name, "vocab_size": int(vocab_size), "eos_id": int(eos_id),
-            "num_tokens": num_tokens, "num_documents": num_docs, "shards": shards, "tokenizer": tokenizer}
-    if loss_masks:
-        np.asarray(starts, dtype="<i8").tofile(os.path.join(out_dir, "documents.bin"))
-        meta.update({"format": FORMAT_DOCUMENTS, "packing": "documents", "masks": masks, "documents": "documents.bin",
-                     "max_document_tokens": longest,
-                     "trained_tokens": int(sum(int(np.fromfile(os.path.join(out_dir, m), MASK_DTYPE).sum()) for m in masks))})
-    meta.update(extra or {})
-    tmp = os.path.join(out_dir, "meta.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=1)
-    os.replace(tmp, os.path.join(out_dir, "meta.json"))  # atomic: the dataset exists only once this lands
-    return meta
 
 
 def read_meta(data_dir) -> dict:
@@ -170,7 +92,7 @@ class TokenLoader:
         assert 0 <= rank < world
         self.meta = read_meta(data_dir)
         self.seq_len, self.global_batch, self.rank, self.world, self.seed = seq_len, global_batch, rank, world, seed
-        self.shards = _open_shards(data_dir, self.meta["shards"], _dtype(self.meta["dtype"]), "shard")
+        self.shards = _open_shards(data_dir, self.meta["shards"], token_dtype(self.meta["dtype"]), "shard")
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])  # stream offset of each shard
         n = int(self.starts[-1])
         if n != self.meta["num_tokens"]:
@@ -200,8 +122,7 @@ class TokenLoader:
                 raise ValueError(f"dataset {data_dir} has {n} tokens, fewer than one sample of seq_len+1 = "
                                  f"{seq_len + 1}; use more text or a shorter --seq-len")
             self.num_samples = (n - 1) // seq_len  # windows overlap by one token: all but the last are predicted
-        self.step = 0
-        self._perm_epoch, self._perm = -1, None
+        self.step, self._perm_epoch, self._perm = 0, -1, None
 
     def _order(self, epoch: int) -> torch.Tensor:
         if epoch != self._perm_epoch:  # one cached permutation: consecutive batches almost always share an epoch
@@ -294,9 +215,8 @@ def parse_mixture(spec: str) -> list[tuple[str, str, float]]:
 
 
 def mixture_counts(weights: list[float], global_batch: int, steps: np.ndarray, seed: int) -> np.ndarray:
-    """Sequences of each source in each of `steps` [len(steps), sources]: the floor of its quota weight x global_batch,
-    the rest of the slots by systematic sampling over the quotas' fractional parts (golden-ratio offsets from a seeded
-    start). Counts are within 1 of the quota and average to it; no step needs an earlier one (exact resume)."""
+    """Sequences of each source in each of `steps` [len(steps), sources]: floor(weight x global_batch), the other slots
+    by systematic sampling over the fractional parts (golden-ratio offsets): within 1 of the quota, no step's state."""
     quota = np.asarray(weights, dtype=np.float64) * global_batch
     floor = np.floor(quota)
     edges = np.concatenate([[0.0], np.cumsum(quota - floor)])  # the fractional parts laid end to end
@@ -308,10 +228,8 @@ def mixture_counts(weights: list[float], global_batch: int, steps: np.ndarray, s
 
 
 class MixtureLoader:
-    """Weighted batches of several TokenLoaders (one tokenizer), used as one TokenLoader: step t has mixture_counts(t)
-    sequences of each source at seeded positions; source s's j-th is draw (its sequences before t) + j of its own
-    shuffled epochs (no window twice per epoch), a function of (seed, step) for any rank count. `sources`: each row's
-    source in the last batch [local batch] (per-source loss). Raw-text rows have document id 0 (plain causal)."""
+    """Weighted batches of several TokenLoaders (one tokenizer) used as one (README, "Dataset mixtures"): step t has
+    mixture_counts(t) rows of each source; `sources`: each row's source in the last batch [local batch]."""
 
     def __init__(self, sources: list[tuple[str, str, float]], seq_len: int, global_batch: int, rank: int = 0,
                  world: int = 1, seed: int = 0):
@@ -368,9 +286,8 @@ class MixtureLoader:
 
 def source_losses(names: list[str], sums_G: torch.Tensor, labels_BS: torch.Tensor, sources_B: torch.Tensor,
                   data_group) -> dict[str, float]:
-    """{"loss_<name>": cross-entropy per trained label of that source in the global batch} from this rank's loss
-    sums (core/kernels/cross_entropy.py:LossGroups; zeros where pp > 0), labels and rows' sources: sums over every
-    rank, label counts over data_group (the ranks holding other tokens; None: this rank alone)."""
+    """{"loss_<name>": cross-entropy per trained label of that source in the global batch}: this rank's loss sums
+    (LossGroups; zeros where pp > 0) summed over all ranks, its label counts over data_group (None: this rank alone)."""
     counts_G = torch.zeros(len(names), dtype=torch.float64, device=labels_BS.device)
     counts_G.index_add_(0, sources_B, (labels_BS != -100).sum(1).double())
     if dist.is_initialized():
@@ -386,37 +303,3 @@ def open_dataset(spec: str, seq_len: int, global_batch: int, rank: int = 0, worl
     if len(sources) == 1:
         return TokenLoader(sources[0][1], seq_len, global_batch, rank, world, seed)
     return MixtureLoader(sources, seq_len, global_batch, rank, world, seed)
-
-
-@dataclass
-class Tokenizer:
-    encode: Callable[[str], list[int]]
-    decode: Callable[[list[int]], str]
-    vocab_size: int
-    eos_id: int
-    chat_prompt: Callable[[list[dict]], list[int]] | None = None  # HF chat template: messages -> generation prompt ids
-
-
-def load_tokenizer(meta: dict) -> Tokenizer:
-    """The tokenizer a dataset was made with (meta["tokenizer"]), behind one small interface."""
-    kind, path = meta["tokenizer"]["kind"], meta["tokenizer"]["path"]
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"tokenizer {path} named in the dataset's meta.json is missing; rerun tools.prepare_data")
-    if kind == "sentencepiece":
-        import sentencepiece as spm
-
-        sp = spm.SentencePieceProcessor(model_file=path)
-        return Tokenizer(lambda text: sp.encode(text), lambda ids: sp.decode(list(ids)), sp.get_piece_size(), sp.eos_id())
-    if kind == "hf":
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        if tok.eos_token_id is None:
-            raise ValueError(f"Hugging Face tokenizer {path} has no eos token; documents need one to be packed")
-        # no BOS/EOS per call (the packer adds one eos per document); a literal "<|endoftext|>" is text, not a boundary
-        chat = (lambda messages: list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                                return_dict=True)["input_ids"])) \
-            if tok.chat_template else None
-        return Tokenizer(lambda text: tok.encode(text, add_special_tokens=False, split_special_tokens=True),
-                         lambda ids: tok.decode(list(ids)), len(tok), tok.eos_token_id, chat)
-    raise ValueError(f"unknown tokenizer kind {kind!r} in meta.json; expected 'sentencepiece' or 'hf'")

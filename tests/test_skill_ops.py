@@ -180,7 +180,8 @@ def test_prepare_data_optional_formats(suffix, package, tmp_path, monkeypatch):
         a = prepare_data.main(["--input", str(plain), "--train-sp", "300", "--out", str(tmp_path / "a"), "--val-fraction", "0"])
         b = prepare_data.main(["--input", str(path), "--sp-model", str(tmp_path / "a/tokenizer.model"), "--out", str(tmp_path / "b"),
                                "--val-fraction", "0"])
-        assert a["num_tokens"] == b["num_tokens"] and (tmp_path / "a/tokens_00000.bin").read_bytes() == (tmp_path / "b/tokens_00000.bin").read_bytes()
+        assert a["num_tokens"] == b["num_tokens"] and a["shards"] == b["shards"]
+        assert all((tmp_path / "a" / s).read_bytes() == (tmp_path / "b" / s).read_bytes() for s in a["shards"])
         monkeypatch.setitem(sys.modules, package, None)  # now as if it were not installed
         monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(ValueError, match=f"needs the {package} package, which is not installed: pip install {package}"):

@@ -1,14 +1,15 @@
 """Tokenize a corpus for a recipe and check the result fits it, then print the command that trains on it.
 
   python skills/prepare-data/scripts/prepare.py --recipe RECIPE --out DIR --input PATH ... (--hf-tokenizer DIR | --sp-model FILE
-         | --train-sp VOCAB) [--config FILE] [--val-fraction 0.01] [other tools/prepare_data.py flags]
+         | --train-sp VOCAB) [--config FILE] [--val-fraction 0.01] [other tools/prepare_data.py flags, --part I/N included]
 
 Runs tools/prepare_data.py (text, .jsonl, .jsonl.zst, .parquet; a held-out split in DIR/val), then checks against
 the model config the recipe will train (--config; default: the recipe's config.json with --hf-tokenizer, its
 config_tiny.json otherwise): the dataset's vocabulary fits the model's embedding, the eos id is inside it, the
 validation split exists when --val-fraction > 0, and the first training document decodes back to text (--chat:
 the first conversation's trained tokens, its assistant turns; and some tokens are trained). Prints
-OK lines and the launch command, or FAIL lines (exit status 1).
+OK lines and the launch command, or FAIL lines (exit status 1). With --part I/N the checks wait for the last part:
+a part that leaves others to run prints which, and checks nothing.
 """
 
 import argparse
@@ -21,7 +22,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from core.data import load_tokenizer  # noqa: E402
+from core.shards import load_tokenizer  # noqa: E402
 from tools import prepare_data  # noqa: E402
 
 
@@ -39,6 +40,9 @@ def main(argv=None) -> dict:
     model_vocab = json.loads(config.read_text())["vocab_size"]
 
     meta = prepare_data.main(rest)  # its own errors (bad flags, missing files/packages) come first, in one line
+    if meta.get("complete") is False:  # --part: other parts still to run; the last one to finish gets the checks
+        print(f"not checked yet: parts {', '.join(map(str, meta['waiting']))} still to run")
+        return {"meta": meta}
     out = Path(rest[rest.index("--out") + 1]).resolve() if "--out" in rest else None
     val_fraction = meta.get("val_fraction", 0.0)
     checks = []
