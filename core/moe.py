@@ -192,6 +192,12 @@ class _SumRows(torch.autograd.Function):
         return grad_NH.index_select(0, index_R), None, None
 
 
+def release(t: torch.Tensor) -> None:
+    """Free t's storage now (Megatron's deallocate_output_tensor), its shape kept: a tensor autograd holds only as
+    a root or a leaf stays valid. Nothing may read the data again (a refill resizes the storage back first)."""
+    t.untyped_storage().resize_(0)
+
+
 class _OnBackward(torch.autograd.Function):
     """Identity whose backward first calls then() (recompute_dispatch: on the experts' output, before their backward,
     the received rows are refilled; on the received rows, after every reader, freed again)."""
@@ -299,7 +305,7 @@ class DispatchPlan:
         return _OnBackward.apply(y_QH, self.refill)
 
     def free_received(self) -> None:
-        self.received.untyped_storage().resize_(0)
+        release(self.received)
 
     @torch.no_grad()
     def refill(self) -> None:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from core.moe import AllToAll, DispatchPlan, weight_grads
+from core.moe import AllToAll, DispatchPlan, release, weight_grads
 
 
 def split_layers(num_layers: int, pp: int, costs: list | None = None) -> list[list[int]]:
@@ -151,12 +151,16 @@ def _forward_steps(stage, inputs: list, mb: int, tape: _Tape, out: list):
         [buffer] = tape.cut([dispatch.out])
         yield
         tape.has_wait |= dispatch.transfer is not None
-        y_QH = plan.run_experts(dispatch.wait(buffer), layer.routed_experts)  # (3)
+        x_QX = dispatch.wait(buffer)
+        if dispatch.transfer is not None:  # sent (in one process it is x_QX): no backward reads the payload
+            release(payload)
+        y_QH = plan.run_experts(x_QX, layer.routed_experts)  # (3)
         combine = AllToAll(y_QH, plan.recv_splits, plan.send_splits, layer.ep_group)  # (4)
         [buffer] = tape.cut([combine.out])
         yield
         tape.has_wait |= combine.transfer is not None
         state = layer.finish(state, plan.unpermute(combine.wait(buffer)))  # (5)
+        release(buffer)  # the combined rows [P, H]: unpermute keeps only its index
     out.extend(stage.post(state, mb))
 
 

@@ -372,7 +372,7 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
     op_s = machine.op_latency
     if not machine.async_launch and "elementwise" in r:
         op_s += 3 * T * cfg.hidden_size * act_bytes / r["elementwise"]["rate"]
-    tiny, _, saved_per_token_vocab = activation_calibration(mod, layout.recompute)
+    tiny, *_, saved_per_token_vocab = activation_calibration(mod, layout.recompute)
     saved = saved_per_token_layer(mod, cfg, layout) * cfg.hidden_size / tiny.hidden_size * (0.5 if layout.bf16 else 1.0)
     out = {key: _zero() for key in ("F", "B", "W")}
     a2a = {"F": 0.0, "B": 0.0, "refill": 0.0}
