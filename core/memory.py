@@ -9,11 +9,10 @@ Components of the most loaded pipeline rank (every pp rank is built; the largest
   optimizer    AdamW's two fp32 moments of this rank's ZeRO-1 shard (core/optimizer.py: ceil(numel / n) each)
   weight cache bf16 casts of the routed experts and LM head (core/weight_cache.py); fp8: two 1-byte copies of
                every attention / dense MLP / expert matrix instead (core/fp8.py)
-  activations  bytes saved for backward and held when the forward ends (core/moe.py frees received rows it
-               dispatches again), measured once with torch.autograd.graph.saved_tensors_hooks on the
-               recipe's tiny config on CPU (per token and layer, and per routed choice: an MoE layer keeps [T*k, H]
-               rows; per token and vocab entry for the head), scaled by top-k, tokens (micro_batch * seq_len / cp),
-               layers, hidden_size / tiny's, vocab, 1/2 for bf16, micro-batches in flight (pp + 1 under DualPipeV)
+  activations  bytes held for backward after a forward (saved_bytes: tiny config, CPU) per token of a dense and an
+               MoE layer (+ per routed choice, received row) and per token and vocab entry of the head, scaled by
+               top-k, tokens, hidden_size / tiny's, 1/2 for bf16; pp > 1: as a DualPipeV stage holds them, for the
+               chunks of pp rank r's peak (core/pipeline.py), each with the state it handed to another rank
   comm buffers MoE all-to-all rows (sent and received, tokens * top-k * hidden), a reduce-scatter bucket
 With `shard="fsdp"` (core/fsdp.py) every parameter lies on 1/n shards of ceil(d0 / n) rows: 16 bytes per shard
 element, no bf16 cache. pp = 1: the comm buffers hold the two largest units gathered and the largest unit's
@@ -92,11 +91,10 @@ class _Saved:
 
 
 def saved_bytes(model, input_ids_BS, stage_cls=None) -> tuple[int, int]:
-    """Bytes one forward (fp32 on CPU) leaves held for backward, each storage once at its size when it ends (core/moe.py
-    frees rows it dispatches again), weights excluded: what autograd still holds of what it saved in forward_train,
-    or with stage_cls (the recipe's PipelineStage) in the model run as one DualPipeV stage, plus what core/pipeline.py's
-    tape holds (the state at each dispatch, received rows). And of them, the bytes of received dispatch rows
-    (core/moe.py: [Q, H + k], or [Q, H] views). Storages are told apart by identity: a freed one's address is reused."""
+    """Bytes a forward (fp32, CPU) leaves held for backward, each storage once (by identity: freed ones' addresses are
+    reused) at its size when it ends, weights excluded: what autograd still holds of what forward_train saved, or of
+    the model run as one DualPipeV stage (stage_cls: the recipe's PipelineStage) plus what its tape holds; and of them,
+    the bytes of received dispatch rows (core/moe.py: [Q, H + k], or [Q, H] views)."""
     saved, tensors = weakref.WeakSet(), []
 
     def pack(t):
@@ -113,8 +111,7 @@ def saved_bytes(model, input_ids_BS, stage_cls=None) -> tuple[int, int]:
             stage.extras = [model.prepare_batch(input_ids_BS, input_ids_BS, None, positions_BS)]
             stage.loss_fn = lambda terms: sum(terms.values())
             model.set_positions(positions_BS)
-            for _ in _forward_steps(stage, [], 0, tape, out):
-                pass
+            list(_forward_steps(stage, [], 0, tape, out))  # (it yields at each all-to-all start)
             tensors = [t for outs, leaves, _ in tape.segments for t in outs + leaves]
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
     H, k = model.cfg.hidden_size, getattr(model.cfg, "num_experts_per_tok", 0)
@@ -172,16 +169,12 @@ def received_rows_per_token(cfg, layout: Layout) -> float:
     return layout.ep * (1 - math.comb(E - L, k) / math.comb(E, k)) if k else 1.0
 
 
-def saved_per_token_layer(mod, cfg, layout: Layout, pipeline: bool = False, moe: bool | None = None) -> float:
-    """fp32 bytes autograd keeps (pipeline: a DualPipeV stage holds) per token in an MoE decoder layer (moe True, for
-    cfg's top-k and the rows this layout's most loaded ep rank receives) or a dense one (False), or on average over
-    the tiny config's layers (None), at the tiny config's width."""
-    tiny, per_dense, (per_moe, per_choice, per_row), _ = activation_calibration(mod, layout.recompute, pipeline)
-    per_moe += per_choice * getattr(cfg, "num_experts_per_tok", 0) + per_row * received_rows_per_token(cfg, layout)
-    if moe is not None:
-        return per_moe if moe else per_dense
-    n_moe = sum(tiny.is_moe_layer(i) for i in range(tiny.num_hidden_layers))
-    return (n_moe * per_moe + (tiny.num_hidden_layers - n_moe) * per_dense) / tiny.num_hidden_layers
+def saved_per_token_layer(mod, cfg, layout: Layout, pipeline: bool = False, moe: bool = True) -> float:
+    """fp32 bytes autograd keeps (pipeline: a DualPipeV stage holds) per token in an MoE decoder layer, for cfg's
+    top-k and the rows this layout's most loaded ep rank receives, or in a dense one, at the tiny config's width."""
+    _, per_dense, (per_moe, per_choice, per_row), _ = activation_calibration(mod, layout.recompute, pipeline)
+    k = getattr(cfg, "num_experts_per_tok", 0)
+    return per_moe + per_choice * k + per_row * received_rows_per_token(cfg, layout) if moe else per_dense
 
 
 def fsdp_unit(name: str) -> str:
