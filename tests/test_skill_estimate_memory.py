@@ -279,8 +279,8 @@ def test_activations_at_pp2_ep2_with_layer_recompute():
     dispatch (the layer's recompute would not keep it) and the state it handed to the other rank, while the
     dispatched payloads and the combined rows are freed once their all-to-all has completed (core/pipeline.py).
     3%: measured within 1% (the estimate 0.3-0.9% short: per-micro-batch statistics). Kept payloads and combined
-    rows would add ~80% on pp rank 1; the tape's states uncounted, ~28% short there; pp + 1 micro-batches of all
-    a rank's layers and head (the estimate before) 1.8-3x."""
+    rows would add ~90% on pp rank 1; the tape's states uncounted, 28% short there; pp + 1 micro-batches of all
+    a rank's layers and head (the estimate before) 1.8-6.9x."""
     batch, seq = 4, 128
     ranks = run_ranks(4, _held_bytes_at_pp2_ep2, "layer", batch, seq)
     for recipe in recipe_names():
