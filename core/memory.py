@@ -85,9 +85,9 @@ def meta_model(mod, cfg, **parts):
         return mod.Model(cfg, **parts)
 
 
-@dataclass(slots=True, weakref_slot=True, eq=False)
-class _Saved:
-    t: torch.Tensor  # a tensor autograd saved: held while the graph node that saved it lives
+class _Saved:  # a tensor autograd saved (saved_bytes): alive while the graph node that saved it lives
+    def __init__(self, t: torch.Tensor):
+        self.t = t
 
 
 def saved_bytes(model, input_ids_BS, stage_cls=None) -> tuple[int, int]:
