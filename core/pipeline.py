@@ -14,9 +14,9 @@ segment by segment (autograd segments cut at the all-to-alls), yielding after st
 steady phase alternates one forward and one backward generator, so each waits on a transfer only when it needs it.
 Weight-gradient delay (AGENTS.md's design): the W steps run core.moe.weight_grads' queue, oldest chunk first.
 Recompute: a torch.utils.checkpoint region in a compute step lies in one segment, recomputed in its backward.
-Memory: a tape keeps its tensors (an MoE layer's state at the dispatch, received rows) until the chunk's backward, not
-the sent payloads and combined rows (freed after their all-to-all). Rank r holds <= 2pp - r chunks of stage r and
-r + 1 of stage 2pp-1-r (2pp - r - 1 and r + 1 after the warm-up; a steady forward can end before its paired backward frees).
+Memory: a tape keeps its tensors (an MoE layer's state at the dispatch, received rows) until the chunk's backward,
+not the sent payloads and combined rows (freed after their all-to-all). Rank r holds <= 2pp - r chunks of stage r
+and r + 1 of stage 2pp-1-r (2pp - r - 1, r + 1 after the warm-up; a steady forward may end before its pair frees).
 
 `running` names the chunk whose code runs now, set whenever the engine advances a generator (so also in a forward
 recomputed inside a backward) and by train.py's pp=1 loop; layers read it (`running.micro_batch`), never set it.

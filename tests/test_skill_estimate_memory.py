@@ -1,6 +1,7 @@
 """core/memory.py (the estimate) against exact counts on CPU: parameter bytes of the built model, Adam state of a
 real ShardedAdamW (one process and 2 gloo ranks), bytes saved for backward measured with saved_tensors_hooks (one
-process, ep2, and what each rank of a DualPipeV step at pp2 x ep2 holds at its peak); the refusal with suggested layouts; and the skill's script (tools/estimate_memory.py's command line) on every recipe."""
+process, ep2, and what each rank of a DualPipeV step at pp2 x ep2 holds at its peak); the refusal with suggested
+layouts; and the skill's script (tools/estimate_memory.py's command line) on every recipe."""
 
 import dataclasses
 import runpy
