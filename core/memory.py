@@ -9,11 +9,10 @@ Components of the most loaded pipeline rank (every pp rank is built; the largest
   optimizer    AdamW's two fp32 moments of this rank's ZeRO-1 shard (core/optimizer.py: ceil(numel / n) each)
   weight cache bf16 casts of the routed experts and LM head (core/weight_cache.py); fp8: two 1-byte copies of
                every attention / dense MLP / expert matrix instead (core/fp8.py)
-  activations  bytes saved for backward and held when the forward ends (core/moe.py frees received rows it
-               dispatches again), measured once with torch.autograd.graph.saved_tensors_hooks on the
-               recipe's tiny config on CPU (per token and layer, and per routed choice: an MoE layer keeps [T*k, H]
-               rows; per token and vocab entry for the head), scaled by top-k, tokens (micro_batch * seq_len / cp),
-               layers, hidden_size / tiny's, vocab, 1/2 for bf16, micro-batches in flight (pp + 1 under DualPipeV)
+  activations  bytes held for backward after a forward (saved_bytes: tiny config, CPU) per token of a dense and an
+               MoE layer (+ per routed choice, received row) and per token and vocab entry of the head, scaled by
+               top-k, tokens, hidden_size / tiny's, 1/2 for bf16; pp > 1: as a DualPipeV stage holds them, for the
+               chunks of pp rank r's peak (core/pipeline.py), each with the state it handed to another rank
   comm buffers MoE all-to-all rows (sent and received, tokens * top-k * hidden), a reduce-scatter bucket
 With `shard="fsdp"` (core/fsdp.py) every parameter lies on 1/n shards of ceil(d0 / n) rows: 16 bytes per shard
 element, no bf16 cache. pp = 1: the comm buffers hold the two largest units gathered and the largest unit's
@@ -28,12 +27,13 @@ Parameter names follow the recipes' convention: routed experts under `.mlp.exper
 import itertools
 import math
 import sys
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
 
 from core.optimizer import _split
-from core.pipeline import split_layers
+from core.pipeline import _forward_steps, _Tape, split_layers  # (saved_bytes runs a stage as the engine does)
 from core.placement import Placement
 
 GIB = 2**30
@@ -85,58 +85,79 @@ def meta_model(mod, cfg, **parts):
         return mod.Model(cfg, **parts)
 
 
-def saved_bytes(model, input_ids_BS) -> tuple[int, int]:
-    """Bytes autograd keeps for backward in one forward_train (fp32 on CPU), each storage once at its size when the
-    forward ends (core/moe.py frees received rows it dispatches again), weights excluded; and of them, the bytes of
-    received dispatch payloads (core/moe.py: [Q, H + k] rows, kept as [Q, H] views)."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    H, k = model.cfg.hidden_size, getattr(model.cfg, "num_experts_per_tok", 0)
-    seen, received = {}, set()
+class _Saved:  # a tensor autograd saved (saved_bytes): alive while the graph node that saved it lives
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+
+def saved_bytes(model, input_ids_BS, stage_cls=None) -> tuple[int, int]:
+    """Bytes a forward (fp32, CPU) leaves held for backward, each storage once (by identity: freed ones' addresses are
+    reused) at its size when it ends, weights excluded: what autograd still holds of what forward_train saved, or of
+    the model run as one DualPipeV stage (stage_cls: the recipe's PipelineStage) plus what its tape holds; and of them,
+    the bytes of received dispatch rows (core/moe.py: [Q, H + k], or [Q, H] views)."""
+    saved, tensors = weakref.WeakSet(), []
 
     def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() in seen and seen[s.data_ptr()].data_ptr() != s.data_ptr():
-            received.discard(s.data_ptr())  # the storage seen at this address was freed: this is another one
-        if s.data_ptr() not in weights:
-            seen[s.data_ptr()] = s
-            if k and t.dim() == 2 and t.shape[1] == H and t.stride(0) == H + k:  # payload rows without their weights
-                received.add(s.data_ptr())
-        return t
+        saved.add(held := _Saved(t))
+        return held
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model.forward_train(input_ids_BS, input_ids_BS)
-    sizes = {ptr: s.nbytes() for ptr, s in seen.items()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t):
+        if stage_cls is None:
+            out = model.forward_train(input_ids_BS, input_ids_BS)
+        else:
+            stage, tape, out, positions_BS = stage_cls(model, list(model.layers), True, True), _Tape(True), [], \
+                torch.arange(input_ids_BS.shape[1]).expand_as(input_ids_BS)
+            stage.input_ids = stage.labels = [input_ids_BS]
+            stage.extras = [model.prepare_batch(input_ids_BS, input_ids_BS, None, positions_BS)]
+            stage.loss_fn = lambda terms: sum(terms.values())
+            model.set_positions(positions_BS)
+            list(_forward_steps(stage, [], 0, tape, out))  # (it yields at each all-to-all start)
+            tensors = [t for outs, leaves, _ in tape.segments for t in outs + leaves]
+    weights = {p.untyped_storage()._cdata for p in model.parameters()}
+    H, k = model.cfg.hidden_size, getattr(model.cfg, "num_experts_per_tok", 0)
+    sizes, received = {}, set()
+    for t in tensors + [held.t for held in saved]:
+        if (s := t.untyped_storage())._cdata not in weights:
+            sizes[s._cdata] = s.nbytes()
+            if k and t.dim() == 2 and t.stride(0) == H + k and t.shape[1] in (H, H + k):
+                received.add(s._cdata)
     del out  # (the graph, and the storages only it held)
-    return sum(sizes.values()), sum(sizes[p] for p in received)
+    return sum(sizes.values()), sum(sizes[c] for c in received)
 
 
 _CALIBRATION = {}
 
 
-def activation_calibration(mod, recompute: str, batch: int = 2, seq: int = 64) -> tuple:
-    """(tiny config, saved bytes per token and layer (at k = 0; per routed choice, from a run at twice the tiny k;
-    per row received by the experts' rank, one per token in one process), per token and vocab entry of the head),
-    on CPU in fp32 (the model minus one without layers gives the layers; seq 64: whole linear-attention chunks)."""
-    key = (mod.__name__, recompute)
+def activation_calibration(mod, recompute: str, pipeline: bool = False, batch: int = 2, seq: int = 64) -> tuple:
+    """(tiny config, saved bytes per token of a dense decoder layer, of an MoE layer (at k = 0; per routed choice,
+    from a run at twice the tiny k; per row received by the experts' rank, one per token in one process), per token
+    and vocab entry of the head), on CPU in fp32 (the model minus one without layers gives the layers, the dense
+    ones alone the dense ones; seq 64: whole linear-attention chunks); pipeline: as a DualPipeV stage holds them."""
+    key = (mod.__name__, recompute, pipeline)
     if key not in _CALIBRATION:
         tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
-        tokens = batch * seq
-        k = getattr(tiny, "num_experts_per_tok", 0)
+        tokens, k = batch * seq, getattr(tiny, "num_experts_per_tok", 0)
+        moe_ids = [i for i in range(tiny.num_hidden_layers) if tiny.is_moe_layer(i)]
+        dense_ids = [i for i in range(tiny.num_hidden_layers) if i not in moe_ids]
+        measure = lambda cfg, layers=None: saved_bytes(mod.Model(cfg, layers=layers, recompute=recompute), ids,
+                                                       mod.PipelineStage if pipeline else None)
         with torch.random.fork_rng():
             torch.manual_seed(0)
             ids = torch.randint(0, tiny.vocab_size, (batch, seq))
-            head, _ = saved_bytes(mod.Model(tiny, layers=[], recompute=recompute), ids)
-            full, received = saved_bytes(mod.Model(tiny, recompute=recompute), ids)
-            layers, per_choice = full - head - received, 0.0
+            head, _ = measure(tiny, [])
+            dense = measure(tiny, dense_ids)[0] - head if dense_ids else 0
+            full, received = measure(tiny)
+            moe, per_choice = full - head - dense - received, 0.0
             if k:
                 try:
-                    more, more_received = saved_bytes(mod.Model(replace(tiny, num_experts_per_tok=2 * k),
-                                                                recompute=recompute), ids)
-                    per_choice = (more - more_received - head - layers) / (k * tokens * tiny.num_hidden_layers)
+                    more, more_received = measure(replace(tiny, num_experts_per_tok=2 * k))
+                    per_choice = (more - more_received - head - dense - moe) / (k * tokens * len(moe_ids))
                 except (ValueError, RuntimeError):  # 2k choices not allowed (expert groups, too few experts)
                     pass
-        per_layer, per_row = (layers / (tokens * tiny.num_hidden_layers), received / (tokens * tiny.num_hidden_layers))
-        _CALIBRATION[key] = (tiny, (per_layer - per_choice * k, per_choice, per_row), head / (tokens * tiny.vocab_size))
+        per_moe = moe / (tokens * max(len(moe_ids), 1)) - per_choice * k
+        per_dense = dense / (tokens * len(dense_ids)) if dense_ids else per_moe  # none in tiny: an MoE layer at k = 0
+        _CALIBRATION[key] = (tiny, per_dense, (per_moe, per_choice, received / (tokens * max(len(moe_ids), 1))),
+                             head / (tokens * tiny.vocab_size))
     return _CALIBRATION[key]
 
 
@@ -148,12 +169,12 @@ def received_rows_per_token(cfg, layout: Layout) -> float:
     return layout.ep * (1 - math.comb(E - L, k) / math.comb(E, k)) if k else 1.0
 
 
-def saved_per_token_layer(mod, cfg, layout: Layout) -> float:
-    """fp32 bytes autograd keeps per token and decoder layer at the tiny config's width, for cfg's top-k and the
-    rows this layout's most loaded ep rank receives."""
-    _, (per_token_layer, per_choice, per_row), _ = activation_calibration(mod, layout.recompute)
-    return (per_token_layer + per_choice * getattr(cfg, "num_experts_per_tok", 0)
-            + per_row * received_rows_per_token(cfg, layout))
+def saved_per_token_layer(mod, cfg, layout: Layout, pipeline: bool = False, moe: bool = True) -> float:
+    """fp32 bytes autograd keeps (pipeline: a DualPipeV stage holds) per token in an MoE decoder layer, for cfg's
+    top-k and the rows this layout's most loaded ep rank receives, or in a dense one, at the tiny config's width."""
+    _, per_dense, (per_moe, per_choice, per_row), _ = activation_calibration(mod, layout.recompute, pipeline)
+    k = getattr(cfg, "num_experts_per_tok", 0)
+    return per_moe + per_choice * k + per_row * received_rows_per_token(cfg, layout) if moe else per_dense
 
 
 def fsdp_unit(name: str) -> str:
@@ -226,23 +247,32 @@ def rank_param_bytes(mod, cfg, layout: Layout, pp_rank: int) -> tuple[dict, list
     return _PARAMS[key]
 
 
-def estimate(mod, cfg, layout: Layout) -> dict:
-    """Bytes per component on the most loaded pp rank, plus 'total' and 'pp_rank'. mod: the recipe's model module."""
+def estimate(mod, cfg, layout: Layout, pp_rank: int | None = None) -> dict:
+    """Bytes per component on the most loaded pp rank (or on pp_rank), plus 'total' and 'pp_rank'. mod: the recipe's
+    model module."""
     if layout.seq_len % (2 * layout.cp):
         raise ValueError(f"--seq-len {layout.seq_len} is not divisible by 2*cp = {2 * layout.cp}")
-    tiny, _, per_token_vocab = activation_calibration(mod, layout.recompute)
-    per_token_layer = saved_per_token_layer(mod, cfg, layout)
+    pp, pipeline = layout.pp, layout.pp > 1
+    tiny, *_, per_token_vocab = activation_calibration(mod, layout.recompute, pipeline)
     tokens = layout.micro_batch * layout.seq_len // layout.cp
-    in_flight = layout.pp + 1 if layout.pp > 1 else 1
     width = cfg.hidden_size / tiny.hidden_size * (0.5 if layout.bf16 else 1.0)
+    per_layer = {moe: saved_per_token_layer(mod, cfg, layout, pipeline, moe) * width for moe in (False, True)}
+    chunk = lambda layers, head: tokens * (sum(per_layer[cfg.is_moe_layer(i)] for i in layers) + head)  # 1 micro-batch
     act_bytes = 2 if layout.bf16 else 4
-    best = None
-    for pp_rank in range(layout.pp):
+    stages = split_layers(cfg.num_hidden_layers, pp, mod.flops_by_layer(cfg, layout.seq_len)) if pipeline else None
+    best, ranks = None, range(pp) if pp_rank is None else [pp_rank]
+    for pp_rank in ranks:
         params, layer_ids, has_head = rank_param_bytes(mod, cfg, layout, pp_rank)
         out = dict(params)
         fsdp_buffers = out.pop("fsdp_buffers")
         head = per_token_vocab * cfg.vocab_size * (0.5 if layout.bf16 else 1.0) if has_head else 0
-        out["activations"] = int(in_flight * tokens * (len(layer_ids) * per_token_layer * width + head))
+        if pipeline:  # chunks held at the peak (module docstring), and the states they handed to another rank
+            down, up, middle = 2 * pp - pp_rank, pp_rank + 1, 0 < pp_rank < pp - 1
+            handoff = tokens * cfg.hidden_size * act_bytes
+            out["activations"] = int(down * (chunk(stages[pp_rank], 0) + handoff)
+                                     + up * (chunk(stages[2 * pp - 1 - pp_rank], head) + middle * handoff))
+        else:
+            out["activations"] = int(chunk(layer_ids, head))
         moe_layers = sum(cfg.is_moe_layer(i) for i in layer_ids)
         rows = tokens * cfg.num_experts_per_tok * cfg.hidden_size * act_bytes if moe_layers else 0
         # dispatch + combine, send + recv; ZeRO-1's reduce-scatter bucket or FSDP2's units in flight

@@ -12,19 +12,15 @@ Router contract (what a recipe's router hands to this file; E experts, k slots p
   gradient; a .grad left None is reduced as zero by ShardedAdamW, so every rank and layout steps alike.
   Example, k = 2, E = 4: ids [[2, 0], [3, -1], [-1, -1]], weights [[.7, .3], [1., .5], [0., 0.]] give
   out[0] = .7 expert2(x0) + .3 expert0(x0), out[1] = expert3(x1), out[2] = 0.
-  E = `num_experts` (`layer.num_experts`) counts the routed experts dispatched here; `num_choices` (>= E) is the
-  router's choice space (logits, expert bias, load, balance loss). Choices kept on the token's rank (zero-computation
-  experts, ids E..num_choices-1) reach this file as -1 (ids.masked_fill(ids >= E, -1)); the recipe adds their
-  output itself in `finish`.
+  E = `layer.num_experts`, the experts dispatched here; a router's choices beyond them (`num_choices`: AGENTS.md)
+  reach this file as -1 (ids.masked_fill(ids >= E, -1)) and the recipe adds their output in `finish`.
 
 Legend: T tokens on this rank, H hidden, k slots per token, E experts in the model, n ranks in the ep group, L
 experts on this rank (core/placement.py; may be 0), P (token, destination rank) pairs sent, Q pairs received, R
 (received row, local expert) pairs = grouped GEMM rows, X = H + k (a row carries the token and its k weights).
 
-Deduplication: a token travels to a rank once, however many of its k experts live there; the receiver expands it
-into one row per local expert and sums their weighted outputs per received row, so the combine also moves one row
-per (token, rank). Dropless: nothing is capped. One layer on one micro-batch, in the five steps a pipeline schedule
-can interleave (`start_*` returns at once, `.wait()` gives the result with autograd attached):
+Dispatch deduplicated and dropless (AGENTS.md's design). One layer on one micro-batch, in the five steps a pipeline
+schedule can interleave (`start_*` returns at once, `.wait()` gives the result with autograd attached):
 
     plan = DispatchPlan(topk_ids_Tk, E, ep_group, placement)   # routing exchange (small, blocking)
     x_QX = plan.start_dispatch(x_TH, topk_weights_Tk).wait()    # (2)
@@ -35,10 +31,9 @@ can interleave (`start_*` returns at once, `.wait()` gives the result with autog
 ep_group None skips the all-to-alls. Host syncs: one per layer and micro-batch, in DispatchPlan (the row counts
 that size the all-to-alls and GEMMs); the backward reuses them (on the grouped-GEMM path, see `grouped_mm`).
 
-recompute_dispatch (a recipe's --recompute layer, Megatron's full recompute): the received [Q, X] rows are freed
-once the experts ran, and in backward the dispatch all-to-all runs again (same splits: no host sync) to refill them
-before the experts' recompute region reads them, then they are freed again. Every ep rank runs it (also one without
-experts), at the same point of its backward. Costs one more dispatch per layer and micro-batch; saves Q x X.
+recompute_dispatch (--recompute layer, Megatron's full recompute): the received [Q, X] rows are freed once the experts
+ran and dispatched again in backward (same splits: no host sync) before the experts' recompute reads them, then freed
+again; every ep rank (one without experts too) at the same point. One more dispatch per layer; saves Q x X.
 """
 
 import torch
@@ -192,6 +187,11 @@ class _SumRows(torch.autograd.Function):
         return grad_NH.index_select(0, index_R), None, None
 
 
+def release(t: torch.Tensor) -> None:
+    """Free t's storage, its shape kept (Megatron's deallocate_output_tensor): for a tensor nothing reads again."""
+    t.untyped_storage().resize_(0)
+
+
 class _OnBackward(torch.autograd.Function):
     """Identity whose backward first calls then() (recompute_dispatch: on the experts' output, before their backward,
     the received rows are refilled; on the received rows, after every reader, freed again)."""
@@ -283,7 +283,7 @@ class DispatchPlan:
         each received row's weighted expert outputs: [Q, H]."""
         recompute = self.source is not None and x_QX.requires_grad
         if recompute:
-            x_QX = _OnBackward.apply(x_QX, self.free_received)  # (a pipeline's tape still refers to them)
+            x_QX = _OnBackward.apply(x_QX, lambda: release(self.received))  # (a pipeline's tape refers to them)
         x_QH, w_Qk = x_QX[:, : -self.k], x_QX[:, -self.k :]
         row_R, w_R = self.order_R // self.k, w_Qk.reshape(-1)[self.order_R]
         # no local experts: no rows (R = 0), and the empty result stays in the graph so the combine's backward runs
@@ -295,11 +295,8 @@ class DispatchPlan:
         self.received = torch.empty(0, dtype=x_QX.dtype, device=x_QX.device).set_(
             x_QX.untyped_storage(), x_QX.storage_offset(), x_QX.shape, x_QX.stride())
         self.received_bytes = x_QX.untyped_storage().nbytes()
-        self.free_received()
+        release(self.received)
         return _OnBackward.apply(y_QH, self.refill)
-
-    def free_received(self) -> None:
-        self.received.untyped_storage().resize_(0)
 
     @torch.no_grad()
     def refill(self) -> None:

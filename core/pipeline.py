@@ -1,35 +1,25 @@
 """DualPipeV (after DeepSeek's schedule): 2*pp pipeline stages in a V, one micro-batch's forward overlapped with
 another's backward, delayed weight gradients (zero bubble).
 
-Layout: pp rank r holds stage r (phase 0, down) and stage 2*pp-1-r (phase 1, back), so rank 0 holds the embedding
-and the head with the loss, and the last rank hands stage pp-1's output to stage pp locally. Neighbours' transfers
-are batched with batch_isend_irecv. "Chunk" = one micro-batch on one stage.
+Layout (AGENTS.md's design): pp rank r holds stage r (phase 0, down) and 2*pp-1-r (phase 1, back); the last rank
+hands stage pp-1's output to stage pp locally, neighbours' transfers go by batch_isend_irecv. Chunk: a micro-batch
+on a stage.
 
-Contract with a model.py (plain attributes, no registry). A stage object provides
-    stage.pre(inputs, mb) -> state                 stage 0: [] -> embedding output; other stages: the inputs
-    stage.layers                                   decoder layers, run in order
-    stage.post(state, mb) -> outputs               last stage: [loss]; others: the state to send on
-`state` is a list of tensors (the hidden state, plus e.g. aux-loss statistics) of the shapes and dtypes of
-`p2p_specs` (default: what stage 0's pre creates). A layer with `layer.moe` False exposes `layer.dense(state) ->
-state`; one with routed experts the three compute steps, this file running the two all-to-alls (core/moe.py):
-    (1) layer.attention(state) -> (state, x_TH, topk_ids_Tk, topk_weights_Tk)   norms, attention, router
-    (2) dispatch all-to-all                          [here]
-    (3) layer.routed_experts(x_QH, row_R, counts_L, w_R) -> [R, H]   routed experts x weights (core.moe.weighted_rows)
-    (4) combine all-to-all                           [here]
-    (5) layer.finish(state, out_TH) -> state         residual add (the weighted sum happened in the combine)
-plus `layer.num_experts`, `layer.ep_group` and `layer.placement` (core/placement.py; None: the even split), and
-optionally `layer.recompute_dispatch` (core/moe.py; absent: False).
+Contract with a model.py: AGENTS.md's layer protocol (stage.pre / layers / post; an MoE layer's steps (1) attention,
+(3) routed_experts, (5) finish, this file running (2) the dispatch and (4) the combine all-to-all of core/moe.py).
+`state` crosses ranks in the shapes and dtypes of `p2p_specs` (default: what stage 0's pre creates).
 
 Overlap: a chunk's forward is a generator that yields right after starting an all-to-all; its backward runs
 segment by segment (autograd segments cut at the all-to-alls), yielding after starting a reverse all-to-all. The
 steady phase alternates one forward and one backward generator, so each waits on a transfer only when it needs it.
-Weight-gradient delay: in zero-bubble backward chunks, expert GEMMs compute the input gradient at once and queue
-the weight gradient (core.moe.weight_grads); the schedule's W steps run the queue, oldest chunk first.
+Weight-gradient delay (AGENTS.md's design): the W steps run core.moe.weight_grads' queue, oldest chunk first.
 Recompute: a torch.utils.checkpoint region in a compute step lies in one segment, recomputed in its backward.
+Memory: a tape keeps its tensors (an MoE layer's state at the dispatch, received rows) until the chunk's backward,
+not the sent payloads and combined rows (freed after their all-to-all). Rank r holds <= 2pp - r chunks of stage r
+and r + 1 of stage 2pp-1-r (2pp - r - 1, r + 1 after the warm-up; a steady forward may end before its pair frees).
 
-`running` (a Running) names the chunk whose code runs now; the engine sets it whenever it advances a generator, so
-a layer sees its own chunk's micro-batch, also in a forward recomputed inside a backward (backward True). train.py's
-plain loop (pp=1) and evaluate() set it too. Layers read it, never set it: `running.micro_batch`.
+`running` names the chunk whose code runs now, set whenever the engine advances a generator (so also in a forward
+recomputed inside a backward) and by train.py's pp=1 loop; layers read it (`running.micro_batch`), never set it.
 """
 
 import time
@@ -38,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from core.moe import AllToAll, DispatchPlan, weight_grads
+from core.moe import AllToAll, DispatchPlan, release, weight_grads
 
 
 def split_layers(num_layers: int, pp: int, costs: list | None = None) -> list[list[int]]:
@@ -151,12 +141,16 @@ def _forward_steps(stage, inputs: list, mb: int, tape: _Tape, out: list):
         [buffer] = tape.cut([dispatch.out])
         yield
         tape.has_wait |= dispatch.transfer is not None
-        y_QH = plan.run_experts(dispatch.wait(buffer), layer.routed_experts)  # (3)
+        x_QX = dispatch.wait(buffer)
+        if dispatch.transfer is not None:  # sent (in one process it is x_QX): no backward reads the payload
+            release(payload)
+        y_QH = plan.run_experts(x_QX, layer.routed_experts)  # (3)
         combine = AllToAll(y_QH, plan.recv_splits, plan.send_splits, layer.ep_group)  # (4)
         [buffer] = tape.cut([combine.out])
         yield
         tape.has_wait |= combine.transfer is not None
         state = layer.finish(state, plan.unpermute(combine.wait(buffer)))  # (5)
+        release(buffer)  # the combined rows [P, H]: unpermute keeps only its index
     out.extend(stage.post(state, mb))
 
 

@@ -372,8 +372,9 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
     op_s = machine.op_latency
     if not machine.async_launch and "elementwise" in r:
         op_s += 3 * T * cfg.hidden_size * act_bytes / r["elementwise"]["rate"]
-    tiny, _, saved_per_token_vocab = activation_calibration(mod, layout.recompute)
-    saved = saved_per_token_layer(mod, cfg, layout) * cfg.hidden_size / tiny.hidden_size * (0.5 if layout.bf16 else 1.0)
+    tiny, *_, saved_per_token_vocab = activation_calibration(mod, layout.recompute)
+    scale = cfg.hidden_size / tiny.hidden_size * (0.5 if layout.bf16 else 1.0)
+    saved = {moe: saved_per_token_layer(mod, cfg, layout, moe=moe) * scale for moe in (False, True)}  # dense, MoE
     out = {key: _zero() for key in ("F", "B", "W")}
     a2a = {"F": 0.0, "B": 0.0, "refill": 0.0}
     E, k, H = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
@@ -422,7 +423,7 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
             w_share = flops_exp / 3 / r["grouped_gemm"]["rate"] / t_gemm  # the weight gradients' part (bf16)
         n_ops = ops["layer_train"] + (ops["layer_fwd"] if layout.recompute == "layer" else 0)
         t_ops = n_ops * op_s
-        t_bytes = 2 * T * saved / r["memory"]["rate"]  # written in forward, read in backward
+        t_bytes = 2 * T * saved[cfg.is_moe_layer(i)] / r["memory"]["rate"]  # written in forward, read in backward
         if not machine.async_launch and "elementwise" in r:
             t_bytes = 0.0  # in op_s
         t_other = t_bytes + (0.0 if machine.async_launch else t_ops)
