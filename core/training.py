@@ -89,8 +89,17 @@ def build_parser(cls) -> argparse.ArgumentParser:
 
 
 def parse_args(cls, argv=None):
-    """An instance of the dataclass `cls` from command-line flags (build_parser); a non-finite float is refused."""
-    args = vars(build_parser(cls).parse_args(argv))
+    """An instance of the dataclass `cls` from command-line flags (build_parser); a non-finite float is refused, and
+    so is a flag of `cls.removed_flags` (name -> what replaced it), in one line."""
+    parser = build_parser(cls)
+    args, unknown = parser.parse_known_args(argv)
+    for flag in unknown:
+        name = flag.split("=")[0].removeprefix("--").replace("-", "_")
+        if flag.startswith("--") and name in getattr(cls, "removed_flags", {}):
+            raise ValueError(f"--{name.replace('_', '-')} no longer exists: {cls.removed_flags[name]}")
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args = vars(args)
     for name, value in args.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"--{name.replace('_', '-')} {value} is not a finite number")

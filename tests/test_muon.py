@@ -12,7 +12,6 @@ import torch
 import torch.optim._muon as torch_muon
 
 from core.muon import MuonAdamW, newton_schulz
-from core.optimizer import ReplicaSet
 from recipes import recipe_names
 from tests.multiproc import run_ranks
 from tests.recipe_checks import PLACED, check_args, layout_errors, layouts_worker, load_recipe, write_config
@@ -76,8 +75,8 @@ def hf_matrices(recipe, model, tensors: dict) -> dict[str, torch.Tensor]:
 def momentum_like_params(opt: MuonAdamW, model) -> dict[str, torch.Tensor]:
     """The optimizer's momentum laid out like the parameters (zeros where AdamW trains)."""
     out = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
-    for b in opt.owned:
-        b.piece.view(opt.split, out[b.piece.name]).index_copy_(0, b.index_k, b.momentum_kAB)
+    for m in opt.owned:  # (one process: every matrix, at its place in the whole parameter)
+        out[m.name].view(-1).as_strided(m.size, m.stride, m.offset).copy_(m.momentum_kAB)
     return out
 
 
@@ -90,9 +89,7 @@ def run_against_torch(name: str, workdir: Path, steps: int = 4) -> dict[str, tup
     torch.manual_seed(0)
     model = recipe.model.Model(recipe.model.ModelConfig.from_hf(write_config(workdir / "config.json", recipe.config)))
     params = dict(model.named_parameters())
-    experts = {n: p for n, p in params.items() if ".mlp.experts." in n}
-    opt = MuonAdamW([ReplicaSet({n: p for n, p in params.items() if n not in experts}, None, None),
-                     ReplicaSet(experts, None, None)], model.muon_matrices, LR, WD, BETAS, EPS)
+    opt = MuonAdamW(model, None, model.muon_matrices, LR, WD, BETAS, EPS)
     start = {n: p.detach().clone() for n, p in params.items()}
     ref_matrices = {k: v.clone().requires_grad_() for k, v in hf_matrices(recipe, model, start).items()}
     muon_names = {n for n in params if model.muon_matrices(n, params[n])}

@@ -47,7 +47,6 @@ from core.mesh import build_mesh, destroy_mesh, resolve_layout
 from core.metrics import MetricsLogger, load_max_over_mean, peak_flops, peak_memory_gib, reduce_stats, timed
 from core.moe import traffic
 from core.muon import MuonAdamW
-from core.optimizer import ReplicaSet, ShardedAdamW
 from core.pipeline import DualPipeV, running, split_layers
 from core.placement import Placement
 from core.profiling import StepProfiler, parse_steps
@@ -119,7 +118,7 @@ class Args:
     global_batch: int = 16  # sequences per optimizer step, all ranks together
     micro_batch: int = 4  # sequences per forward/backward on one rank
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon for the weight matrices, AdamW for the rest (core/muon.py)
-    shard: Literal["zero1", "fsdp"] = "zero1"  # zero1: Adam state sharded (core/optimizer.py); fsdp: weights, gradients and Adam state too, by FSDP2 (core/fsdp.py)
+    shard: Literal["zero1", "fsdp"] = "fsdp"  # (until the ZeRO-1 engine is removed: its step time is measured against FSDP2's)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -210,8 +209,8 @@ def main(argv=None):
         enable_fp8(model)
     if args.compile if args.compile is not None else device.type == "cuda":
         compile_dense_parts(model, document_mask)
-    # --shard fsdp: fully_shard the experts over (dp, cp), the rest over (dp, cp, ep) (core/fsdp.py); one process: ZeRO-1
-    fsdp_units = shard_model(model, mesh, use_bf16) if args.shard == "fsdp" and mesh.world > 1 else None
+    # FSDP2: fully_shard the experts over (dp, cp), the rest over (dp, cp, ep) (core/fsdp.py); one process: plain
+    fsdp_units = shard_model(model, mesh, use_bf16) if mesh.world > 1 and args.shard == "fsdp" else None
     pipeline = None
     if args.pp > 1:
         step_ranks = mesh.world // args.pp  # global rank distance between pipeline neighbours
@@ -223,20 +222,23 @@ def main(argv=None):
     loss_terms = loss_weights(model.loss_terms(args), args.loss_weight)  # name -> LossTerm (weight, denominator)
     n_params = sum(p.numel() for p in model.parameters())
 
-    # ---- optimizer (ZeRO-1: Adam state sharded over each parameter's replicas; Muon: each matrix on one replica)
-    # and lr schedule
-    experts = {n: p for n, p in model.named_parameters() if ".mlp.experts." in n}
-    dense = {n: p for n, p in model.named_parameters() if n not in experts}
-    expert_ids = {n: model.get_submodule(n.rsplit(".", 1)[0]).expert_ids for n in experts}  # checkpoints per expert
-    replica_sets = [ReplicaSet(dense, mesh.group("dp", "cp", "ep"), mesh.replica_mesh()),
-                    ReplicaSet(experts, mesh.group("dp", "cp"), None, expert_ids)]
+    # ---- optimizer (on FSDP2's shards; Muon: each matrix on one owner) and lr schedule
     adamw = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2), eps=args.adam_eps,
-                 norm_group=dist.group.WORLD if mesh.world > 1 else None)
-    if fsdp_units is not None:
-        optimizer = FSDPAdamW(model, fsdp_units, **adamw, pp=args.pp)
-    else:
-        optimizer = MuonAdamW(replica_sets, model.muon_matrices, **adamw) if args.optimizer == "muon" else \
+                 norm_group=dist.group.WORLD if mesh.world > 1 else None, pp=args.pp)
+    optimizer = MuonAdamW(model, fsdp_units, model.muon_matrices, **adamw) if args.optimizer == "muon" else \
+        FSDPAdamW(model, fsdp_units, **adamw)
+    if args.shard == "zero1" and mesh.world > 1:  # the ZeRO-1 engine, until its step time is measured
+        from core.muon_zero1 import MuonAdamW as ZeroMuonAdamW
+        from core.optimizer import ReplicaSet, ShardedAdamW
+        experts = {n: p for n, p in model.named_parameters() if ".mlp.experts." in n}
+        expert_ids = {n: model.get_submodule(n.rsplit(".", 1)[0]).expert_ids for n in experts}
+        replica_sets = [ReplicaSet({n: p for n, p in model.named_parameters() if n not in experts},
+                                   mesh.group("dp", "cp", "ep"), mesh.replica_mesh()),
+                        ReplicaSet(experts, mesh.group("dp", "cp"), None, expert_ids)]
+        adamw.pop("pp")
+        optimizer = ZeroMuonAdamW(replica_sets, model.muon_matrices, **adamw) if args.optimizer == "muon" else \
             ShardedAdamW(replica_sets, **adamw)
+        optimizer.gather = lambda: None
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda s: lr_factor(s, **schedule))
 
     # ---- resume
@@ -249,8 +251,7 @@ def main(argv=None):
             if args.eval_only:  # the weights only
                 start_step = load_checkpoint(candidate, {"model": optimizer.checkpoint_state(model)["model"]}, {},
                                              mesh.rank)["step"]
-                if fsdp_units is not None:  # pp > 1: gather the loaded shards again
-                    optimizer.gather()
+                optimizer.gather()  # pp > 1: gather the loaded shards again
             else:
                 extra = load_checkpoint(candidate, optimizer.checkpoint_state(model),
                                         {"scheduler": scheduler.state_dict(), "data": loader.state_dict()}, mesh.rank)
@@ -337,18 +338,18 @@ def main(argv=None):
                                                   device=device) for name in loss_terms])
 
         # ---- reliability: a step with a non-finite loss or gradient on any rank is skipped on every rank
+        watchdog.set_phase("gradient reduce-scatter and norm")
+        optimizer.reduce_gradients()  # (pp > 1: the reduce-scatter over each parameter's replicas; pp = 1: done)
         for fault in ("nan", "kill"):
             inject_fault(fault, step, model)
-        finite_P, grad_names = grads_finite(model)  # before the reduction mixes the ranks' gradients
-        watchdog.set_phase("gradient reduce-scatter and norm")
-        optimizer.reduce_gradients()  # reduce-scatter over each parameter's replicas
+        finite_P, grad_names = grads_finite(model)  # on each rank's reduced shards
         grad_norm = optimizer.clip_grad_norm_(args.grad_clip)
         watchdog.set_phase("finiteness all-reduce")
         stats, bad_ranks, bad_names = step_is_finite(stats, finite_P, grad_names, grad_norm, mesh.rank, mesh.world)
         lr = scheduler.get_last_lr()[0]
         watchdog.set_phase("optimizer step")
         opt_time = 0.0
-        if not bad_ranks:  # AdamW on this rank's shard (Muon: its matrices), then all-gather the weights
+        if not bad_ranks:  # AdamW on this rank's shards (Muon: the matrices it owns)
             opt_time = timed(optimizer.step, device)
             fp8.CACHE.invalidate()  # new weights: the next step's first micro-batch re-quantises / re-casts them
             scheduler.step()
@@ -538,10 +539,6 @@ def check_run(args: Args, world: int):
     if args.pp > 1:
         split_layers(cfg.num_hidden_layers, args.pp, flops_by_layer(cfg, args.seq_len))  # clear error if too few layers
     pp, dp, cp, ep = resolve_layout(world, args.pp, args.dp, args.cp, args.ep)
-    if args.shard == "fsdp" and (args.optimizer == "muon" or args.fp8):  # (core/fsdp.py)
-        flag = "--optimizer muon" if args.optimizer == "muon" else "--fp8"
-        raise ValueError(f"{flag} needs --shard zero1 (Muon's whole matrices, FP8's per-step weight copies); "
-                         "--shard fsdp runs AdamW in bf16 or fp32")
     Placement.parse(args.expert_placement, cfg.num_experts, ep)  # a bad table
     data_world = dp * ep  # ranks reading different sequences (cp ranks share theirs)
     if args.micro_batch < 1 or args.global_batch < 1 or args.global_batch % (data_world * args.micro_batch):
