@@ -1,8 +1,8 @@
 """The data-parallel engine: FSDP2 (`fully_shard`) shards fp32 weights, gradients and optimizer state over each
 parameter's replicas in every run of more than one rank; one process trains the same optimizer on plain tensors.
 
-Units (`shard_model`): each MoE layer's routed experts (`layer.mlp.experts`) over (dp, cp); each decoder layer's
-other parameters, the embedding, and the root (final norm, head), each over (dp, cp, ep). A parameter is a DTensor,
+Units (`shard_model`): each module of routed experts (`*.mlp.experts`) over (dp, cp); each decoder layer's other
+parameters, the embedding, and the root (final norm, head, any other layer), each over (dp, cp, ep). A parameter is a DTensor,
 Shard(0): ceil(d0 / n) rows, so an expert tensor [L, H, J] splits by whole experts. Weights are gathered in bf16
 (on the bf16 path), gradients reduce-scattered in fp32 and summed (divide factor 1: losses are pre-divided by the
 global label count).
@@ -39,11 +39,9 @@ def shard_model(model: torch.nn.Module, mesh, bf16: bool) -> list[FSDPModule]:
     pp, dense_mesh = mesh.pp, mesh.replica_mesh()  # (dp, cp, ep) flattened
     expert_mesh = mesh.device_mesh["dp", "cp"]._flatten("dp_cp")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
-    units = []
+    units = [fully_shard(module, mesh=expert_mesh, mp_policy=policy, reshard_after_forward=pp == 1)
+             for name, module in model.named_modules() if name.endswith(".mlp.experts")]  # (an MTP layer's too)
     for layer in model.layers.values():
-        if layer.moe:
-            units.append(fully_shard(layer.mlp.experts, mesh=expert_mesh, mp_policy=policy,
-                                     reshard_after_forward=pp == 1))
         units.append(fully_shard(layer, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=pp == 1))
     if model.embed_tokens is not None:  # its own unit: FSDP2 keeps the root's gathered through the whole step
         units.append(fully_shard(model.embed_tokens, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=pp == 1))
@@ -119,6 +117,15 @@ def reinit_rows(name: str, shape, index: int | slice, values: torch.Tensor | Non
     return first, last
 
 
+def _in_fp32(fsdp_param):
+    """A hook moving each gradient a gathered bf16 parameter receives into FSDP2's fp32 accumulator (what FSDP2's
+    post-backward does, here after every micro-batch's accumulation)."""
+    def hook(_):
+        fsdp_param.accumulate_unsharded_grad_if_needed()  # fp32 sum += this bf16 gradient, or
+        fsdp_param.to_accumulated_grad_if_needed()  # the first one cast to fp32
+    return hook
+
+
 class FSDPAdamW:
     """AdamW on the local shards (weight decay on matrices only: norm weights and biases are not decayed, as in
     Megatron); train.py's calls per step: reduce_gradients, clip_grad_norm_, step, zero_grad."""
@@ -154,8 +161,7 @@ class FSDPAdamW:
             unit.unshard()
         for fsdp_param in [] if self.hooked else self._fsdp_params():  # gathered in bf16: accumulate in fp32
             if fsdp_param.param_dtype not in (None, fsdp_param.reduce_dtype):
-                fsdp_param._unsharded_param.register_post_accumulate_grad_hook(
-                    lambda _, fp=fsdp_param: (fp.accumulate_unsharded_grad_if_needed(), fp.to_accumulated_grad_if_needed()))
+                fsdp_param._unsharded_param.register_post_accumulate_grad_hook(_in_fp32(fsdp_param))
         self.hooked = True
 
     def _fsdp_params(self):

@@ -33,7 +33,8 @@ of 4,096 tokens (flops_per_token).
 
 --train-ab A B runs train.py under torchrun (--nproc ranks, the layout flags after the others) with flag set A, then
 B, taking turns --rounds times, each run a fresh process group, and compares their step times (from metrics.jsonl,
-after --warmup steps): medians and bests, B / A. The two flag sets are strings as on a command line; anything
+after --warmup steps): medians and bests of the wall-clock time, and the median of rank 0's CPU time per step
+(`cpu_time`, which other jobs on a shared machine do not inflate, but which leaves out time spent waiting), B / A. The two flag sets are strings as on a command line; anything
 train.py takes (another optimizer, precision, recompute, overlap) can be set against anything else.
 
 --checkpoint-cost runs train.py (the tiny model unless --size) with no checkpoints, a blocking checkpoint after
@@ -345,7 +346,7 @@ def train_ab(args, flags: list[str], out: Path) -> dict:
     import sys
 
     sets = {"A": shlex.split(args.train_ab[0]), "B": shlex.split(args.train_ab[1])}
-    times = {k: {"step": [], "opt": []} for k in sets}
+    times = {k: {"step": [], "opt": [], "cpu": []} for k in sets}
     for r in range(args.rounds):
         for name, extra in sets.items():
             run = out / f"{name}{r}"
@@ -357,20 +358,23 @@ def train_ab(args, flags: list[str], out: Path) -> dict:
             records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][args.warmup:]
             times[name]["step"] += [x["step_time"] for x in records]
             times[name]["opt"] += [x.get("opt_time", 0.0) for x in records]
+            times[name]["cpu"] += [x.get("cpu_time", 0.0) for x in records]
     result = {}
     for name in sets:
-        step, opt = times[name]["step"], times[name]["opt"]
+        step, opt, cpu = times[name]["step"], times[name]["opt"], times[name]["cpu"]
         result[name] = {"flags": args.train_ab["AB".index(name)], "step_ms": 1000 * statistics.median(step),
-                        "best_ms": 1000 * min(step), "opt_ms": 1000 * statistics.median(opt)}
+                        "best_ms": 1000 * min(step), "opt_ms": 1000 * statistics.median(opt),
+                        "cpu_ms": 1000 * statistics.median(cpu)}
     result["ratio"] = result["B"]["step_ms"] / result["A"]["step_ms"]
     result["best_ratio"] = result["B"]["best_ms"] / result["A"]["best_ms"]
+    result["cpu_ratio"] = result["B"]["cpu_ms"] / result["A"]["cpu_ms"]
     print(f"train.py on {args.nproc} ranks, {' '.join(flags[flags.index('--steps'):])}: {args.steps} measured steps "
           f"x {args.rounds} rounds taking turns, after {args.warmup} warm-up; load {os.getloadavg()[0]:.1f}")
     for name in sets:
         r = result[name]
-        print(f"  {name} {r['flags'] or '(no flags)'!r:<40} median step {r['step_ms']:8.1f} ms  best {r['best_ms']:8.1f} ms"
-              f"  optimizer {r['opt_ms']:7.1f} ms")
-    print(f"  B / A: median {result['ratio']:.2f}x, best {result['best_ratio']:.2f}x")
+        print(f"  {name} {r['flags'] or '(no flags)'!r:<36} step: median {r['step_ms']:7.0f} ms, best {r['best_ms']:7.0f} ms,"
+              f" rank 0's CPU {r['cpu_ms']:7.0f} ms; optimizer {r['opt_ms']:6.0f} ms")
+    print(f"  B / A: median {result['ratio']:.2f}x, best {result['best_ratio']:.2f}x, CPU {result['cpu_ratio']:.2f}x")
     return result
 
 

@@ -299,7 +299,7 @@ def main(argv=None):
     # window_LE: expert load since the last collapse check, window_live_LE: experts live in all of it (None: all)
     bad_in_a_row, skipped, timeline, window_LE, window_live_LE, why = 0, 0, [], 0, None, ""
     for step in range(start_step + 1, args.steps + 1):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         watchdog.arm(step, "data")
         inject_fault("hang", step)  # MOE_TRAIN_FAULT (tests only; core/reliability.py)
         profiler.begin(step)
@@ -378,7 +378,8 @@ def main(argv=None):
         scalars = {"loss" if name == "lm" else f"{name}_loss": float(total / denominators[name])
                    for name, total in zip(loss_terms, stats)}  # every term: its sum / its denominator
         scalars.update({"lr": lr, "grad_norm": grad_norm.item(), "peak_mem_gib": peak_memory_gib(device),
-                   "skipped_steps": skipped, "opt_time": opt_time})
+                   "skipped_steps": skipped, "opt_time": opt_time,
+                   "cpu_time": time.process_time() - cpu_start})  # this rank's CPU seconds (other jobs add none)
         if a2a_rows[1] > 0:  # rows sent to other ranks, deduplicated vs one per (token, expert)
             scalars["a2a_rows_vs_naive"] = (a2a_rows[0] / a2a_rows[1]).item()
         history.append(logger.log(step, time.perf_counter() - start, args.global_batch * args.seq_len, scalars,

@@ -7,9 +7,9 @@ commit checked out; it does not run against the current code (ZeRO-1 and `--shar
 
 Each run: tests/conftest.py's TINY_TRAIN_CONFIG narrowed to hidden 32 (Qwen3-MoE, 2 layers, 4 experts; CONFIG
 below, ~0.6 MB per checkpoint), the counting data
-(tests/recipe_checks.py:write_counting_data), tests/test_train.py:train_args with 4 steps of 16 sequences, Adam eps
-1e-6, at ep2 on 2 gloo ranks, a checkpoint after step 2 (step_00000002/, kept) and after step 4 (deleted: only
-the losses and grad norms of the uninterrupted run are kept, in reference.json)."""
+(tests/recipe_checks.py:write_counting_data), tests/test_train.py:train_args with 6 steps of 16 sequences, Adam eps
+1e-6, at ep2 on 2 gloo ranks, a checkpoint after step 2 (step_00000002/, kept) and at the end (deleted: only the
+losses and grad norms of the uninterrupted run are kept, in reference.json)."""
 
 import json
 import shutil
@@ -26,7 +26,7 @@ RUNS = {"adamw_ep2": {"ep": 2}, "muon_ep2": {"ep": 2, "optimizer": "muon"}}
 
 
 def flags(config, data, out, **extra):
-    return train_args(config, data, out, steps=4, global_batch=16, adam_eps=1e-6, **extra)
+    return train_args(config, data, out, steps=6, global_batch=16, adam_eps=1e-6, **extra)
 
 
 def main():
@@ -34,7 +34,8 @@ def main():
     data = write_counting_data(HERE / "tmp_data")
     reference = {}
     for name, extra in RUNS.items():
-        ranks = run_ranks(2, run_train, flags(HERE / "config.json", data, HERE / "tmp_run", ckpt_every=2, **extra))
+        ranks = run_ranks(2, run_train, flags(HERE / "config.json", data, HERE / "tmp_run", ckpt_every=2,
+                                              keep_checkpoints=0, **extra))
         reference[name] = {"flags": extra, "losses": ranks[0][0], "grad_norms": ranks[0][1]}
         assert all(r[0] == ranks[0][0] and r[1] == ranks[0][1] for r in ranks)
         shutil.rmtree(HERE / name, ignore_errors=True)
