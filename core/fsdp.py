@@ -7,18 +7,19 @@ Shard(0): ceil(d0 / n) rows, so an expert tensor [L, H, J] splits by whole exper
 (on the bf16 path), gradients reduce-scattered in fp32 and summed (divide factor 1: losses are pre-divided by the
 global label count).
 
-When shards are gathered and gradients reduced, in a step of n_micro micro-batches:
-  pp = 1   FSDP2's own hooks: a unit is gathered before its forward, freed after it, gathered again for its
-           backward, and its gradient reduce-scattered (in fp32) as soon as that ends, per micro-batch. Per step
-           and parameter: n_micro x (2 bf16 all-gathers + 1 fp32 reduce-scatter); memory 16/n bytes + units in flight.
-  pp > 1   DualPipeV calls a layer's steps, not its forward (no dense unit's hook fires), and its W slots write
-           expert weight gradients after the chunk's backward. So `gather` all-gathers the rank's units once
-           before the schedule (reshard_after_forward False), gradients accumulate unsharded through all F, B and
-           W slots, and `FSDPAdamW.reduce_gradients` runs each unit's post-backward (reduce-scatter, reshard) by
-           hand after the last W slot, as torch.distributed.pipelining.stage's perform_reduce_grad does. On the
-           bf16 path a hook on each gathered parameter moves every gradient it receives into FSDP2's fp32
-           accumulator, so micro-batches sum in fp32 (FSDP2 upcasts only in the post-backward hook, which never
-           fires there). Per step one bf16 all-gather and one fp32 reduce-scatter; memory 16/n + 2 + 4 bytes.
+When shards are gathered and gradients reduced, in a step of n_micro micro-batches (train.py --fsdp-gather):
+  per micro-batch (pp = 1's default)  FSDP2's own hooks: a unit is gathered before its forward, freed after it,
+           gathered again for its backward, and its gradient reduce-scattered (in fp32) as soon as that ends, per
+           micro-batch. Per step and parameter: n_micro x (2 bf16 all-gathers + 1 fp32 reduce-scatter); memory
+           16/n bytes + units in flight.
+  once per step (pp > 1 always: DualPipeV calls a layer's steps, not its forward, so no dense unit's hook fires,
+           and its W slots write expert weight gradients after the chunk's backward)  `gather` all-gathers the
+           rank's units before the step (reshard_after_forward False), gradients accumulate unsharded through all
+           micro-batches (F, B and W slots), and `FSDPAdamW.reduce_gradients` runs each unit's post-backward
+           (reduce-scatter, reshard) by hand at the end, as torch.distributed.pipelining.stage's
+           perform_reduce_grad does. On the bf16 path a hook on each gathered parameter moves every gradient it
+           receives into FSDP2's fp32 accumulator, so micro-batches sum in fp32 (FSDP2 upcasts only in its
+           post-backward hook). Per step one bf16 all-gather and one fp32 reduce-scatter; memory 16/n + 2 + 4 bytes.
 
 Optimizer (`FSDPAdamW`): torch's AdamW on the local shards (views of FSDP2's storage); the gradient norm sums every
 rank's shards, each element once; core/muon.py's MuonAdamW adds Muon for the weight matrices. Checkpoints: dense
@@ -34,23 +35,29 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 
-def shard_model(model: torch.nn.Module, mesh, bf16: bool) -> list[FSDPModule]:
-    """fully_shard the model's units in place over core.mesh.Mesh `mesh` (world > 1); returns them, root last."""
-    pp, dense_mesh = mesh.pp, mesh.replica_mesh()  # (dp, cp, ep) flattened
+def shard_model(model: torch.nn.Module, mesh, bf16: bool, once: bool) -> list[FSDPModule]:
+    """fully_shard the model's units in place over core.mesh.Mesh `mesh` (world > 1), gathered once per step or
+    per micro-batch (module docstring); returns them, root last."""
+    per_micro_batch, dense_mesh = not once, mesh.replica_mesh()  # (dp, cp, ep) flattened
     expert_mesh = mesh.device_mesh["dp", "cp"]._flatten("dp_cp")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
-    units = [fully_shard(module, mesh=expert_mesh, mp_policy=policy, reshard_after_forward=pp == 1)
-             for name, module in model.named_modules() if name.endswith(".mlp.experts")]  # (an MTP layer's too)
-    for layer in model.layers.values():
-        units.append(fully_shard(layer, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=pp == 1))
-    if model.embed_tokens is not None:  # its own unit: FSDP2 keeps the root's gathered through the whole step
-        units.append(fully_shard(model.embed_tokens, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=pp == 1))
-    units.append(fully_shard(model, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=pp == 1))
-    register_fsdp_forward_method(model, "forward_train")  # train.py's pp=1 loop calls it, not forward
-    for unit in units:
+    shard = lambda module, mesh: fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=per_micro_batch)
+    experts = [shard(module, expert_mesh) for name, module in model.named_modules()
+               if name.endswith(".mlp.experts")]  # (an MTP layer's too)
+    # the embedding is its own unit: FSDP2 keeps the root's gathered through the whole step
+    chain = [shard(module, dense_mesh) for module in ([model.embed_tokens] if model.embed_tokens is not None else [])
+             + list(model.layers.values()) + [model]]  # in forward order, the root last
+    register_fsdp_forward_method(model, "forward_train")  # train.py's pp = 1 loop calls it, not forward
+    # Backward prefetch along the dense units only, each the one before: an experts unit's backward starts at
+    # another point on ranks holding other (or no) experts, so the all-gather FSDP2's default would prefetch there
+    # (of the unit before in forward order) would meet the MoE all-to-alls in another order on each rank: a
+    # deadlock. A unit set to prefetch itself prefetches nothing.
+    for before, unit in [*zip(chain[:1] + chain, chain), *zip(experts, experts)]:
+        unit.set_modules_to_backward_prefetch([before])
+    for unit in experts + chain:
         unit.set_gradient_divide_factor(1.0)  # a sum over the shard group, not FSDP2's mean
         unit.set_force_sum_reduction_for_comms(True)  # as ReduceOp.SUM (gloo has no PREMUL_SUM)
-    return units
+    return experts + chain
 
 
 def whole_model(model: torch.nn.Module, make_model) -> torch.nn.Module:
@@ -131,10 +138,10 @@ class FSDPAdamW:
     Megatron); train.py's calls per step: reduce_gradients, clip_grad_norm_, step, zero_grad."""
 
     def __init__(self, model, units: list[FSDPModule] | None, lr: float, weight_decay: float, betas, eps: float,
-                 norm_group=None, pp: int = 1, skip=()):
-        """units: shard_model's (None: one process, plain tensors); norm_group spans every rank; skip: names of
-        parameters another optimizer trains (core/muon.py)."""
-        self.model, self.units, self.pp, self.norm_group = model, units or [], pp, norm_group
+                 norm_group=None, once: bool = False, skip=()):
+        """units: shard_model's (None: one process, plain tensors); norm_group spans every rank; once: units
+        gathered once per step (shard_model's); skip: names of parameters another optimizer trains (core/muon.py)."""
+        self.model, self.units, self.once, self.norm_group = model, units or [], once and bool(units), norm_group
         self.params = dict(model.named_parameters())  # DTensors, Shard(0), or plain tensors
         self.buffers = [n for n in model.state_dict() if n not in self.params]  # persistent (expert biases)
         with torch.no_grad():  # views of FSDP2's sharded storage (or of the parameter)
@@ -150,8 +157,8 @@ class FSDPAdamW:
         self.gather()
 
     def gather(self) -> None:
-        """pp > 1: all-gather every unit before the schedule; they stay gathered until reduce_gradients."""
-        if self.pp == 1 or not self.units:
+        """Once per step: all-gather every unit before the step; they stay gathered until reduce_gradients."""
+        if not self.once:
             return
         fully_shard.state(self.units[-1])._lazy_init()  # what the root's first forward does (none runs here)
         for unit in self.units:
@@ -169,9 +176,9 @@ class FSDPAdamW:
                 for fp in group.fsdp_params]
 
     def reduce_gradients(self) -> None:
-        """pp > 1: each unit's post-backward (reduce-scatter of the accumulated gradients, reshard). Then every
-        local shard's gradient (zeros for a parameter without one: an idle expert steps with g = 0)."""
-        if self.pp > 1 and self.units:
+        """Once per step: each unit's post-backward (reduce-scatter of the accumulated gradients, reshard). Then
+        every local shard's gradient (zeros for a parameter without one: an idle expert steps with g = 0)."""
+        if self.once:
             for unit in self.units:
                 unit.set_requires_gradient_sync(True, recurse=False)
                 unit.set_reshard_after_backward(True, recurse=False)
@@ -275,7 +282,7 @@ class FSDPAdamW:
 
     @torch.no_grad()
     def after_load(self, state: dict) -> None:
-        """What a load cannot fill in place: the learning rates; pp > 1 gathers the loaded weights."""
+        """What a load cannot fill in place: the learning rates; once per step: the loaded weights gathered."""
         for g, lr in zip(self.param_groups, state["optim"]["lr"].tolist()):
             g["lr"] = lr
         self.gather()

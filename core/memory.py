@@ -17,11 +17,11 @@ Components of the most loaded pipeline rank (every pp rank is built; the largest
                recipe's tiny config on CPU (per token and layer, and per routed choice: an MoE layer keeps [T*k, H]
                rows; per token and vocab entry for the head), scaled by top-k, tokens (micro_batch * seq_len / cp),
                layers, hidden_size / tiny's, vocab, 1/2 for bf16, micro-batches in flight (pp + 1 under DualPipeV)
-  comm buffers MoE all-to-all rows (sent and received, tokens * top-k * hidden); pp = 1: the two largest FSDP2
-               units gathered and the largest unit's gradient before its reduce-scatter (compute dtype + fp32);
-               pp > 1: the largest unit's fp32 reduce-scatter input; Muon: its largest bucket's rows in flight
-At pp > 1 the weight cache is the gathered stage (compute dtype) and the gradients add the unsharded ones,
-accumulated in fp32. Plus a reserve for the CUDA context and fragmentation. Weights, gradients and optimizer are
+  comm buffers MoE all-to-all rows (sent and received, tokens * top-k * hidden); gathered per micro-batch: the two
+               largest FSDP2 units gathered and the largest unit's gradient before its reduce-scatter (compute dtype
+               + fp32); once per step: the largest unit's fp32 reduce-scatter input; Muon: its largest bucket's rows
+Gathered once per step (pp > 1, or --fsdp-gather step) the weight cache is the gathered stage (compute dtype) and
+the gradients add the unsharded ones, summed in fp32. Plus a reserve for the CUDA context and fragmentation. Weights, gradients and optimizer are
 exact (tested against a built model and the optimizers on gloo ranks); activations exact on tiny configs,
 first-order on full ones (scaled by hidden size).
 Parameter names follow the recipes' convention: routed experts under `.mlp.experts.`, the head is `lm_head`.
@@ -57,12 +57,19 @@ class Layout:
     recompute: str = "none"
     expert_placement: str = ""  # train.py's --expert-placement ('': the even split)
     optimizer: str = "adamw"  # train.py's --optimizer: adamw or muon
+    fsdp_gather: str = "auto"  # train.py's --fsdp-gather: auto, micro-batch or step
 
     def __str__(self):
         return (f"--pp {self.pp} --dp {self.dp} --cp {self.cp} --ep {self.ep} --micro-batch {self.micro_batch} "
                 f"--recompute {self.recompute}" + (f" --expert-placement {self.expert_placement}"
                                                    if self.expert_placement else "")
-                + (f" --optimizer {self.optimizer}" if self.optimizer != "adamw" else ""))
+                + (f" --optimizer {self.optimizer}" if self.optimizer != "adamw" else "")
+                + (" --fsdp-gather step" if self.fsdp_gather == "step" and self.pp == 1 else ""))
+
+    @property
+    def once(self) -> bool:
+        """FSDP2 gathers the units once per step (always at pp > 1), not around every micro-batch."""
+        return self.pp > 1 or self.fsdp_gather == "step"
 
     @property
     def fsdp(self) -> bool:
@@ -223,13 +230,13 @@ def fsdp_bytes(model, layout: Layout) -> dict:
         units[fsdp_unit(name)] = units.get(fsdp_unit(name), 0) + p.numel()
         if layout.fp8 and p.ndim >= 2 and ".layers." in name and name.split(".")[-2] not in ("gate", "router"):
             cache += 2 * p.numel()  # two FP8 copies (core/fp8.py: one per GEMM direction)
-        elif layout.pp > 1:
+        elif layout.once:
             cache += compute * p.numel()  # gathered once per step
-        if layout.pp > 1:
+        if layout.once:
             unsharded_grads += 4 * p.numel()  # summed in fp32 (each bf16 gradient moves there as it arrives)
     momentum, muon_buffers = muon_bytes(model, layout) if muon else ([0], 0)
     largest = sorted(units.values(), reverse=True)
-    in_flight = largest[0] * 4 if layout.pp > 1 else \
+    in_flight = largest[0] * 4 if layout.once else \
         compute * sum(largest[:2]) + (compute + 4) * largest[0]
     return dict(weights=4 * shards, gradients=4 * shards + unsharded_grads, optimizer=8 * adam + max(momentum),
                 weight_cache=cache, fsdp_buffers=in_flight + muon_buffers)
@@ -259,7 +266,7 @@ def rank_param_bytes(mod, cfg, layout: Layout, pp_rank: int) -> tuple[dict, list
     """(param_bytes, layer ids, holds the head) of one pp rank, from the model built on meta (the model cached per
     (pp, ep, placement, sequence length: the layer costs split the stages, pp rank), the bytes per layout)."""
     key = (mod.__name__, id(cfg), layout.pp, layout.dp, layout.cp, layout.ep, layout.expert_placement, layout.bf16,
-           layout.fp8, layout.seq_len, layout.optimizer, pp_rank)
+           layout.fp8, layout.seq_len, layout.optimizer, layout.fsdp_gather, pp_rank)
     if key not in _PARAMS:
         model_key = (mod.__name__, id(cfg), layout.pp, layout.ep, layout.expert_placement, layout.seq_len, pp_rank)
         if model_key not in _MODELS:
@@ -347,5 +354,5 @@ def check_train_args(model_cls, cfg, args, world: int) -> None:
     if dp < 1 or args.pp * dp * args.cp * args.ep != world:
         return  # build_mesh reports a layout that does not match the world size
     layout = Layout(args.pp, dp, args.cp, args.ep, args.micro_batch, args.seq_len, args.dtype != "fp32", args.fp8,
-                    args.recompute, args.expert_placement, args.optimizer)
+                    args.recompute, args.expert_placement, args.optimizer, args.fsdp_gather)
     check_fits(sys.modules[model_cls.__module__], cfg, layout, torch.cuda.get_device_properties(0).total_memory / GIB)

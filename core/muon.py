@@ -143,12 +143,12 @@ class MuonAdamW(FSDPAdamW):
     """Muon on `split`'s matrices, FSDPAdamW (same calls) on the rest; one lr, scheduled via `self.optimizer`."""
 
     def __init__(self, model, units, split, lr: float, weight_decay: float, betas, eps: float, momentum: float = 0.95,
-                 norm_group=None, pp: int = 1, ns_dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20):
+                 norm_group=None, once: bool = False, ns_dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20):
         """split(name, t) -> {kind: ([S, A, B] view of t, the S matrices' global expert ids or None)}, {} for an AdamW
         parameter (t: a meta tensor of the parameter's shape). ns_dtype: default bf16 on GPU, fp32 on CPU."""
         params = dict(model.named_parameters())
         self.views = {n: v for n, p in params.items() if (v := split(n, torch.empty(p.shape, device="meta")))}
-        super().__init__(model, units, lr, weight_decay, betas, eps, norm_group, pp, skip=self.views)
+        super().__init__(model, units, lr, weight_decay, betas, eps, norm_group, once, skip=self.views)
         self.momentum, self.weight_decay, self.buckets = momentum, weight_decay, []
         self.device = device = next(iter(self.local.values())).device
         self.ns_dtype = ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)

@@ -152,7 +152,7 @@ class StepDone:
 
     step: int  # the step just finished (1-based)
     stats: dict  # Model.take_stats() combined over all ranks (core/metrics.py:reduce_stats), expert_load included
-    optimizer: object  # ShardedAdamW / MuonAdamW: reinit_(param, index, value) resets rows and their optimizer state
+    optimizer: object  # FSDPAdamW / MuonAdamW: reinit_(param, index, value) resets rows and their optimizer state
     out: pathlib.Path  # the run's folder (--out): per-step artifacts go under it
     args: object  # train.py's Args (every flag: expert_bias_rate, ...)
     skipped: bool  # the step was skipped (non-finite loss or gradient): weights and optimizer state unchanged

@@ -132,7 +132,7 @@ def model_grads_worker(config_path, dp: int, ep: int):
     loss.backward()
     errors = {"loss": rel_err(loss.detach(), ref_losses[r].detach())}
     sharded = Model(cfg, ep_group=mesh.group("ep"))  # FSDP2 over the same mesh: the optimizer's state
-    state_bytes = FSDPAdamW(sharded, shard_model(sharded, mesh, bf16=False), 1e-3, 0.0, (0.9, 0.95), 1e-8).state_bytes()
+    state_bytes = FSDPAdamW(sharded, shard_model(sharded, mesh, bf16=False, once=False), 1e-3, 0.0, (0.9, 0.95), 1e-8).state_bytes()
     full_params = dict(full.named_parameters())
     for name, p in model.named_parameters():
         experts = ".mlp.experts." in name

@@ -20,7 +20,8 @@ from tests.multiproc import run_ranks
 from tests.recipe_checks import write_counting_data
 from tests.test_train import LAYOUT_TOLERANCE, assert_matches_single, rel_err, run_train, train_args
 
-TWO_RANKS = {"dp2": {"dp": 2}, "ep2": {"ep": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2}}
+TWO_RANKS = {"dp2": {"dp": 2}, "ep2": {"ep": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2},
+             "dp2 gathered once": {"dp": 2, "fsdp_gather": "step"}}  # (as pp > 1 runs, at pp = 1)
 # 3 and 1 of the 4 experts per ep rank: FSDP2 pads the dp2 shards (ceil(3 / 2) = 2 rows, and 1 row and none), as
 # the estimate counts
 FOUR_RANKS = {"pp2xep2": {"pp": 2, "ep": 2}, "cp2xep2": {"cp": 2, "ep": 2},
@@ -40,7 +41,7 @@ def _storage_bytes(tensors) -> int:
 
 
 def _unsharded_grads(opt) -> list:
-    """Gradients still on the gathered parameters (pp > 1: before reduce_gradients)."""
+    """Gradients still on the gathered parameters (gathered once per step: before reduce_gradients)."""
     out = []
     for unit in opt.units:
         for group in fully_shard.state(unit)._fsdp_param_groups:
@@ -63,7 +64,7 @@ def reinit_after_step(after_step):
 
 def measure_worker(jobs: dict) -> dict:
     """Each job's train.py run on this rank with the optimizer's calls wrapped to record, at the first step, the
-    bytes of weights (shards, plus the gathered copies at pp > 1), gradients (sharded, plus unsharded before the
+    bytes of weights (shards, plus the gathered copies once per step), gradients (sharded, plus unsharded before the
     reduction), Adam state and Muon momentum, and the reduced gradients (this rank's rows); returns {job:
     (run_train's result, what was recorded, rank)}."""
     dist.init_process_group("gloo")
@@ -78,7 +79,7 @@ def measure_worker(jobs: dict) -> dict:
 
         def reduce_gradients(opt, seen=seen):
             if not seen:
-                gathered = [p for n, p in opt.model.named_parameters()] if opt.pp > 1 else []
+                gathered = [p for n, p in opt.model.named_parameters()] if opt.once else []
                 seen.update(cache=_storage_bytes(gathered), unsharded=_storage_bytes(_unsharded_grads(opt)))
             reduce(opt)
             seen.setdefault("grads", {n: (fsdp.local_rows(opt.params[n])[2], t.grad.clone()) for n, t in opt.local.items()})
@@ -187,9 +188,9 @@ def old_checkpoint_runs(tmp_path) -> tuple[dict, dict]:
 
 
 def test_two_ranks_equal_one_process(tiny_train_setup, tmp_path):
-    """dp2, ep2, pp2 (DualPipeV with its W slots, gathered once per step) and cp2, AdamW and Muon, equal one process,
-    and each rank holds the bytes core/memory.py estimates. reinit_ after step 2 at dp2 (an expert's new weights,
-    dense rows' state) equals it in one process. pp2 in bf16 sums its micro-batches in fp32: its gradients equal
+    """dp2, ep2, pp2 (DualPipeV with its W slots, gathered once per step), cp2 and dp2 gathered once per step, AdamW
+    and Muon, equal one process, and each rank holds the bytes core/memory.py estimates. reinit_ after step 2 at dp2
+    (an expert's new weights, dense rows' state) equals it in one process. pp2 in bf16 sums its micro-batches in fp32: its gradients equal
     dp2's (where FSDP2 reduce-scatters each micro-batch in fp32). The ZeRO-1 checkpoints (AdamW and Muon at ep2,
     step 2 of 6) resume at ep2, at dp2 and in one process: steps 3-6 give the uninterrupted ZeRO-1 run's losses and
     grad norms."""
@@ -220,13 +221,16 @@ def test_two_ranks_equal_one_process(tiny_train_setup, tmp_path):
     least = min(rel_err(g, fp32[n]) for n, g in pp2.items())
     assert pp2.keys() == dp2.keys() == fp32.keys() and worst[0] <= 1e-5 < 1e-3 <= least, (worst, least)
     print(f"bf16 pp2 vs dp2 gradients at step 1 (fp32 sums): worst {worst[0]:.1e} ({worst[1]}); vs fp32 >= {least:.1e}")
-    for old in old_jobs:  # another layout sums in another order: LAYOUT_TOLERANCE
-        name = old.split(" at ")[0]
+    worst = (0.0, "")
+    for old in [*old_jobs, *old_single]:  # FSDP2 sums in another order than ZeRO-1 did: LAYOUT_TOLERANCE
+        name = old.split(" ")[0]
         ref = json.loads((OLD / "reference.json").read_text())[name]
-        for losses, norms, _ in [r[0] for r in runs[old]] + old_single[f"{name} in 1 process"]:
-            assert len(losses) == 4 and rel_err(torch.tensor(losses), torch.tensor(ref["losses"][2:])) <= \
-                LAYOUT_TOLERANCE, (old, losses, ref)
-            assert rel_err(torch.tensor(norms), torch.tensor(ref["grad_norms"][2:])) <= LAYOUT_TOLERANCE, (old, norms)
+        for losses, norms, _ in [r[0] for r in runs[old]] if old in old_jobs else old_single[old]:
+            assert len(losses) == 4, (old, losses)
+            worst = max(worst, (rel_err(torch.tensor(losses), torch.tensor(ref["losses"][2:])), f"{old} losses"),
+                        (rel_err(torch.tensor(norms), torch.tensor(ref["grad_norms"][2:])), f"{old} grad norms"))
+    print(f"ZeRO-1 checkpoints resumed, steps 3-6 vs the uninterrupted ZeRO-1 run: worst {worst[0]:.1e} ({worst[1]})")
+    assert worst[0] <= LAYOUT_TOLERANCE, worst
 
 
 def test_four_ranks_equal_one_process(tiny_train_setup, tmp_path):

@@ -124,7 +124,7 @@ def optimizer_worker(ckpt_dir: str, schedule: str):
 
     def build(seed):
         model = Plain(lo, hi, seed)
-        units = shard_model(model, mesh, bf16=False) if mesh.world > 1 else None
+        units = shard_model(model, mesh, bf16=False, once=False) if mesh.world > 1 else None
         opt = FSDPAdamW(model, units, LR, WD, BETAS, EPS, norm_group=torch.distributed.group.WORLD if mesh.world > 1
                         else None)
         sched = LambdaLR(opt.optimizer, lambda s: lr_factor(s, schedule, WARMUP, STEPS, MIN_RATIO, DECAY_FRACTION))

@@ -48,7 +48,7 @@ def measured_saved_bytes(model, batch, seq):
 
 def optimizer_bytes(model, mesh, optimizer: str) -> tuple[int, int]:
     """(Adam bytes, Muon momentum bytes) the real optimizer holds on this rank (FSDP2 over `mesh` at world > 1)."""
-    units = shard_model(model, mesh, bf16=False) if mesh is not None and mesh.world > 1 else None
+    units = shard_model(model, mesh, bf16=False, once=False) if mesh is not None and mesh.world > 1 else None
     if optimizer == "adamw":
         return FSDPAdamW(model, units, 1e-3, 0.1, (0.9, 0.95), 1e-8).state_bytes()[0], 0
     opt = MuonAdamW(model, units, model.muon_matrices, 1e-3, 0.1, (0.9, 0.95), 1e-8)

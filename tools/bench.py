@@ -24,7 +24,7 @@ both alike). Peak memory is the CUDA allocator's peak, or on CPU the process's r
 before each run through /proc/self/clear_refs).
 
 --optimizer-step times, for every recipe, what the optimizer adds to a training step (gradient reduction, clipping,
-the step with its weight all-gather: train.py's three calls) with ShardedAdamW and with MuonAdamW, on random
+the step: train.py's three calls) with FSDPAdamW and with MuonAdamW (on FSDP2's shards under torchrun), on random
 gradients of the recipe's model (--size tiny: its config_tiny.json; wide: its config.json with --layers layers,
 default 2), the two taking turns --rounds times; under torchrun --dp/--ep set the layout. --newton-schulz-share
 counts (no run) the Newton-Schulz FLOPs of one Muon step of each released model (recipes/*/config.json, every matrix
@@ -58,10 +58,10 @@ from pathlib import Path
 import torch
 
 from core.data import TokenLoader, write_shards
+from core.fsdp import FSDPAdamW, shard_model
 from core.mesh import build_mesh, destroy_mesh
 from core.metrics import measure_matmul_flops, peak_flops_and_source, timed
 from core.muon import MuonAdamW, newton_schulz_flops
-from core.optimizer import ReplicaSet, ShardedAdamW
 from recipes import recipe_names
 from recipes.qwen3_30b_a3b import train
 from recipes.qwen3_30b_a3b.model import ModelConfig, flops_per_token, real_config_path, tiny_config_path
@@ -253,19 +253,18 @@ def optimizer_step_times(args, layout: list[str]) -> dict:
             torch.manual_seed(0)
             with torch.device(mesh.device):
                 model = mod.Model(cfg, ep_group=mesh.group("ep"))
-            experts = {n: p for n, p in model.named_parameters() if ".mlp.experts." in n}
-            sets = [ReplicaSet({n: p for n, p in model.named_parameters() if n not in experts},
-                               mesh.group("dp", "cp", "ep"), None), ReplicaSet(experts, mesh.group("dp", "cp"), None)]
+            units = shard_model(model, mesh, bf16=False, once=False) if mesh.world > 1 else None
             adamw = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
                          norm_group=torch.distributed.group.WORLD if mesh.world > 1 else None)
-            opt = MuonAdamW(sets, model.muon_matrices, **adamw) if kind == "muon" else ShardedAdamW(sets, **adamw)
+            opt = MuonAdamW(model, units, model.muon_matrices, **adamw) if kind == "muon" else \
+                FSDPAdamW(model, units, **adamw)
 
             def optimizer_calls(opt=opt):
                 opt.reduce_gradients()
                 opt.clip_grad_norm_(1.0)
                 opt.step()
             for step in range(args.warmup + args.steps):
-                for p in model.parameters():
+                for p in model.parameters():  # (FSDP2: this rank's shard, as its reduce-scatter leaves it)
                     p.grad = torch.randn_like(p)
                 seconds = timed(optimizer_calls, mesh.device)
                 opt.zero_grad()

@@ -118,7 +118,10 @@ class Args:
     global_batch: int = 16  # sequences per optimizer step, all ranks together
     micro_batch: int = 4  # sequences per forward/backward on one rank
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon for the weight matrices, AdamW for the rest (core/muon.py)
-    shard: Literal["zero1", "fsdp"] = "fsdp"  # (until the ZeRO-1 engine is removed: its step time is measured against FSDP2's)
+    fsdp_gather: Literal["auto", "micro-batch", "step"] = "auto"  # more than one rank (FSDP2, core/fsdp.py): gather each
+    # unit around every micro-batch's forward and backward (least memory), or once per step (one all-gather and one
+    # reduce-scatter per step, +6 bytes per parameter: its bf16 copy and fp32 gradient sum); auto: step at --pp > 1
+    # (the only one there), micro-batch otherwise
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -154,6 +157,9 @@ class Args:
     sample_chat: str = ""  # also sample the assistant's answer to this question through the tokenizer's chat template
     profile_steps: str = ""  # "A-B": torch.profiler over steps A..B -> <out>/profile/rank<N>.json (core/profiling.py)
     dry_run: bool = False  # check flags, config, layout (against WORLD_SIZE), data and resume, then exit (launch.sh does)
+    # ---- flags that no longer exist -> what replaced them (core/training.py:parse_args refuses each in one line)
+    removed_flags = {"shard": "every run of more than one rank shards weights, gradients and optimizer state with "
+                              "FSDP2 (core/fsdp.py) and one process runs unsharded; drop the flag"}
 
 
 def main(argv=None):
@@ -210,7 +216,8 @@ def main(argv=None):
     if args.compile if args.compile is not None else device.type == "cuda":
         compile_dense_parts(model, document_mask)
     # FSDP2: fully_shard the experts over (dp, cp), the rest over (dp, cp, ep) (core/fsdp.py); one process: plain
-    fsdp_units = shard_model(model, mesh, use_bf16) if mesh.world > 1 and args.shard == "fsdp" else None
+    once = args.fsdp_gather == "step" or args.pp > 1  # gathered once per step, else per micro-batch
+    fsdp_units = shard_model(model, mesh, use_bf16, once) if mesh.world > 1 else None
     pipeline = None
     if args.pp > 1:
         step_ranks = mesh.world // args.pp  # global rank distance between pipeline neighbours
@@ -224,21 +231,9 @@ def main(argv=None):
 
     # ---- optimizer (on FSDP2's shards; Muon: each matrix on one owner) and lr schedule
     adamw = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2), eps=args.adam_eps,
-                 norm_group=dist.group.WORLD if mesh.world > 1 else None, pp=args.pp)
+                 norm_group=dist.group.WORLD if mesh.world > 1 else None, once=once)
     optimizer = MuonAdamW(model, fsdp_units, model.muon_matrices, **adamw) if args.optimizer == "muon" else \
         FSDPAdamW(model, fsdp_units, **adamw)
-    if args.shard == "zero1" and mesh.world > 1:  # the ZeRO-1 engine, until its step time is measured
-        from core.muon_zero1 import MuonAdamW as ZeroMuonAdamW
-        from core.optimizer import ReplicaSet, ShardedAdamW
-        experts = {n: p for n, p in model.named_parameters() if ".mlp.experts." in n}
-        expert_ids = {n: model.get_submodule(n.rsplit(".", 1)[0]).expert_ids for n in experts}
-        replica_sets = [ReplicaSet({n: p for n, p in model.named_parameters() if n not in experts},
-                                   mesh.group("dp", "cp", "ep"), mesh.replica_mesh()),
-                        ReplicaSet(experts, mesh.group("dp", "cp"), None, expert_ids)]
-        adamw.pop("pp")
-        optimizer = ZeroMuonAdamW(replica_sets, model.muon_matrices, **adamw) if args.optimizer == "muon" else \
-            ShardedAdamW(replica_sets, **adamw)
-        optimizer.gather = lambda: None
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda s: lr_factor(s, **schedule))
 
     # ---- resume
@@ -508,6 +503,8 @@ def check_arguments(args: Args) -> None:
             not (args.sample_chat and args.pp > 1),
         f"--export-hf {args.export_hf} is a file; name a folder": not os.path.isfile(args.export_hf),
         f"--fp8-recipe {args.fp8_recipe} chooses the recipe of --fp8: add --fp8": args.fp8 or args.fp8_recipe == "rowwise",
+        "--fsdp-gather micro-batch needs --pp 1 (DualPipeV runs a layer's steps, not its forward: FSDP2 gathers once "
+        "per step there); drop it": not (args.fsdp_gather == "micro-batch" and args.pp > 1),
     })
     try:
         Path(args.out).mkdir(parents=True, exist_ok=True)
