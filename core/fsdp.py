@@ -17,9 +17,10 @@ When shards are gathered and gradients reduced, in a step of n_micro micro-batch
            rank's units before the step (reshard_after_forward False), gradients accumulate unsharded through all
            micro-batches (F, B and W slots), and `FSDPAdamW.reduce_gradients` runs each unit's post-backward
            (reduce-scatter, reshard) by hand at the end, as torch.distributed.pipelining.stage's
-           perform_reduce_grad does. On the bf16 path a hook on each gathered parameter moves every gradient it
-           receives into FSDP2's fp32 accumulator, so micro-batches sum in fp32 (FSDP2 upcasts only in its
-           post-backward hook). Per step one bf16 all-gather and one fp32 reduce-scatter; memory 16/n + 2 + 4 bytes.
+           perform_reduce_grad does. Per step one bf16 all-gather and one fp32 reduce-scatter; memory 16/n + 2 + 4
+           bytes.
+           Micro-batches sum in fp32 on the bf16 path: a hook on each gathered parameter moves every gradient it
+           receives into FSDP2's fp32 accumulator (`_in_fp32`).
 
 Optimizer (`FSDPAdamW`): torch's AdamW on the local shards (views of FSDP2's storage); the gradient norm sums every
 rank's shards, each element once; core/muon.py's MuonAdamW adds Muon for the weight matrices. Checkpoints: dense
@@ -125,8 +126,8 @@ def reinit_rows(name: str, shape, index: int | slice, values: torch.Tensor | Non
 
 
 def _in_fp32(fsdp_param):
-    """A hook moving each gradient a gathered bf16 parameter receives into FSDP2's fp32 accumulator (what FSDP2's
-    post-backward does, here after every micro-batch's accumulation)."""
+    """A hook moving each gradient a gathered bf16 parameter receives into FSDP2's fp32 accumulator: FSDP2 upcasts
+    only in its post-backward hook, once per backward at most, which never fires on pipeline steps."""
     def hook(_):
         fsdp_param.accumulate_unsharded_grad_if_needed()  # fp32 sum += this bf16 gradient, or
         fsdp_param.to_accumulated_grad_if_needed()  # the first one cast to fp32
@@ -153,23 +154,24 @@ class FSDPAdamW:
         groups = [{"params": [self.local[n] for n in self.adamw if self.params[n].ndim >= 2], "weight_decay": weight_decay},
                   {"params": [self.local[n] for n in self.adamw if self.params[n].ndim < 2], "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=on_gpu, foreach=not on_gpu)
-        self.hooked = False
+        if self.once:  # gathered once per step: micro-batches sum in fp32 (_in_fp32)
+            fully_shard.state(self.units[-1])._lazy_init()  # what the root's first forward does (none at pp > 1)
+            for unit in self.units:
+                unit.unshard()  # FSDP2 creates a parameter's gathered form at its first all-gather, then keeps it
+            for fsdp_param in self._fsdp_params():
+                if fsdp_param.param_dtype not in (None, fsdp_param.reduce_dtype):  # gathered in bf16
+                    fsdp_param._unsharded_param.register_post_accumulate_grad_hook(_in_fp32(fsdp_param))
         self.gather()
 
     def gather(self) -> None:
         """Once per step: all-gather every unit before the step; they stay gathered until reduce_gradients."""
         if not self.once:
             return
-        fully_shard.state(self.units[-1])._lazy_init()  # what the root's first forward does (none runs here)
         for unit in self.units:
             unit.set_requires_gradient_sync(False, recurse=False)
             unit.set_reshard_after_backward(False, recurse=False)
             unit.reshard()  # (a no-op when sharded; after a load the gathered copy is stale)
             unit.unshard()
-        for fsdp_param in [] if self.hooked else self._fsdp_params():  # gathered in bf16: accumulate in fp32
-            if fsdp_param.param_dtype not in (None, fsdp_param.reduce_dtype):
-                fsdp_param._unsharded_param.register_post_accumulate_grad_hook(_in_fp32(fsdp_param))
-        self.hooked = True
 
     def _fsdp_params(self):
         return [fp for unit in self.units for group in fully_shard.state(unit)._fsdp_param_groups
@@ -212,7 +214,8 @@ class FSDPAdamW:
                 sum(2 * self.params[n].numel() * self.params[n].element_size() for n in self.adamw))
 
     def _rows(self, name: str, index: int | slice, values: torch.Tensor | None) -> tuple[int, int, int]:
-        """reinit_: param[index] = values on this rank's rows; (first, last) of index and where the shard starts."""
+        """reinit_: param[index] = values on this rank's rows (and, gathered once per step, in the gathered copy, as
+        the next all-gather would write it: no collective); (first, last) of index and where the shard starts."""
         if name not in self.params:
             raise ValueError(f"reinit_: no parameter {name!r} in this optimizer; it has {len(self.params)}, e.g. "
                              f"{', '.join(map(repr, list(self.params)[:4]))}")
@@ -222,6 +225,8 @@ class FSDPAdamW:
         lo, hi = max(first, start), min(last, start + local.shape[0])  # rows in this rank's shard
         if lo < hi and values is not None:
             local[lo - start: hi - start].copy_(values.reshape(last - first, *p.shape[1:])[lo - first: hi - first])
+        if self.once and values is not None:
+            self.model.get_parameter(name)[first:last].copy_(values.reshape(last - first, *p.shape[1:]))
         return first, last, start
 
     @torch.no_grad()
@@ -229,16 +234,15 @@ class FSDPAdamW:
         """param[index] = values (e.g. a dead routed expert replaced mid-run) and its optimizer state zeroed (Adam
         moments where this rank's shard meets it). index: an int or a slice (step 1) of dim 0 of the parameter (for
         routed experts: local expert j of [L, H, J]); values: of shape param[index].shape, or None to reset only the
-        state. Call it between steps on every rank with the same arguments. AdamW's `step` is not reset: its bias
-        corrections are ~1, so the part's first update is (1 - beta1) / sqrt(1 - beta2) * lr (0.45 lr at betas
-        (0.9, 0.95))."""
+        state. Call it between steps on every rank holding the parameter, with the same arguments (no collective).
+        AdamW's `step` is not reset: its bias corrections are ~1, so the part's first update is (1 - beta1) /
+        sqrt(1 - beta2) * lr (0.45 lr at betas (0.9, 0.95))."""
         first, last, start = self._rows(name, index, values)
         state, rows = self.optimizer.state.get(self.local[name]), self.local[name].shape[0]
         lo, hi = max(first - start, 0), min(last - start, rows)
         if state and lo < hi:
             state["exp_avg"][lo:hi].zero_()
             state["exp_avg_sq"][lo:hi].zero_()
-        self.gather()
 
     # ----------------------------------------------------------------------------------- checkpoints
 

@@ -283,7 +283,6 @@ class MuonAdamW(FSDPAdamW):
         for m in self.owned:
             if m.name == name:
                 m.momentum_kAB[reset.view(-1).as_strided(m.size, m.stride, m.offset).to(m.momentum_kAB.device)] = 0
-        self.gather()
 
     def checkpoint_state(self, model=None) -> dict:
         """FSDPAdamW's state + optim.muon_momentum: the owned momenta as [A, B] views (loaded in place)."""

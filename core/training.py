@@ -170,7 +170,10 @@ class LossTerm:
     per: str | None  # the denominator: "tokens" (labels != -100), "micro_batches" (n_micro x dp x ep), the name
     # of an extra from Model.prepare_batch (the global sum of that per-token tensor), or None: a parameter-only term
     # counted once per step (n_micro x dp x cp x ep); each rank's sum is then the term over its layers' parameters,
-    # a part over routed experts counted ep times (its own experts' part x ep) so the ep ranks' parts add up
+    # a part over routed experts counted ep times (its own experts' part x ep) so the ep ranks' parts add up. FSDP2
+    # gathering per micro-batch (pp = 1's default) holds a parameter whole only inside its unit's forward (a layer's
+    # steps; the routed experts' own module): a term reading other ones (the experts' weights in the attention step)
+    # needs train.py --fsdp-gather step
 
 
 def loss_weights(terms: dict[str, LossTerm], flag: str) -> dict[str, LossTerm]:

@@ -616,14 +616,17 @@ def layout_results(recipe: Recipe, data, workdir: Path, meanwhile=lambda: [], pr
         results.append(same_runs_result("pp2xep2 --recompute layer = pp2xep2", runs["pp2xep2"],
                                         runs["pp2xep2 recompute"]))
         results.append(same_runs_result("cp2 --recompute attention = cp2", runs["cp2"], runs["cp2 recompute"]))
-    # pp2 and dp2 in bf16 gather the same bf16 weights (FSDP2) and compute each micro-batch alike: at step 1 they
-    # differ only in the order of fp32 sums, the loss's 8 micro-batch terms (at most 8 x 2^-24 = 5e-7 relative) and
-    # the reduced gradients (measured <= 3e-10 per tensor, tests/test_fsdp.py); a wrong dtype at a stage hand-off
-    # or a dropped term moves them by bf16's 2^-9 or more. Later steps drift apart (a rounding that flips one bf16
-    # weight changes a routing), so step 1 is what is compared; and it is bf16: not the fp32 run's
+    # pp2 and dp2 in bf16 gather the same bf16 weights (FSDP2) and compute each micro-batch alike: at step 1 the loss
+    # differs only in the order of its 8 micro-batches' fp32 terms (at most 8 x 2^-24 = 5e-7 relative), the gradients
+    # in the order of fp32 sums (<= 3e-10 per tensor, tests/test_fsdp.py) except where autograd adds two uses of a
+    # bf16 parameter in one backward: DeepSeek-V3's embedding, read again by its MTP layer, is summed in bf16 at dp2
+    # (2^-9 relative on that gradient) and in fp32 at pp2, whose two uses are two backward segments: 7.2e-6 in the
+    # grad norm. A wrong dtype at a stage hand-off or a dropped term moves either by bf16's 2^-9 = 2e-3 or more.
+    # Later steps drift apart (a rounding that flips one bf16 weight changes a routing), so step 1 is compared; and
+    # it is bf16: not the fp32 run's
     (pp2_loss, pp2_norm), (dp2_loss, dp2_norm) = ((r[0][0][0], r[0][1][0]) for r in (runs["pp2 bf16"], runs["dp2 bf16"]))
-    results.append(Result("pp2 bf16 = dp2 bf16 at step 1: loss, grad norm", max(
-        abs(pp2_loss / dp2_loss - 1), abs(pp2_norm / dp2_norm - 1)), 1e-6))
+    results.append(Result("pp2 bf16 = dp2 bf16 at step 1: loss", abs(pp2_loss / dp2_loss - 1), 1e-6))
+    results.append(Result("pp2 bf16 = dp2 bf16 at step 1: grad norm", abs(pp2_norm / dp2_norm - 1), 1e-4))
     results.append(Result("bf16 runs in bf16: pp2's step-1 loss vs fp32", abs(pp2_loss / single[0][0] - 1), 0.0,
                           above=True))
     reference, reference64 = folder_tensors(workdir / "hf_single"), folder_tensors(workdir / "hf_single64")
