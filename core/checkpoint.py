@@ -3,7 +3,7 @@ optimizer, scheduler, data position, each rank's RNG, step), written as step_000
 renamed once every rank is done: a crash leaves no partial step_* folder (a leftover .tmp is overwritten). Loading first
 checks every shard (check_files); `--resume auto` falls back past a damaged newest checkpoint with a warning line, an
 explicit --resume folder fails in one line. An empty --resume means auto after a torchrun restart, else it refuses a
-folder already holding checkpoints. DTensors of global shape (`ShardedAdamW.checkpoint_state`) let DCP reshard to any
+folder already holding checkpoints. DTensors of global shape (`FSDPAdamW.checkpoint_state`) let DCP reshard to any
 layout. Loading unpickles only DCP metadata classes, torch.Size and dtypes, values via torch.load(weights_only=True).
 """
 
@@ -229,8 +229,9 @@ def check_files(path: Path, metadata) -> None:
 
 
 def _reshape_targets(state: dict, keys: dict, prefix: str = "") -> list:
-    """Where the checkpoint has a tensor of another shape but as many elements (ZeRO-1's flat Adam moments vs FSDP2's
-    shaped ones, or back), swap in one of the saved shape (Shard(0) over the target's mesh) -> [(target, swapped)]."""
+    """Where the checkpoint has a tensor of another shape but as many elements (the flat Adam moments of the ZeRO-1
+    engine this repository ran before FSDP2, tests/data/zero1_checkpoints), swap in one of the saved shape (Shard(0)
+    over the target's mesh) -> [(target, swapped)]."""
     found = []
     for k, v in state.items():
         meta = keys.get(prefix + k)

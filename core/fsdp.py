@@ -1,57 +1,64 @@
-"""Full sharding with FSDP2 (`fully_shard`, train.py `--shard fsdp`): fp32 weights, gradients and AdamW state on 1/n
-shards; the ZeRO-1 alternative (`--shard zero1`) is core/optimizer.py.
+"""The data-parallel engine: FSDP2 (`fully_shard`) shards fp32 weights, gradients and optimizer state over each
+parameter's replicas in every run of more than one rank; one process trains the same optimizer on plain tensors.
 
-Units (`shard_model`): each MoE layer's routed experts (`layer.mlp.experts`) over (dp, cp); each decoder layer's
-other parameters, the embedding, and the root (final norm, head), each over (dp, cp, ep). A parameter is a DTensor,
-Shard(0): ceil(d0 / n) rows, so an expert tensor [L, H, J] splits by whole experts when n divides L. Weights are
-gathered in bf16 (on the bf16 path), gradients reduce-scattered and accumulated in fp32, summed (divide factor 1:
-losses are pre-divided by the global label count).
+Units (`shard_model`): each module of routed experts (`*.mlp.experts`) over (dp, cp); each decoder layer's other
+parameters, the embedding, and the root (final norm, head, any other layer), each over (dp, cp, ep). A parameter is a DTensor,
+Shard(0): ceil(d0 / n) rows, so an expert tensor [L, H, J] splits by whole experts. Weights are gathered in bf16
+(on the bf16 path), gradients reduce-scattered in fp32 and summed (divide factor 1: losses are pre-divided by the
+global label count).
 
-When shards are gathered and gradients reduced, in a step of n_micro micro-batches:
-  pp = 1   FSDP2's own hooks: a unit is gathered before its forward, freed after it, gathered again for its
-           backward, and its gradient reduce-scattered as soon as that ends, per micro-batch. Per step and
-           parameter: n_micro x (2 bf16 all-gathers + 1 fp32 reduce-scatter); memory 16/n bytes + units in flight.
-  pp > 1   DualPipeV calls a layer's steps, not its forward (no dense unit's hook fires), and its W slots write
-           expert weight gradients after the chunk's backward. So `gather` all-gathers the rank's units once
-           before the schedule (reshard_after_forward False), gradients accumulate unsharded through all F, B and
-           W slots, and `FSDPAdamW.reduce_gradients` runs each unit's post-backward (reduce-scatter, reshard) by
-           hand after the last W slot, as torch.distributed.pipelining.stage's perform_reduce_grad does. Per step
-           one bf16 all-gather and one fp32 reduce-scatter; memory 16/n + 2 + 4 (gathered copy, gradient) bytes.
+When shards are gathered and gradients reduced, in a step of n_micro micro-batches (train.py --fsdp-gather):
+  per micro-batch (pp = 1's default)  FSDP2's own hooks: a unit is gathered before its forward, freed after it,
+           gathered again for its backward, and its gradient reduce-scattered (in fp32) as soon as that ends, per
+           micro-batch. Per step and parameter: n_micro x (2 bf16 all-gathers + 1 fp32 reduce-scatter); memory
+           16/n bytes + units in flight.
+  once per step (pp > 1 always: DualPipeV calls a layer's steps, not its forward, so no dense unit's hook fires,
+           and its W slots write expert weight gradients after the chunk's backward)  `gather` all-gathers the
+           rank's units before the step (reshard_after_forward False), gradients accumulate unsharded through all
+           micro-batches (F, B and W slots), and `FSDPAdamW.reduce_gradients` runs each unit's post-backward
+           (reduce-scatter, reshard) by hand at the end, as torch.distributed.pipelining.stage's
+           perform_reduce_grad does. Per step one bf16 all-gather and one fp32 reduce-scatter; memory 16/n + 2 + 4
+           bytes.
+           Micro-batches sum in fp32 on the bf16 path: a hook on each gathered parameter moves every gradient it
+           receives into FSDP2's fp32 accumulator (`_in_fp32`).
 
-Optimizer (`FSDPAdamW`, ShardedAdamW's calls): torch's AdamW on the local shards (views of FSDP2's storage); the
-gradient norm sums every rank's shards. Checkpoints keep ZeRO-1's keys (routed experts per global id `name[e]`,
-dense moments as DTensors of the parameter's shape), so they reshard to any layout and placement; a ZeRO-1
-checkpoint's flat moments are read through their old layout (`after_load`).
+Optimizer (`FSDPAdamW`): torch's AdamW on the local shards (views of FSDP2's storage); the gradient norm sums every
+rank's shards, each element once; core/muon.py's MuonAdamW adds Muon for the weight matrices. Checkpoints: dense
+tensors as DTensors of the parameter's shape, routed experts one entry per global expert (`name[e]`), so they
+reshard to any layout and placement; flat Adam moments of older checkpoints load through core/checkpoint.py.
 """
 
 import math
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
-from core.optimizer import clip_grad_norm_, expert_checkpoint_entries, reinit_rows
 
-
-def shard_model(model: torch.nn.Module, mesh, bf16: bool) -> list[FSDPModule]:
-    """fully_shard the model's units in place over core.mesh.Mesh `mesh` (world > 1); returns them, root last."""
-    pp, dense_mesh = mesh.pp, mesh.replica_mesh()  # (dp, cp, ep) flattened
+def shard_model(model: torch.nn.Module, mesh, bf16: bool, once: bool) -> list[FSDPModule]:
+    """fully_shard the model's units in place over core.mesh.Mesh `mesh` (world > 1), gathered once per step or
+    per micro-batch (module docstring); returns them, root last."""
+    per_micro_batch, dense_mesh = not once, mesh.replica_mesh()  # (dp, cp, ep) flattened
     expert_mesh = mesh.device_mesh["dp", "cp"]._flatten("dp_cp")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
-    units = []
-    for layer in model.layers.values():
-        if layer.moe:
-            units.append(fully_shard(layer.mlp.experts, mesh=expert_mesh, mp_policy=policy,
-                                     reshard_after_forward=pp == 1))
-        units.append(fully_shard(layer, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=pp == 1))
-    if model.embed_tokens is not None:  # its own unit: FSDP2 keeps the root's gathered through the whole step
-        units.append(fully_shard(model.embed_tokens, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=pp == 1))
-    units.append(fully_shard(model, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=pp == 1))
-    register_fsdp_forward_method(model, "forward_train")  # train.py's pp=1 loop calls it, not forward
-    for unit in units:
+    shard = lambda module, mesh: fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=per_micro_batch)
+    experts = [shard(module, expert_mesh) for name, module in model.named_modules()
+               if name.endswith(".mlp.experts")]  # (an MTP layer's too)
+    # the embedding is its own unit: FSDP2 keeps the root's gathered through the whole step
+    chain = [shard(module, dense_mesh) for module in ([model.embed_tokens] if model.embed_tokens is not None else [])
+             + list(model.layers.values()) + [model]]  # in forward order, the root last
+    register_fsdp_forward_method(model, "forward_train")  # train.py's pp = 1 loop calls it, not forward
+    # Backward prefetch along the dense units only, each the one before: an experts unit's backward starts at
+    # another point on ranks holding other (or no) experts, so the all-gather FSDP2's default would prefetch there
+    # (of the unit before in forward order) would meet the MoE all-to-alls in another order on each rank: a
+    # deadlock. A unit set to prefetch itself prefetches nothing.
+    for before, unit in [*zip(chain[:1] + chain, chain), *zip(experts, experts)]:
+        unit.set_modules_to_backward_prefetch([before])
+    for unit in experts + chain:
         unit.set_gradient_divide_factor(1.0)  # a sum over the shard group, not FSDP2's mean
         unit.set_force_sum_reduction_for_comms(True)  # as ReduceOp.SUM (gloo has no PREMUL_SUM)
-    return units
+    return experts + chain
 
 
 def whole_model(model: torch.nn.Module, make_model) -> torch.nn.Module:
@@ -64,36 +71,116 @@ def whole_model(model: torch.nn.Module, make_model) -> torch.nn.Module:
     return plain
 
 
+def local_rows(p: torch.Tensor) -> tuple[int, int, int]:
+    """(shard group size n, this rank's index in it, first dim-0 row of its shard) of a parameter: FSDP2's
+    Shard(0) gives rank i rows [i c, (i + 1) c), c = ceil(d0 / n); a plain tensor (one process) is all of it."""
+    if not isinstance(p, DTensor):
+        return 1, 0, 0
+    n, i = p.device_mesh.size(), p.device_mesh.get_local_rank()
+    return n, i, min(i * math.ceil(p.shape[0] / n), p.shape[0])
+
+
+def expert_checkpoint_entries(name: str, full_LX: torch.Tensor, expert_ids: list[int]) -> dict[str, torch.Tensor]:
+    """Rows of local experts [L, ...] (weight or optimizer state) as checkpoint entries '{name}[{e}]' -> row (a view
+    a load fills in place), one per global expert e: they load under any placement and ep size."""
+    assert full_LX.shape[0] == len(expert_ids), (name, full_LX.shape, expert_ids)
+    return {f"{name}[{e}]": full_LX[j] for j, e in enumerate(expert_ids)}
+
+
+def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_group) -> torch.Tensor:
+    """Scale `grads` (every rank's own elements; each element of the model on one rank) so that their global L2
+    norm over norm_group is at most max_norm (0: no clipping); returns the norm before clipping."""
+    # squares summed in fp64: layouts split this sum differently, and in fp32 its last bit depended on the layout,
+    # moving the clip factor and every weight by ~3e-8, which bf16 weight copies amplified into ~1e-5 loss
+    # differences. In fp64 every layout's norm rounds to the same fp32 value.
+    sq = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum()
+    if norm_group is not None:
+        dist.all_reduce(sq, group=norm_group)
+    norm = sq.sqrt().float()
+    if max_norm > 0:
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
+    return norm
+
+
+def reinit_rows(name: str, shape, index: int | slice, values: torch.Tensor | None) -> tuple[int, int]:
+    """reinit_'s rows first:last of dim 0 of a parameter of `shape`, its arguments checked."""
+    rows = shape[0] if len(shape) else 0
+    if isinstance(index, int) and not isinstance(index, bool):
+        if not -rows <= index < rows:
+            raise ValueError(f"reinit_: index {index} is out of range for dim 0 of {name} (size {rows})")
+        first = index % rows
+        last, part, where = first + 1, tuple(shape[1:]), f"{name}[{first}]"
+    elif isinstance(index, slice):  # negative bounds count from the end, as in Python
+        first = 0 if index.start is None else index.start + rows * (index.start < 0)
+        last = rows if index.stop is None else index.stop + rows * (index.stop < 0)
+        if index.step not in (None, 1) or not 0 <= first < last <= rows:
+            raise ValueError(f"reinit_: {index} must select rows first:last (step 1) with 0 <= first < last <= "
+                             f"{rows}, dim 0 of {name} {tuple(shape)}")
+        part, where = (last - first, *shape[1:]), f"{name}[{first}:{last}]"
+    else:
+        raise ValueError(f"reinit_: index must be an int or a slice of dim 0 of {name}, got {index!r}")
+    if values is not None and (not isinstance(values, torch.Tensor) or tuple(values.shape) != part):
+        got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+        raise ValueError(f"reinit_: values for {where} must have shape {part}, got {got}")
+    return first, last
+
+
+def _in_fp32(fsdp_param):
+    """A hook moving each gradient a gathered bf16 parameter receives into FSDP2's fp32 accumulator: FSDP2 upcasts
+    only in its post-backward hook, once per backward at most, which never fires on pipeline steps."""
+    def hook(_):
+        fsdp_param.accumulate_unsharded_grad_if_needed()  # fp32 sum += this bf16 gradient, or
+        fsdp_param.to_accumulated_grad_if_needed()  # the first one cast to fp32
+    return hook
+
+
 class FSDPAdamW:
-    def __init__(self, model, units: list[FSDPModule], lr: float, weight_decay: float, betas, eps: float,
-                 norm_group=None, pp: int = 1):
-        self.model, self.units, self.pp, self.norm_group = model, units, pp, norm_group
-        self.params = dict(model.named_parameters())  # DTensors, Shard(0)
-        with torch.no_grad():
-            self.local = {n: p.to_local() for n, p in self.params.items()}  # views of FSDP2's sharded storage
+    """AdamW on the local shards (weight decay on matrices only: norm weights and biases are not decayed, as in
+    Megatron); train.py's calls per step: reduce_gradients, clip_grad_norm_, step, zero_grad."""
+
+    def __init__(self, model, units: list[FSDPModule] | None, lr: float, weight_decay: float, betas, eps: float,
+                 norm_group=None, once: bool = False, skip=()):
+        """units: shard_model's (None: one process, plain tensors); norm_group spans every rank; once: units
+        gathered once per step (shard_model's); skip: names of parameters another optimizer trains (core/muon.py)."""
+        self.model, self.units, self.once, self.norm_group = model, units or [], once and bool(units), norm_group
+        self.params = dict(model.named_parameters())  # DTensors, Shard(0), or plain tensors
+        self.buffers = [n for n in model.state_dict() if n not in self.params]  # persistent (expert biases)
+        with torch.no_grad():  # views of FSDP2's sharded storage (or of the parameter)
+            self.local = {n: p.to_local() if isinstance(p, DTensor) else p.detach() for n, p in self.params.items()}
         self.expert_ids = {n: model.get_submodule(n.rsplit(".", 1)[0]).expert_ids
                            for n in self.params if ".mlp.experts." in n}
+        self.adamw = [n for n in self.params if n not in set(skip)]
         on_gpu = next(iter(self.local.values())).device.type == "cuda"
-        groups = [{"params": [self.local[n] for n, p in self.params.items() if p.ndim >= 2], "weight_decay": weight_decay},
-                  {"params": [self.local[n] for n, p in self.params.items() if p.ndim < 2], "weight_decay": 0.0}]
+        groups = [{"params": [self.local[n] for n in self.adamw if self.params[n].ndim >= 2], "weight_decay": weight_decay},
+                  {"params": [self.local[n] for n in self.adamw if self.params[n].ndim < 2], "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=on_gpu, foreach=not on_gpu)
+        if self.once:  # gathered once per step: micro-batches sum in fp32 (_in_fp32)
+            fully_shard.state(self.units[-1])._lazy_init()  # what the root's first forward does (none at pp > 1)
+            for unit in self.units:
+                unit.unshard()  # FSDP2 creates a parameter's gathered form at its first all-gather, then keeps it
+            for fsdp_param in self._fsdp_params():
+                if fsdp_param.param_dtype not in (None, fsdp_param.reduce_dtype):  # gathered in bf16
+                    fsdp_param._unsharded_param.register_post_accumulate_grad_hook(_in_fp32(fsdp_param))
         self.gather()
 
     def gather(self) -> None:
-        """pp > 1: all-gather every unit before the schedule; they stay gathered until reduce_gradients."""
-        if self.pp == 1:
+        """Once per step: all-gather every unit before the step; they stay gathered until reduce_gradients."""
+        if not self.once:
             return
-        fully_shard.state(self.units[-1])._lazy_init()  # what the root's first forward does (none runs here)
         for unit in self.units:
             unit.set_requires_gradient_sync(False, recurse=False)
             unit.set_reshard_after_backward(False, recurse=False)
             unit.reshard()  # (a no-op when sharded; after a load the gathered copy is stale)
             unit.unshard()
 
+    def _fsdp_params(self):
+        return [fp for unit in self.units for group in fully_shard.state(unit)._fsdp_param_groups
+                for fp in group.fsdp_params]
+
     def reduce_gradients(self) -> None:
-        """pp > 1: each unit's post-backward (reduce-scatter of the accumulated gradients, reshard). Then every
-        local shard's gradient (zeros for a parameter without one: it steps with g = 0, as under ZeRO-1)."""
-        if self.pp > 1:
+        """Once per step: each unit's post-backward (reduce-scatter of the accumulated gradients, reshard). Then
+        every local shard's gradient (zeros for a parameter without one: an idle expert steps with g = 0)."""
+        if self.once:
             for unit in self.units:
                 unit.set_requires_gradient_sync(True, recurse=False)
                 unit.set_reshard_after_backward(True, recurse=False)
@@ -101,11 +188,11 @@ class FSDPAdamW:
                     group.post_backward()
             fully_shard.state(self.units[-1])._root_post_backward_final_callback()
         for n, p in self.params.items():
-            local = self.local[n]
-            local.grad = torch.zeros_like(local) if p.grad is None else p.grad.to_local()
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            self.local[n].grad = torch.zeros_like(self.local[n]) if g is None else g
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """ShardedAdamW.clip_grad_norm_ on the local shards (each element of each parameter on one rank)."""
+        """Clip every local gradient to the global L2 norm max_norm (0: none); returns the norm before."""
         return clip_grad_norm_([t.grad for t in self.local.values()], max_norm, self.norm_group)
 
     @torch.no_grad()
@@ -123,70 +210,83 @@ class FSDPAdamW:
 
     def state_bytes(self) -> tuple[int, int]:
         """(bytes of Adam state on this rank, bytes it would take unsharded)."""
-        return (sum(8 * t.numel() for t in self.local.values()),
-                sum(2 * p.numel() * p.element_size() for p in self.params.values()))
+        return (sum(8 * self.local[n].numel() for n in self.adamw),
+                sum(2 * self.params[n].numel() * self.params[n].element_size() for n in self.adamw))
 
-    @torch.no_grad()
-    def reinit_(self, name: str, index: int | slice, values: torch.Tensor | None = None) -> None:
-        """ShardedAdamW.reinit_ (the same arguments and contract; index: rows of dim 0 of this rank's parameter):
-        the rows of this rank's shard among them get `values` and zero moments; pp > 1 gathers again."""
+    def _rows(self, name: str, index: int | slice, values: torch.Tensor | None) -> tuple[int, int, int]:
+        """reinit_: param[index] = values on this rank's rows (and, gathered once per step, in the gathered copy, as
+        the next all-gather would write it: no collective); (first, last) of index and where the shard starts."""
         if name not in self.params:
             raise ValueError(f"reinit_: no parameter {name!r} in this optimizer; it has {len(self.params)}, e.g. "
                              f"{', '.join(map(repr, list(self.params)[:4]))}")
         p, local = self.params[name], self.local[name]
         first, last = reinit_rows(name, p.shape, index, values)
-        start = self._first_row(name)
+        start = local_rows(p)[2]
         lo, hi = max(first, start), min(last, start + local.shape[0])  # rows in this rank's shard
         if lo < hi and values is not None:
             local[lo - start: hi - start].copy_(values.reshape(last - first, *p.shape[1:])[lo - first: hi - first])
-        state = self.optimizer.state.get(local)
+        if self.once and values is not None:
+            self.model.get_parameter(name)[first:last].copy_(values.reshape(last - first, *p.shape[1:]))
+        return first, last, start
+
+    @torch.no_grad()
+    def reinit_(self, name: str, index: int | slice, values: torch.Tensor | None = None) -> None:
+        """param[index] = values (e.g. a dead routed expert replaced mid-run) and its optimizer state zeroed (Adam
+        moments where this rank's shard meets it). index: an int or a slice (step 1) of dim 0 of the parameter (for
+        routed experts: local expert j of [L, H, J]); values: of shape param[index].shape, or None to reset only the
+        state. Call it between steps on every rank holding the parameter, with the same arguments (no collective).
+        AdamW's `step` is not reset: its bias corrections are ~1, so the part's first update is (1 - beta1) /
+        sqrt(1 - beta2) * lr (0.45 lr at betas (0.9, 0.95))."""
+        first, last, start = self._rows(name, index, values)
+        state, rows = self.optimizer.state.get(self.local[name]), self.local[name].shape[0]
+        lo, hi = max(first - start, 0), min(last - start, rows)
         if state and lo < hi:
-            state["exp_avg"][lo - start: hi - start].zero_()
-            state["exp_avg_sq"][lo - start: hi - start].zero_()
-        self.gather()
+            state["exp_avg"][lo:hi].zero_()
+            state["exp_avg_sq"][lo:hi].zero_()
 
     # ----------------------------------------------------------------------------------- checkpoints
 
     def _init_state(self) -> None:
-        for t in self.local.values():
+        """Adam state as torch creates it at the first step, so that a checkpoint can be loaded into it."""
+        for t in (self.local[n] for n in self.adamw):
             if t not in self.optimizer.state:
                 step = torch.zeros((), device=t.device) if self.optimizer.defaults["fused"] else torch.tensor(0.0)
                 self.optimizer.state[t] = {"step": step, "exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
 
-    def _first_row(self, n: str) -> int:
-        """Where parameter n's local shard starts in dim 0 (FSDP2: torch.chunk's split)."""
-        p = self.params[n]
-        return min(p.device_mesh.get_local_rank() * math.ceil(p.shape[0] / p.device_mesh.size()), p.shape[0])
-
     def _expert_rows(self, n: str) -> list[int]:
         """Global expert ids of the rows of parameter n's local shard (whole experts: FSDP2 splits dim 0)."""
-        start = self._first_row(n)
+        start = local_rows(self.params[n])[2]
         return self.expert_ids[n][start: start + self.local[n].shape[0]]
 
     def checkpoint_state(self, model=None) -> dict:
-        """ZeRO-1's keys (core/optimizer.py:ShardedAdamW.checkpoint_state): 'model' (dense: the DTensor parameters;
-        experts: name[e] of this rank's shard), 'optim' per parameter step and moments (dense: DTensors of the
-        parameter's shape; experts: per id, views of the shards that a load fills in place)."""
+        """{'model', 'optim'} for torch.distributed.checkpoint: 'model' (dense: the parameters, DTensors of their
+        whole shape, and the buffers; experts: name[e] of this rank's rows), 'optim' per parameter step and moments (dense: shaped
+        like the parameter; experts: per id), views that a load fills in place."""
         self._init_state()
         model_sd, optim_sd = {}, {"lr": torch.tensor([g["lr"] for g in self.param_groups], dtype=torch.float64)}
         for n, p in self.params.items():
-            state = self.optimizer.state[self.local[n]]
-            optim_sd[n] = {"step": state["step"]}
             if n in self.expert_ids:
-                ids = self._expert_rows(n)
-                model_sd.update(expert_checkpoint_entries(n, self.local[n].detach(), ids))
-                for key in ("exp_avg", "exp_avg_sq"):
-                    for entry, row in expert_checkpoint_entries(n, state[key], ids).items():
-                        optim_sd.setdefault(entry, {})[key] = row
-                continue
-            model_sd[n] = p
+                model_sd.update(expert_checkpoint_entries(n, self.local[n], self._expert_rows(n)))
+            else:
+                model_sd[n] = p if isinstance(p, DTensor) else self.local[n]
+        model_sd.update({n: self.model.get_buffer(n) for n in self.buffers})
+        for n in self.adamw:
+            p, state = self.params[n], self.optimizer.state[self.local[n]]
+            optim_sd[n] = {"step": state["step"]}
             for key in ("exp_avg", "exp_avg_sq"):
-                optim_sd[n][key] = DTensor.from_local(state[key], p.device_mesh, p.placements, run_check=False,
-                                                      shape=p.shape, stride=p.stride())
+                if n in self.expert_ids:
+                    for entry, row in expert_checkpoint_entries(n, state[key], self._expert_rows(n)).items():
+                        optim_sd.setdefault(entry, {})[key] = row
+                elif isinstance(p, DTensor):
+                    optim_sd[n][key] = DTensor.from_local(state[key], p.device_mesh, p.placements, run_check=False,
+                                                          shape=p.shape, stride=p.stride())
+                else:
+                    optim_sd[n][key] = state[key]
         return {"model": model_sd, "optim": optim_sd}
 
     @torch.no_grad()
     def after_load(self, state: dict) -> None:
+        """What a load cannot fill in place: the learning rates; once per step: the loaded weights gathered."""
         for g, lr in zip(self.param_groups, state["optim"]["lr"].tolist()):
             g["lr"] = lr
-        self.gather()  # pp > 1: the loaded weights
+        self.gather()

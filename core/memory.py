@@ -4,23 +4,25 @@ Model-agnostic (functions take the recipe's model module and a config); `check_t
 
 Components of the most loaded pipeline rank (every pp rank is built; the largest total is reported):
   weights      fp32 master parameters of the recipe's Model built on `meta` for this rank's part (its two
-               DualPipeV stages, the ep rank holding the most experts, embedding and head on pp rank 0)
-  gradients    fp32, one per parameter (the full gradient lives until ShardedAdamW.reduce_gradients)
-  optimizer    AdamW's two fp32 moments of this rank's ZeRO-1 shard (core/optimizer.py: ceil(numel / n) each)
-  weight cache bf16 casts of the routed experts and LM head (core/weight_cache.py); fp8: two 1-byte copies of
-               every attention / dense MLP / expert matrix instead (core/fp8.py)
+               DualPipeV stages, the ep rank holding the most experts, embedding and head on pp rank 0), sharded
+               by FSDP2 (core/fsdp.py) when the world has more than one rank: ceil(d0 / n) rows of each parameter
+               on the first rank of its shard group (dense over dp*cp*ep, routed experts over dp*cp)
+  gradients    fp32, as the weights
+  optimizer    AdamW's two fp32 moments of the same elements; with --optimizer muon, for Muon's matrices their
+               fp32 momentum on the ranks that own them (core/muon.py; the most any rank owns: `muon_bytes`)
+  weight cache one process: bf16 casts of the routed experts and LM head (core/weight_cache.py); fp8: two 1-byte
+               copies of every attention / dense MLP / expert matrix instead (core/fp8.py)
   activations  bytes held for backward after a forward (saved_bytes: tiny config, CPU) per token of a dense and an
                MoE layer (+ per routed choice, received row) and per token and vocab entry of the head, scaled by
                top-k, tokens, hidden_size / tiny's, 1/2 for bf16; pp > 1: as a DualPipeV stage holds them, for the
                chunks of pp rank r's peak (core/pipeline.py), each with the state it handed to another rank
-  comm buffers MoE all-to-all rows (sent and received, tokens * top-k * hidden), a reduce-scatter bucket
-With `shard="fsdp"` (core/fsdp.py) every parameter lies on 1/n shards of ceil(d0 / n) rows: 16 bytes per shard
-element, no bf16 cache. pp = 1: the comm buffers hold the two largest units gathered and the largest unit's
-gradient before its reduce-scatter (compute dtype + fp32);
-pp > 1: the weight cache is the gathered stage, the gradients add the unsharded ones (compute dtype for dense
-units, fp32 for experts) and the comm buffers the largest unit's fp32 reduce-scatter input.
-Plus a reserve for the CUDA context and fragmentation. Weights, gradients and optimizer are exact (tested against a
-built model and ShardedAdamW); activations exact on tiny configs, first-order on full ones (scaled by hidden size).
+  comm buffers MoE all-to-all rows (sent and received, tokens * top-k * hidden); gathered per micro-batch: the two
+               largest FSDP2 units gathered and the largest unit's gradient before its reduce-scatter (compute dtype
+               + fp32); once per step: the largest unit's fp32 reduce-scatter input; Muon: its largest bucket's rows
+Gathered once per step (pp > 1, or --fsdp-gather step) the weight cache is the gathered stage (compute dtype) and
+the gradients add the unsharded ones, summed in fp32. Plus a reserve for the CUDA context and fragmentation. Weights, gradients and optimizer are
+exact (tested against a built model and the optimizers on gloo ranks); activations exact on tiny configs,
+first-order on full ones (scaled by hidden size).
 Parameter names follow the recipes' convention: routed experts under `.mlp.experts.`, the head is `lm_head`.
 """
 
@@ -32,12 +34,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from core.optimizer import _split
+from core.muon import assign_owners, matrix_rows, newton_schulz_flops
 from core.pipeline import _forward_steps, _Tape, split_layers  # (saved_bytes runs a stage as the engine does)
 from core.placement import Placement
 
 GIB = 2**30
-BUCKET_BYTES = 256 << 20  # ShardedAdamW's default bucket_bytes
+BUCKET_BYTES = 256 << 20  # core/muon.py:MuonAdamW's default bucket_bytes
 
 
 @dataclass(frozen=True)
@@ -54,18 +56,25 @@ class Layout:
     fp8: bool = False
     recompute: str = "none"
     expert_placement: str = ""  # train.py's --expert-placement ('': the even split)
-    shard: str = "zero1"  # train.py's --shard: zero1 (core/optimizer.py) or fsdp (core/fsdp.py)
+    optimizer: str = "adamw"  # train.py's --optimizer: adamw or muon
+    fsdp_gather: str = "auto"  # train.py's --fsdp-gather: auto, micro-batch or step
 
     def __str__(self):
         return (f"--pp {self.pp} --dp {self.dp} --cp {self.cp} --ep {self.ep} --micro-batch {self.micro_batch} "
                 f"--recompute {self.recompute}" + (f" --expert-placement {self.expert_placement}"
                                                    if self.expert_placement else "")
-                + (" --shard fsdp" if self.fsdp else ""))
+                + (f" --optimizer {self.optimizer}" if self.optimizer != "adamw" else "")
+                + (" --fsdp-gather step" if self.fsdp_gather == "step" and self.pp == 1 else ""))
+
+    @property
+    def once(self) -> bool:
+        """FSDP2 gathers the units once per step (always at pp > 1), not around every micro-batch."""
+        return self.pp > 1 or self.fsdp_gather == "step"
 
     @property
     def fsdp(self) -> bool:
-        """FSDP2 runs (one process runs ZeRO-1's code: nothing to shard)."""
-        return self.shard == "fsdp" and self.pp * self.dp * self.cp * self.ep > 1
+        """FSDP2 shards the parameters (every run of more than one rank; one process trains plain tensors)."""
+        return self.pp * self.dp * self.cp * self.ep > 1
 
 
 def rank_parts(cfg, layout: Layout, pp_rank: int, costs: list | None = None) -> dict:
@@ -180,48 +189,90 @@ def saved_per_token_layer(mod, cfg, layout: Layout, pipeline: bool = False, moe:
 def fsdp_unit(name: str) -> str:
     """The FSDP2 unit (core/fsdp.py:shard_model) of a parameter: a layer's experts or rest, embedding, root."""
     parts = name.split(".")
-    if parts[0] == "embed_tokens":
-        return "embed_tokens"
-    return "root" if parts[0] != "layers" else f"layers.{parts[1]}" + (".experts" if ".mlp.experts." in name else "")
+    if ".mlp.experts." in name:
+        return name.split(".mlp.experts.")[0] + ".experts"
+    return parts[0] if parts[0] == "embed_tokens" else "root" if parts[0] != "layers" else f"layers.{parts[1]}"
+
+
+def muon_bytes(model, layout: Layout) -> tuple[list[int], int]:
+    """(Muon's momentum bytes on each rank g of the dense shard group, g = (dp, cp) index x ep + ep index, and the
+    transient bytes of its largest bucket on an owner), as core/muon.py:MuonAdamW places them: a matrix inside one
+    dim-0 row on the rank holding that row, one spanning rows on the owner assign_owners picks from every rank's
+    FLOPs in its own rows. `model`: the ep rank holding the most experts (the others hold their own count of rows
+    laid out alike). The
+    transient: the largest bucket's rows an owner receives, assembles and sends back (3 x 4 bytes per element)."""
+    ep, n_expert = layout.ep, layout.dp * layout.cp
+    counts = [len(e) for e in Placement.parse(layout.expert_placement, model.cfg.num_experts, ep).experts]
+    flops, held, spanning = [0] * (n_expert * ep), [0] * (n_expert * ep), []
+    for name, p in model.named_parameters():
+        expert, row = ".mlp.experts." in name, p.numel() // p.shape[0] if p.ndim else 1
+        for kind, (v_SAB, _) in model.muon_matrices(name, p).items():
+            cost, numel = newton_schulz_flops(*v_SAB.shape[1:]), v_SAB.shape[1] * v_SAB.shape[2]
+            for s in range(v_SAB.shape[0]):
+                first, last = matrix_rows(name, kind, v_SAB, s, row)
+                if last - first > 1:  # its shard group: every rank (dense), or the dp*cp ranks of each ep rank
+                    for k in range(ep) if expert else [None]:
+                        if k is None or last <= counts[k]:
+                            spanning.append((k, cost, numel, first, last, counts[k] if expert else p.shape[0]))
+                    continue
+                for g in range(n_expert * ep):  # the rank holding that row, if any (ep ranks hold other experts)
+                    d0, n, i = (counts[g % ep], n_expert, g // ep) if expert else (p.shape[0], n_expert * ep, g)
+                    if last <= d0 and first // math.ceil(d0 / n) == i:
+                        flops[g], held[g] = flops[g] + cost, held[g] + numel
+    largest = 0
+    for k in sorted({x[0] for x in spanning}, key=str):
+        ranks = list(range(len(flops))) if k is None else list(range(k, len(flops), ep))
+        found = [x for x in spanning if x[0] == k]
+        owners = assign_owners([cost for _, cost, *_ in found], [flops[g] for g in ranks])
+        bucket, owned = 0, [0] * len(ranks)  # the buckets of MuonAdamW._plan_buckets: <= BUCKET_BYTES of fp32
+        for (_, _, numel, *_), owner in zip(found, owners):
+            held[ranks[owner]] += numel
+            if bucket and 4 * (bucket + numel) > BUCKET_BYTES:
+                bucket, owned = 0, [0] * len(ranks)
+            bucket, owned[owner] = bucket + numel, owned[owner] + numel
+            largest = max(largest, max(owned))
+    return [4 * x for x in held], 3 * 4 * largest
 
 
 def fsdp_bytes(model, layout: Layout) -> dict:
-    """Exact bytes of weights, gradients and Adam state of rank 0 of each shard group under FSDP2 (the largest
-    shards), the units in flight counted as comm_buffers (module docstring)."""
+    """Exact bytes of weights, gradients and optimizer state of rank 0 of each shard group under FSDP2 (the largest
+    shards; Muon's momentum: the most any rank owns), the units in flight counted as fsdp_buffers (module
+    docstring), Muon's largest bucket as muon_buffers."""
     n_dense, n_expert = layout.dp * layout.cp * layout.ep, layout.dp * layout.cp
     compute = 2 if layout.bf16 else 4  # bytes of a gathered weight (MixedPrecisionPolicy param_dtype)
-    shards = cache = unsharded_grads = 0
+    shards = adam = cache = unsharded_grads = 0
+    muon = {n for n, p in model.named_parameters() if layout.optimizer == "muon" and model.muon_matrices(n, p)}
     units = {}
     for name, p in model.named_parameters():
         expert = ".mlp.experts." in name
         rows = p.shape[0] if p.ndim else 1
-        shards += math.ceil(rows / (n_expert if expert else n_dense)) * (p.numel() // rows)
+        shard = math.ceil(rows / (n_expert if expert else n_dense)) * (p.numel() // rows)
+        shards, adam = shards + shard, adam + (0 if name in muon else shard)
         units[fsdp_unit(name)] = units.get(fsdp_unit(name), 0) + p.numel()
         if layout.fp8 and p.ndim >= 2 and ".layers." in name and name.split(".")[-2] not in ("gate", "router"):
             cache += 2 * p.numel()  # two FP8 copies (core/fp8.py: one per GEMM direction)
-        elif layout.pp > 1:
+        elif layout.once:
             cache += compute * p.numel()  # gathered once per step
-        if layout.pp > 1:
-            unsharded_grads += (4 if expert else compute) * p.numel()
+        if layout.once:
+            unsharded_grads += 4 * p.numel()  # summed in fp32 (each bf16 gradient moves there as it arrives)
+    momentum, muon_buffers = muon_bytes(model, layout) if muon else ([0], 0)
     largest = sorted(units.values(), reverse=True)
-    in_flight = largest[0] * 4 if layout.pp > 1 else \
+    in_flight = largest[0] * 4 if layout.once else \
         compute * sum(largest[:2]) + (compute + 4) * largest[0]
-    return dict(weights=4 * shards, gradients=4 * shards + unsharded_grads, optimizer=8 * shards, weight_cache=cache,
-                fsdp_buffers=in_flight)
+    return dict(weights=4 * shards, gradients=4 * shards + unsharded_grads, optimizer=8 * adam + max(momentum),
+                weight_cache=cache, fsdp_buffers=in_flight + muon_buffers)
 
 
 def param_bytes(model, layout: Layout) -> dict:
-    """Exact bytes of weights, gradients and Adam shards (dp*cp rank 0: the largest shards) of this model."""
+    """Exact bytes of weights, gradients and optimizer state (fsdp_bytes at world > 1) of this model."""
     if layout.fsdp:
         return fsdp_bytes(model, layout)
-    n_dense = layout.dp * layout.cp * layout.ep
-    n_expert = layout.dp * layout.cp
     weights = adam = cache = 0
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters():  # one process: every tensor whole, plain
         expert = ".mlp.experts." in name
         weights += 4 * p.numel()
-        lo, hi = _split(p.numel(), n_expert if expert else n_dense, 0)
-        adam += 8 * (hi - lo)
+        muon = layout.optimizer == "muon" and model.muon_matrices(name, p)
+        adam += (4 if muon else 8) * p.numel()
         if layout.fp8 and p.ndim >= 2 and ".layers." in name and name.split(".")[-2] not in ("gate", "router"):
             cache += 2 * p.numel()  # two FP8 copies (core/fp8.py: one per GEMM direction)
         elif layout.bf16 and (expert or name.startswith("lm_head")):
@@ -236,7 +287,7 @@ def rank_param_bytes(mod, cfg, layout: Layout, pp_rank: int) -> tuple[dict, list
     """(param_bytes, layer ids, holds the head) of one pp rank, from the model built on meta (the model cached per
     (pp, ep, placement, sequence length: the layer costs split the stages, pp rank), the bytes per layout)."""
     key = (mod.__name__, id(cfg), layout.pp, layout.dp, layout.cp, layout.ep, layout.expert_placement, layout.bf16,
-           layout.fp8, layout.seq_len, layout.shard, pp_rank)
+           layout.fp8, layout.seq_len, layout.optimizer, layout.fsdp_gather, pp_rank)
     if key not in _PARAMS:
         model_key = (mod.__name__, id(cfg), layout.pp, layout.ep, layout.expert_placement, layout.seq_len, pp_rank)
         if model_key not in _MODELS:
@@ -275,8 +326,7 @@ def estimate(mod, cfg, layout: Layout, pp_rank: int | None = None) -> dict:
             out["activations"] = int(chunk(layer_ids, head))
         moe_layers = sum(cfg.is_moe_layer(i) for i in layer_ids)
         rows = tokens * cfg.num_experts_per_tok * cfg.hidden_size * act_bytes if moe_layers else 0
-        # dispatch + combine, send + recv; ZeRO-1's reduce-scatter bucket or FSDP2's units in flight
-        out["comm_buffers"] = 4 * rows + (fsdp_buffers if layout.fsdp else min(BUCKET_BYTES, out["gradients"]))
+        out["comm_buffers"] = 4 * rows + fsdp_buffers  # dispatch + combine, send + recv; FSDP2's units in flight
         out["total"] = sum(out.values())
         out["pp_rank"] = pp_rank
         if best is None or out["total"] > best["total"]:
@@ -334,5 +384,5 @@ def check_train_args(model_cls, cfg, args, world: int) -> None:
     if dp < 1 or args.pp * dp * args.cp * args.ep != world:
         return  # build_mesh reports a layout that does not match the world size
     layout = Layout(args.pp, dp, args.cp, args.ep, args.micro_batch, args.seq_len, args.dtype != "fp32", args.fp8,
-                    args.recompute, args.expert_placement, args.shard)
+                    args.recompute, args.expert_placement, args.optimizer, args.fsdp_gather)
     check_fits(sys.modules[model_cls.__module__], cfg, layout, torch.cuda.get_device_properties(0).total_memory / GIB)

@@ -65,7 +65,7 @@ class Mesh:
 
     def replica_mesh(self) -> DeviceMesh | None:
         """The 1-D mesh of (dp, cp, ep) that replicates this stage's dense parameters, for DTensor checkpoints (None
-        at world size 1); routed experts are checkpointed per expert (core/optimizer.py:expert_checkpoint_entries)."""
+        at world size 1); routed experts are checkpointed per expert (core/fsdp.py:expert_checkpoint_entries)."""
         if self.device_mesh is None:
             return None
         return self.device_mesh["dp", "cp", "ep"]._flatten("dp_cp_ep")

@@ -9,7 +9,7 @@ Router contract (what a recipe's router hands to this file; E experts, k slots p
                    a masked slot's weight is ignored and gets a zero gradient. Kept weights get exact gradients.
   Expert load (log line, expert bias) counts kept slots only (`expert_counts` skips negative ids, no host sync).
   Balance losses are the recipe's own, computed in its router. An expert with no rows gets a zero weight
-  gradient; a .grad left None is reduced as zero by ShardedAdamW, so every rank and layout steps alike.
+  gradient; a .grad left None is reduced as zero by core/fsdp.py, so every rank and layout steps alike.
   Example, k = 2, E = 4: ids [[2, 0], [3, -1], [-1, -1]], weights [[.7, .3], [1., .5], [0., 0.]] give
   out[0] = .7 expert2(x0) + .3 expert0(x0), out[1] = expert3(x1), out[2] = 0.
   E = `layer.num_experts`, the experts dispatched here; a router's choices beyond them (`num_choices`: AGENTS.md)
@@ -380,12 +380,8 @@ class _ExpertMatmul(torch.autograd.Function):
         if not weight_grads.enabled:
             return dx_RK, grouped_weight_grad(x_RK, dy_RN, counts_E).to(w.dtype), None
 
-        def accumulate():
-            dw = grouped_weight_grad(x_RK, dy_RN, counts_E).to(w.dtype)
-            if w.grad is None:
-                w.grad = dw
-            else:
-                w.grad += dw
+        def accumulate():  # through autograd's accumulation, so that hooks on w see it (core/fsdp.py: fp32 sums)
+            w.backward(grouped_weight_grad(x_RK, dy_RN, counts_E).to(w.dtype))
 
         weight_grads.put(accumulate)
         return dx_RK, None, None

@@ -1,4 +1,5 @@
-"""Muon for the weight matrices, ZeRO-1 AdamW (core/optimizer.py) for every other parameter, exact in every layout.
+"""Muon for the weight matrices, AdamW (core/fsdp.py:FSDPAdamW) for every other parameter, on FSDP2's shards (one
+process: on plain tensors), exact in every layout.
 
 Muon (Moonlight's variant: torch.optim.Muon, adjust_lr_fn="match_rms_adamw") updates W (A x B) from its gradient G:
 
@@ -11,14 +12,23 @@ so one learning rate and schedule serve both groups. The model splits tensors in
 recipe's `Model.muon_matrices`: transformers' layout, so [L, H, 2I] experts are 2L matrices). Newton-Schulz runs in bf16
 on GPU (as Moonlight and torch), in fp32 on CPU (matching torch.optim.Muon to rounding); weights and momentum stay fp32.
 
-Distribution. Newton-Schulz needs whole matrices: in each ReplicaSet every matrix has one owner rank (balanced by
-FLOPs). A bucket's send buffer is laid out owner by owner ([n, segment]): one reduce-scatter hands each owner its
-matrices' summed gradients, an all-gather of the same layout returns the new weights. Owners batch matrices by shape.
+Distribution. Newton-Schulz needs whole matrices, and FSDP2 holds each parameter as whole dim-0 rows, ceil(d0 / n)
+per rank of its shard group. Where a matrix lies follows from its [S, A, B] view of a meta tensor of the parameter's
+shape: matrix s covers the flat elements from offset + s stride0 on, hence a range of rows.
+  - A matrix inside one row (a stacked expert's gate, up or down) lives whole on the rank holding that row, which
+    owns it: no communication.
+  - A matrix of whole consecutive rows (a 2-D weight, a fused weight split along dim 0) spans ranks. Its owner is
+    chosen greedily by Newton-Schulz FLOPs (largest first, to the least-loaded rank of the shard group, counting
+    the matrices each rank already owns in its rows; the same on every rank). Per bucket one all-to-all hands each
+    owner the gradient rows of its matrices, a second returns the update rows to every holder.
+  - Any other matrix (part of several rows, e.g. a column split of a 2-D weight) is refused at construction.
+Each owner keeps its matrices' momentum and orthogonalises all it owns of one shape as one batched stack. The
+gradients are the clipped local shards, so the norm counts each element once.
 
-Checkpoints: ShardedAdamW's, plus every matrix's momentum whole, written by its owner under
+Checkpoints: FSDPAdamW's, plus every matrix's momentum whole, written by its owner under
 `muon_momentum.<parameter name>[.<kind>][.expert<global id>]`, which any other layout's owners read.
 
-Tensor names: S matrices stacked (the experts of one parameter, or 1), k of them owned by this rank, A x B a matrix.
+Tensor names: S matrices stacked (the experts of one parameter, or 1), k of them in one entry, A x B a matrix.
 """
 
 import math
@@ -27,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from core.optimizer import ReplicaSet, ShardedAdamW, all_gather_flat, reduce_scatter_flat
+from core.fsdp import FSDPAdamW, local_rows
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -55,223 +65,227 @@ def newton_schulz_flops(a: int, b: int) -> int:
     return NS_STEPS * (2 * m * m * n + 2 * m ** 3 + 2 * m * m * n)
 
 
+def assign_owners(costs: list[int], load: list[int]) -> list[int]:
+    """Owner of each cost: largest first (ties in list order), to the least-loaded rank (ties: the lowest), `load`
+    (each rank's FLOPs so far) updated in place."""
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        owners[i] = min(range(len(load)), key=lambda r: load[r])
+        load[owners[i]] += costs[i]
+    return owners
+
+
+def matrix_rows(name: str, kind: str, view_SAB: torch.Tensor, s: int, row: int) -> tuple[int, int]:
+    """Dim-0 rows [first, last) of its parameter (`row` elements each) that matrix s of a [S, A, B] view covers;
+    ValueError for a matrix covering part of several rows (FSDP2 shards whole rows)."""
+    start = view_SAB.storage_offset() + s * view_SAB.stride(0)
+    end = start + sum((n - 1) * st for n, st in zip(view_SAB.shape[1:], view_SAB.stride()[1:])) + 1
+    first, last = start // row, (end - 1) // row + 1
+    if last - first > 1 and (start % row or end % row or math.prod(view_SAB.shape[1:]) != end - start):
+        raise ValueError(f"--optimizer muon: matrix {s} ({kind or 'whole'}) of {name} {tuple(view_SAB.shape[1:])} covers "
+                         f"part of several dim-0 rows, which FSDP2 shards whole; declare it in Model.muon_matrices as "
+                         f"whole rows (store the weight transposed, or split a fused weight along dim 0)")
+    return first, last
+
+
 @dataclass
-class _Piece:
-    """The matrices of one kind in one parameter: split(name, t)[kind] is a [S, A, B] view of t."""
+class _Matrices:
+    """k matrices of one kind of one parameter with one owner: as_strided(size, stride, offset) of the parameter's
+    flattened elements. The owner keeps their momentum; the holders of their rows apply the update."""
     name: str
-    kind: str  # '' for a plain 2-D weight, else e.g. 'gate', 'up', 'down'
-    param: torch.nn.Parameter
-    ids: list[int] | None  # routed experts: the global id of each stacked matrix (in checkpoint keys); else None
+    keys: list[str]  # checkpoint key of each matrix
+    size: tuple[int, int, int]  # (k, A, B)
+    stride: tuple[int, int, int]
+    offset: int  # flat element of the first matrix in the whole parameter
+    rows: tuple[int, int]  # the dim-0 rows [first, last) they cover
+    row: int  # elements per dim-0 row of the parameter
+    chunk: int  # dim-0 rows per shard: rank r of the shard group holds rows [r chunk, (r + 1) chunk)
+    owner: int  # rank in the parameter's shard group
+    momentum_kAB: torch.Tensor | None = None  # fp32, owner only
+    parts: list[tuple[int, int]] = field(default_factory=list)  # spanning ranks, owner: (offset, length) of its rows
+    # in the bucket's received elements, source by source
 
-    def view(self, split, t: torch.Tensor) -> torch.Tensor:
-        return split(self.name, t)[self.kind][0]
+    def alpha(self, lr: float) -> float:
+        return -lr * RMS_MATCH * math.sqrt(max(self.size[1:]))
 
-    def key(self, s: int) -> str:
-        return self.name + (f".{self.kind}" if self.kind else "") + (f".expert{self.ids[s]}" if self.ids else "")
+    def held(self, r: int) -> tuple[int, int]:
+        """The rows of these matrices that rank r holds (empty: lo >= hi)."""
+        return max(self.rows[0], r * self.chunk), min(self.rows[1], (r + 1) * self.chunk)
+
+    def of(self, rows: torch.Tensor) -> torch.Tensor:
+        """The [k, A, B] view of rows [first, last) of the parameter, flattened (a spanning matrix's, assembled)."""
+        return rows.as_strided(self.size, self.stride, rows.storage_offset() + self.offset - self.rows[0] * self.row)
 
 
-@dataclass
-class _Block:
-    """Matrices index_k of a piece owned by one rank; elements [offset, offset + numel) of its bucket segment."""
-    piece: _Piece
-    owner: int
-    index_k: torch.Tensor  # long, which of the piece's S matrices
-    offset: int
-    shape: tuple[int, int, int]  # (k, A, B)
-    grad_kAB: torch.Tensor | None = None  # the reduced gradient (owner only)
-    momentum_kAB: torch.Tensor | None = None  # fp32 (owner only)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+def _key(name: str, kind: str, ids: list[int] | None, s: int) -> str:
+    return name + (f".{kind}" if kind else "") + (f".expert{ids[s]}" if ids else "")
 
 
 @dataclass
 class _Bucket:
-    params: list[torch.nn.Parameter]
-    pieces: list[_Piece]
-    group: object  # ProcessGroup of the replicas, or None
-    n: int
-    rank: int
-    blocks: list[_Block] = field(default_factory=list)  # owner by owner, each owner's in segment order
-    segment: int = 0  # elements per owner (the largest owner's; the others are padded)
+    """Matrices spanning the ranks of one shard group, moved by one all-to-all each way."""
+    group: object  # ProcessGroup of the shard group, or None (one rank)
+    owned: list[_Matrices]  # those this rank owns
+    send: list[tuple[_Matrices, int, int]]  # this rank's rows of each matrix (local flat range), by destination
+    send_splits: list[int]
+    recv_splits: list[int]
 
 
-class MuonAdamW:
-    """Muon on `split`'s matrices, ShardedAdamW (same calls) on the rest; one lr, scheduled via `self.optimizer`."""
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    if group is None:
+        return x
+    out = x.new_empty(sum(out_splits))
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    return out
 
-    def __init__(self, replica_sets: list[ReplicaSet], split, lr: float, weight_decay: float, betas, eps: float,
-                 momentum: float = 0.95, norm_group=None, ns_dtype: torch.dtype | None = None,
-                 bucket_bytes: int = 256 << 20):
+
+class MuonAdamW(FSDPAdamW):
+    """Muon on `split`'s matrices, FSDPAdamW (same calls) on the rest; one lr, scheduled via `self.optimizer`."""
+
+    def __init__(self, model, units, split, lr: float, weight_decay: float, betas, eps: float, momentum: float = 0.95,
+                 norm_group=None, once: bool = False, ns_dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20):
         """split(name, t) -> {kind: ([S, A, B] view of t, the S matrices' global expert ids or None)}, {} for an AdamW
-        parameter; t: the parameter or one of its shape (the gradient). ns_dtype: default bf16 on GPU, fp32 on CPU."""
-        self.split, self.momentum, self.weight_decay = split, momentum, weight_decay
-        adamw_sets, self.buckets, self.pieces = [], [], []
-        for rs in replica_sets:
-            matrices = {name: p for name, p in rs.params.items() if split(name, p)}
-            adamw_sets.append(ReplicaSet({n: p for n, p in rs.params.items() if n not in matrices}, rs.group, rs.mesh,
-                                         rs.expert_ids))
-            self._plan(rs, matrices, bucket_bytes)
-        self.adamw = ShardedAdamW(adamw_sets, lr, weight_decay, betas, eps, norm_group, bucket_bytes)
-        self.optimizer = self.adamw.optimizer
-        self.replicas = {**{e.name: e.replicas for e in self.adamw.entries},
-                         **{pc.name: rs for rs in replica_sets for pc in self.pieces if pc.name in rs.params}}
-        self.owned = [b for bucket in self.buckets for b in bucket.blocks if b.owner == bucket.rank]
-        for b in self.owned:
-            b.momentum_kAB = torch.zeros(b.shape, dtype=torch.float32, device=b.piece.param.device)
-        device = next(p for rs in replica_sets for p in rs.params.values()).device
+        parameter (t: a meta tensor of the parameter's shape). ns_dtype: default bf16 on GPU, fp32 on CPU."""
+        params = dict(model.named_parameters())
+        self.views = {n: v for n, p in params.items() if (v := split(n, torch.empty(p.shape, device="meta")))}
+        super().__init__(model, units, lr, weight_decay, betas, eps, norm_group, once, skip=self.views)
+        self.momentum, self.weight_decay, self.buckets = momentum, weight_decay, []
+        self.device = device = next(iter(self.local.values())).device
         self.ns_dtype = ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        self.owned, spanning = [], {}  # spanning: shard group's ranks -> (group, n, [matrix])
+        for name, kinds in self.views.items():
+            p = params[name]
+            assert p.dtype == torch.float32 and self.local[name].is_contiguous(), name
+            n, rank, _ = local_rows(p)
+            chunk, row = math.ceil(p.shape[0] / n), p.numel() // p.shape[0]
+            group = p.device_mesh.get_group() if n > 1 else None
+            for kind, (v_SAB, ids) in kinds.items():
+                mine = []  # (s, row) of the matrices inside one of this rank's rows
+                for i in range(v_SAB.shape[0]):
+                    first, last = matrix_rows(name, kind, v_SAB, i, row)
+                    if last - first > 1:
+                        ranks = tuple(p.device_mesh.mesh.flatten().tolist()) if n > 1 else ()
+                        spanning.setdefault(ranks, (group, n, []))[2].append(_Matrices(
+                            name, [_key(name, kind, ids, i)], (1, *v_SAB.shape[1:]), v_SAB.stride(),
+                            v_SAB.storage_offset() + i * v_SAB.stride(0), (first, last), row, chunk, -1))
+                    elif first // chunk == rank:
+                        mine.append((i, first))
+                runs = [[x] for x in mine[:1]]  # consecutive matrices: one strided view each run
+                for x in mine[1:]:
+                    runs[-1].append(x) if x[0] == runs[-1][-1][0] + 1 else runs.append([x])
+                self.owned += [_Matrices(name, [_key(name, kind, ids, i) for i, _ in run], (len(run), *v_SAB.shape[1:]),
+                                         v_SAB.stride(), v_SAB.storage_offset() + run[0][0] * v_SAB.stride(0),
+                                         (run[0][1], run[-1][1] + 1), row, chunk, rank) for run in runs]
+        mine_flops = sum(newton_schulz_flops(*m.size[1:]) * m.size[0] for m in self.owned)
+        for group, n, found in spanning.values():
+            load = [mine_flops] * n
+            if group is not None:  # every rank's FLOPs in its own rows (its experts: they differ per ep rank)
+                gathered = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(n)]
+                dist.all_gather(gathered, torch.tensor(mine_flops, device=device), group=group)
+                load = [int(t) for t in gathered]
+            for m, owner in zip(found, assign_owners([newton_schulz_flops(*m.size[1:]) for m in found], load)):
+                m.owner = owner
+            self._plan_buckets(group, n, found, bucket_bytes)
+        for m in self.owned:
+            m.momentum_kAB = torch.zeros(m.size, dtype=torch.float32, device=device)
 
-    def _plan(self, rs: ReplicaSet, matrices: dict, bucket_bytes: int) -> None:
-        """Buckets of whole parameters (at most bucket_bytes of fp32 gradients, at least one parameter) and an owner
-        per matrix: largest cost first, to the rank with the least so far over the whole set (same on every replica)."""
-        n = 1 if rs.group is None else dist.get_world_size(rs.group)
-        rank = 0 if rs.group is None else dist.get_rank(rs.group)
+    def _plan_buckets(self, group, n: int, matrices: list[_Matrices], bucket_bytes: int) -> None:
+        """Buckets of at most bucket_bytes of fp32 matrices (at least one), each rank's rows of a matrix sent to its
+        owner: send laid out destination by destination, receive source by source, matrices in bucket order."""
+        rank = 0 if group is None else dist.get_rank(group)
         buckets = []
-        for name, p in matrices.items():
-            assert p.dtype == torch.float32 and p.is_contiguous(), name
-            if not buckets or sum(q.numel() * 4 for q in buckets[-1].params) + p.numel() * 4 > bucket_bytes:
-                buckets.append(_Bucket([], [], rs.group, n, rank))
-            buckets[-1].params.append(p)
-            buckets[-1].pieces += [_Piece(name, kind, p, ids) for kind, (_, ids) in self.split(name, p).items()]
-        load = [0] * n
+        for m in matrices:
+            if not buckets or 4 * sum(math.prod(x.size) for x in buckets[-1]) + 4 * math.prod(m.size) > bucket_bytes:
+                buckets.append([])
+            buckets[-1].append(m)
         for bucket in buckets:
-            shapes = [tuple(pc.view(self.split, pc.param).shape) for pc in bucket.pieces]
-            costs = [(newton_schulz_flops(A, B), i, s) for i, (S, A, B) in enumerate(shapes) for s in range(S)]
-            owner = {}
-            for cost, i, s in sorted(costs, key=lambda c: -c[0]):  # stable: ties keep parameter order
-                r = min(range(n), key=lambda r: load[r])
-                owner[i, s], load[r] = r, load[r] + cost
-            for r in range(n):  # segment r: rank r's matrices, piece by piece
-                offset = 0
-                for i, (pc, (S, A, B)) in enumerate(zip(bucket.pieces, shapes)):
-                    index = [s for s in range(S) if owner[i, s] == r]
-                    if index:
-                        block = _Block(pc, r, torch.tensor(index, device=pc.param.device), offset, (len(index), A, B))
-                        bucket.blocks.append(block)
-                        offset += block.numel
-                bucket.segment = max(bucket.segment, offset)
-        self.buckets += buckets
-        self.pieces += [pc for bucket in buckets for pc in bucket.pieces]
+            send, send_splits, recv_splits, received = [], [0] * n, [0] * n, 0
+            for r in range(n):
+                for m in bucket:
+                    lo, hi = m.held(rank)
+                    if m.owner == r and lo < hi:  # this rank's rows of m, to its owner r
+                        send.append((m, (lo - rank * m.chunk) * m.row, (hi - rank * m.chunk) * m.row))
+                        send_splits[r] += (hi - lo) * m.row
+                    lo, hi = m.held(r)
+                    if m.owner == rank and lo < hi:  # rank r's rows of m, to this rank
+                        m.parts.append((received, (hi - lo) * m.row))
+                        received += (hi - lo) * m.row
+                        recv_splits[r] += (hi - lo) * m.row
+            owned = [m for m in bucket if m.owner == rank]
+            self.buckets.append(_Bucket(group, owned, send, send_splits, recv_splits))
+            self.owned += owned
 
     def describe(self) -> str:
         """Which parameters go to which optimizer (names with layer numbers as *), for the start-up line."""
         def names(params):
             return sorted({".".join("*" if part.isdigit() else part for part in n.split(".")) for n in params})
-        muon = {pc.name for pc in self.pieces}
-        matrices = sum(pc.view(self.split, pc.param).shape[0] for pc in self.pieces)
-        adamw = [e.name for e in self.adamw.entries]
-        return (f"muon: {matrices} matrices in {len(muon)} tensors ({', '.join(names(muon))}) | "
-                f"adamw: {len(adamw)} tensors ({', '.join(names(adamw))})")
+        matrices = sum(v_SAB.shape[0] for kinds in self.views.values() for v_SAB, _ in kinds.values())
+        return (f"muon: {matrices} matrices in {len(self.views)} tensors ({', '.join(names(self.views))}) | "
+                f"adamw: {len(self.adamw)} tensors ({', '.join(names(self.adamw))})")
 
     # ------------------------------------------------------------------------------------------- the step
 
-    def reduce_gradients(self) -> None:
-        """AdamW's reduce-scatter, then one per bucket (segment r: what rank r owns, summed); frees full gradients."""
-        self.adamw.reduce_gradients()
-        for bucket in self.buckets:
-            grads = {id(p): p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params}
-            if bucket.group is None:
-                for b in bucket.blocks:
-                    b.grad_kAB = b.piece.view(self.split, grads[id(b.piece.param)]).index_select(0, b.index_k)
-            else:
-                send = bucket.params[0].new_zeros(bucket.n, bucket.segment)
-                for b in bucket.blocks:
-                    g_SAB = b.piece.view(self.split, grads[id(b.piece.param)])
-                    send[b.owner, b.offset: b.offset + b.numel].view(b.shape).copy_(g_SAB.index_select(0, b.index_k))
-                mine = send.new_empty(bucket.segment)
-                reduce_scatter_flat(mine, send.view(-1), group=bucket.group)
-                for b in bucket.blocks:
-                    if b.owner == bucket.rank:
-                        b.grad_kAB = mine[b.offset: b.offset + b.numel].view(b.shape)
-            for p in bucket.params:
-                p.grad = None
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """The global norm over the AdamW shards and the owned matrices (each element once); clips both."""
-        return self.adamw.clip_grad_norm_(max_norm, extra=[b.grad_kAB for b in self.owned])
+    def _view(self, t: torch.Tensor, m: _Matrices) -> torch.Tensor:
+        """Matrices m (inside this rank's rows) in t: the local shard of their parameter or its gradient."""
+        return t.as_strided(m.size, m.stride, t.storage_offset() + m.offset - m.owner * m.chunk * m.row)
 
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW on its shards; Muon on the owned matrices (batched by shape); then every bucket's all-gather."""
-        self.adamw.step()
-        lr, mu = self.param_groups[0]["lr"], self.momentum
-        by_shape = {}  # (A, B) -> owned blocks of that shape: one batched Newton-Schulz each
-        for b in self.owned:
-            b.momentum_kAB.lerp_(b.grad_kAB, 1 - mu)
-            by_shape.setdefault(b.shape[1:], []).append(b)
-        new_weights = {}
-        for (A, B), blocks in by_shape.items():
-            u_kAB = torch.cat([b.grad_kAB.lerp(b.momentum_kAB, mu) for b in blocks])  # Nesterov
-            o_kAB = newton_schulz(u_kAB, self.ns_dtype)
-            for b, o in zip(blocks, o_kAB.split([b.shape[0] for b in blocks])):
-                w = b.piece.view(self.split, b.piece.param).index_select(0, b.index_k)
-                w.mul_(1 - lr * self.weight_decay)
-                w.add_(o, alpha=-lr * RMS_MATCH * math.sqrt(max(A, B)))
-                new_weights[id(b)] = w
-        for bucket in self.buckets:
-            if bucket.group is None:
-                for b in bucket.blocks:
-                    b.piece.view(self.split, b.piece.param).index_copy_(0, b.index_k, new_weights[id(b)])
-                continue
-            mine = bucket.params[0].new_zeros(bucket.segment)
-            for b in bucket.blocks:
-                if b.owner == bucket.rank:
-                    mine[b.offset: b.offset + b.numel].view(b.shape).copy_(new_weights[id(b)])
-            full = mine.new_empty(bucket.n, bucket.segment)
-            all_gather_flat(full.view(-1), mine, group=bucket.group)
-            for b in bucket.blocks:
-                w_kAB = full[b.owner, b.offset: b.offset + b.numel].view(b.shape)
-                b.piece.view(self.split, b.piece.param).index_copy_(0, b.index_k, w_kAB)
-
-    def zero_grad(self) -> None:
-        self.adamw.zero_grad()
-        for bucket in self.buckets:
-            for p in bucket.params:
-                p.grad = None
-        for b in self.owned:
-            b.grad_kAB = None
-
-    @property
-    def param_groups(self):
-        return self.adamw.param_groups
+        """AdamW on its shards; Muon on the owned matrices (a spanning one's gradient rows gathered to its owner),
+        batched by shape; each update applied where its rows are (a spanning one's sent back)."""
+        self.optimizer.step()
+        lr, mu, decay = self.param_groups[0]["lr"], self.momentum, 1 - self.param_groups[0]["lr"] * self.weight_decay
+        grads = {id(m): self._view(self.local[m.name].grad, m) for m in self.owned if not m.parts}
+        received = []
+        for b in self.buckets:  # gradient rows to the owners
+            send = [self.local[m.name].grad.view(-1)[lo:hi] for m, lo, hi in b.send]
+            recv = _all_to_all(torch.cat(send) if send else torch.zeros(0, device=self.device), b.recv_splits,
+                               b.send_splits, b.group)
+            received.append(recv)
+            for m in b.owned:
+                grads[id(m)] = m.of(torch.cat([recv[o: o + n] for o, n in m.parts]))
+        by_shape, updates = {}, {}  # (A, B) -> owned matrices of that shape: one batched Newton-Schulz each
+        for m in self.owned:
+            m.momentum_kAB.lerp_(grads[id(m)], 1 - mu)
+            by_shape.setdefault(m.size[1:], []).append(m)
+        for blocks in by_shape.values():
+            u_kAB = torch.cat([grads[id(m)].lerp(m.momentum_kAB, mu) for m in blocks])  # Nesterov
+            for m, o_kAB in zip(blocks, newton_schulz(u_kAB, self.ns_dtype).split([m.size[0] for m in blocks])):
+                updates[id(m)] = o_kAB
+                if not m.parts:  # in this rank's rows
+                    self._view(self.local[m.name], m).mul_(decay).add_(o_kAB, alpha=m.alpha(lr))
+        for b, recv in zip(self.buckets, received):  # update rows back to their holders
+            back = torch.empty_like(recv)
+            for m in b.owned:
+                rows = torch.empty(sum(n for _, n in m.parts), device=back.device)  # (covered exactly)
+                m.of(rows).copy_(updates[id(m)])
+                for (o, n), piece in zip(m.parts, rows.split([n for _, n in m.parts])):
+                    back[o: o + n] = piece
+            mine = _all_to_all(back, b.send_splits, b.recv_splits, b.group)
+            for (m, lo, hi), o in zip(b.send, mine.split([hi - lo for _, lo, hi in b.send])):
+                self.local[m.name].view(-1)[lo:hi].mul_(decay).add_(o, alpha=m.alpha(lr))
+        self.gather()
 
     def state_bytes(self) -> tuple[int, int]:
         """(bytes of optimizer state on this rank, bytes unsharded): AdamW's moments plus the owned momentum."""
-        held, full = self.adamw.state_bytes()
-        return (held + sum(b.momentum_kAB.numel() * 4 for b in self.owned),
-                full + sum(pc.param.numel() * 4 for pc in {id(pc.param): pc for pc in self.pieces}.values()))
+        held, full = super().state_bytes()
+        return (held + sum(4 * m.momentum_kAB.numel() for m in self.owned),
+                full + sum(4 * self.params[n].numel() for n in self.views))
 
     @torch.no_grad()
     def reinit_(self, name: str, index: int | slice, values: torch.Tensor | None = None) -> None:
-        """ShardedAdamW.reinit_'s contract: param[index] = values, that part's Adam moments or Muon momentum reset."""
-        if not any(pc.name == name for pc in self.pieces):
-            return self.adamw.reinit_(name, index, values)  # (its error lists the parameters for an unknown name)
-        p = next(pc.param for pc in self.pieces if pc.name == name)
-        if not isinstance(index, (int, slice)) or isinstance(index, bool):
-            raise ValueError(f"reinit_: index must be an int or a slice of dim 0 of {name}, got {index!r}")
-        if isinstance(index, int) and not -p.shape[0] <= index < p.shape[0]:
-            raise ValueError(f"reinit_: index {index} is out of range for dim 0 of {name} (size {p.shape[0]})")
-        part = p[index]
-        if values is not None:
-            if not isinstance(values, torch.Tensor) or values.shape != part.shape:
-                got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
-                raise ValueError(f"reinit_: values for {name}[{index}] must have shape {tuple(part.shape)}, got {got}")
-            part.copy_(values)
-        reset = torch.zeros_like(p, dtype=torch.bool)
-        reset[index] = True
-        for b in self.owned:
-            if b.piece.name == name:
-                b.momentum_kAB[b.piece.view(self.split, reset).index_select(0, b.index_k)] = 0
+        """FSDPAdamW.reinit_'s contract: param[index] = values, that part's Adam moments or Muon momentum reset."""
+        if name not in self.views:
+            return super().reinit_(name, index, values)  # (its error lists the parameters for an unknown name)
+        first, last, _ = self._rows(name, index, values)
+        reset = torch.zeros(self.params[name].shape, dtype=torch.bool)
+        reset[first:last] = True
+        for m in self.owned:
+            if m.name == name:
+                m.momentum_kAB[reset.view(-1).as_strided(m.size, m.stride, m.offset).to(m.momentum_kAB.device)] = 0
 
-    # ----------------------------------------------------------------------------------------- checkpoints
-
-    def checkpoint_state(self, model: torch.nn.Module) -> dict:
-        """ShardedAdamW's state + optim.muon_momentum: the owned momenta as [A, B] views (loaded in place)."""
-        state = self.adamw.checkpoint_state(model, replicas=self.replicas)
-        state["optim"]["muon_momentum"] = {b.piece.key(int(s)): m_AB for b in self.owned
-                                           for s, m_AB in zip(b.index_k.tolist(), b.momentum_kAB)}
+    def checkpoint_state(self, model=None) -> dict:
+        """FSDPAdamW's state + optim.muon_momentum: the owned momenta as [A, B] views (loaded in place)."""
+        state = super().checkpoint_state()
+        state["optim"]["muon_momentum"] = {k: m_AB for m in self.owned for k, m_AB in zip(m.keys, m.momentum_kAB)}
         return state
-
-    def after_load(self, state: dict) -> None:
-        self.adamw.after_load(state)

@@ -105,7 +105,8 @@ def inject_fault(kind: str, step: int, model: torch.nn.Module | None = None) -> 
         elif kind == "hang":
             time.sleep(3600)
         elif kind == "nan":
-            next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+            g = next(p.grad for p in model.parameters() if p.grad is not None)
+            (g.to_local() if isinstance(g, DTensor) else g).view(-1)[0] = float("nan")  # (FSDP2: this rank's shard)
         elif kind in ("sigterm", "sigusr1"):
             os.kill(os.getpid(), signal.SIGTERM if kind == "sigterm" else signal.SIGUSR1)
         elif kind == "sigterm-launcher":

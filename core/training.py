@@ -89,8 +89,17 @@ def build_parser(cls) -> argparse.ArgumentParser:
 
 
 def parse_args(cls, argv=None):
-    """An instance of the dataclass `cls` from command-line flags (build_parser); a non-finite float is refused."""
-    args = vars(build_parser(cls).parse_args(argv))
+    """An instance of the dataclass `cls` from command-line flags (build_parser); a non-finite float is refused, and
+    so is a flag of `cls.removed_flags` (name -> what replaced it), in one line."""
+    parser = build_parser(cls)
+    args, unknown = parser.parse_known_args(argv)
+    for flag in unknown:
+        name = flag.split("=")[0].removeprefix("--").replace("-", "_")
+        if flag.startswith("--") and name in getattr(cls, "removed_flags", {}):
+            raise ValueError(f"--{name.replace('_', '-')} no longer exists: {cls.removed_flags[name]}")
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args = vars(args)
     for name, value in args.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"--{name.replace('_', '-')} {value} is not a finite number")
@@ -143,7 +152,7 @@ class StepDone:
 
     step: int  # the step just finished (1-based)
     stats: dict  # Model.take_stats() combined over all ranks (core/metrics.py:reduce_stats), expert_load included
-    optimizer: object  # ShardedAdamW / MuonAdamW: reinit_(param, index, value) resets rows and their optimizer state
+    optimizer: object  # FSDPAdamW / MuonAdamW: reinit_(param, index, value) resets rows and their optimizer state
     out: pathlib.Path  # the run's folder (--out): per-step artifacts go under it
     args: object  # train.py's Args (every flag: expert_bias_rate, ...)
     skipped: bool  # the step was skipped (non-finite loss or gradient): weights and optimizer state unchanged
@@ -161,7 +170,10 @@ class LossTerm:
     per: str | None  # the denominator: "tokens" (labels != -100), "micro_batches" (n_micro x dp x ep), the name
     # of an extra from Model.prepare_batch (the global sum of that per-token tensor), or None: a parameter-only term
     # counted once per step (n_micro x dp x cp x ep); each rank's sum is then the term over its layers' parameters,
-    # a part over routed experts counted ep times (its own experts' part x ep) so the ep ranks' parts add up
+    # a part over routed experts counted ep times (its own experts' part x ep) so the ep ranks' parts add up. FSDP2
+    # gathering per micro-batch (pp = 1's default) holds a parameter whole only inside its unit's forward (a layer's
+    # steps; the routed experts' own module): a term reading other ones (the experts' weights in the attention step)
+    # needs train.py --fsdp-gather step
 
 
 def loss_weights(terms: dict[str, LossTerm], flag: str) -> dict[str, LossTerm]:

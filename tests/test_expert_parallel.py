@@ -1,6 +1,6 @@
 """Expert parallelism: the deduplicated all-to-all dispatch/combine against a single-process computation, the
 rows it moves, the Qwen3 model's gradients at ep=2/4 and dp2 x ep2, training parity, resharding checkpoints,
-export from a sharded run, ZeRO-1 memory and the aux-loss-free bias."""
+export from a sharded run, the optimizer state per rank and the aux-loss-free bias."""
 
 import functools
 import json
@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from core.fsdp import FSDPAdamW, shard_model
 from core.mesh import build_mesh, destroy_mesh
 from core.moe import grouped_mm, moe_forward, update_expert_bias
-from core.optimizer import ReplicaSet, ShardedAdamW
 from core.placement import Placement
 from recipes.qwen3_30b_a3b.model import Model, ModelConfig
 from tests.multiproc import run_ranks
@@ -131,11 +131,8 @@ def model_grads_worker(config_path, dp: int, ep: int):
     loss = out.loss_sum / ids.numel() + 0.01 * out.aux_loss
     loss.backward()
     errors = {"loss": rel_err(loss.detach(), ref_losses[r].detach())}
-    experts = {n: p for n, p in model.named_parameters() if ".experts." in n}
-    dense = {n: p for n, p in model.named_parameters() if n not in experts}
-    optimizer = ShardedAdamW([ReplicaSet(dense, mesh.group("dp", "cp", "ep"), None),
-                              ReplicaSet(experts, mesh.group("dp", "cp"), None)], 1e-3, 0.0, (0.9, 0.95), 1e-8)
-    state_bytes = optimizer.state_bytes()
+    sharded = Model(cfg, ep_group=mesh.group("ep"))  # FSDP2 over the same mesh: the optimizer's state
+    state_bytes = FSDPAdamW(sharded, shard_model(sharded, mesh, bf16=False, once=False), 1e-3, 0.0, (0.9, 0.95), 1e-8).state_bytes()
     full_params = dict(full.named_parameters())
     for name, p in model.named_parameters():
         experts = ".mlp.experts." in name
@@ -155,13 +152,13 @@ def model_grads_worker(config_path, dp: int, ep: int):
 
 @pytest.mark.parametrize("dp,ep", [(1, 2), (1, 4), (2, 2)])
 def test_model_gradients_equal_single_process(tiny_train_setup, dp, ep):
-    """...and ZeRO-1 Adam state per rank falls as 1/(dp*ep) (dense state sharded over dp*ep, experts split
-    over ep and their state over dp)."""
+    """...and Adam state per rank falls as 1/(dp*ep) (FSDP2: dense parameters sharded over dp*ep, experts split
+    over ep and sharded over dp)."""
     config, _ = tiny_train_setup
     one_process = 8 * sum(p.numel() for p in Model(ModelConfig.from_hf(config)).parameters())  # fp32 exp_avg(_sq)
     for errors, (held, _) in run_ranks(dp * ep, model_grads_worker, config, dp, ep):
         assert max(errors.values()) <= 1e-5, {k: v for k, v in errors.items() if v > 1e-5}
-        assert held <= one_process / (dp * ep) * 1.02, (dp, ep, held, one_process)  # padding of last shards only
+        assert held <= one_process / (dp * ep) * 1.02, (dp, ep, held, one_process)  # rows of last shards only
 
 
 # ------------------------------------------------------------------------------------- training runs

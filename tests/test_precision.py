@@ -88,12 +88,13 @@ def errors(ranks, ref, ep: int = 1) -> tuple[float, float, float]:
 
 def test_bf16_layouts_match_one_process_and_differ_from_fp32(tmp_path, tiny_train_setup):
     """pp2, ep2, cp2 (one spawn of 2 ranks), pp2 x ep2, cp2 x ep2 (one spawn of 4) under --dtype bf16, 6 layers (with
-    --pp 2 the first rank then holds MoE layers whose first gradient is a delayed one). pp2 runs the same bf16 ops
-    on the same shapes as one process, so it equals a one-process bf16 run bit for bit. The other layouts round in
-    other places (ep: other expert sums, cp: another attention kernel): they are other bf16 computations of the
-    same steps, held to bf16's own error, measured in the same run as the distance between one bf16 process and
-    one fp32 process (the bounds below say why each is that size). Activations crossing ranks (dispatch, combine,
-    stage hand-offs, cp K/V) are bf16. --recompute layer at pp2 and attention at cp2 change no bit."""
+    --pp 2 the first rank then holds MoE layers whose first gradient is a delayed one). Every layout runs FSDP2,
+    which gathers every weight in bf16 where one process keeps the norms' and routers' in fp32, and rounds in other
+    places (ep: other expert sums, cp: another attention kernel): they are other bf16 computations of the same
+    steps, held to bf16's own error, measured in the same run as the distance between one bf16 process and one fp32
+    process (the bounds below say why each is that size); pp2 against dp2 on the same bf16 weights: the gradients
+    of tests/test_fsdp.py. Activations crossing ranks (dispatch, combine, stage hand-offs, cp K/V) are bf16.
+    --recompute layer at pp2 and attention at cp2 change no bit."""
     _, data = tiny_train_setup
     config = tmp_path / "six_layers.json"
     config.write_text(json.dumps({**TINY_TRAIN_CONFIG, "num_hidden_layers": 6}))
@@ -119,9 +120,7 @@ def test_bf16_layouts_match_one_process_and_differ_from_fp32(tmp_path, tiny_trai
         (loss, norm, weight), (loss32, norm32, _) = errors(ranks, bf16, ep), errors(ranks, fp32, ep)
         print(f"{name}: vs one-process bf16: losses {loss:.1e} grad norms {norm:.1e} worst weight {weight:.1e}; "
               f"vs fp32: losses {loss32:.1e} grad norms {norm32:.1e}")
-        if name.startswith("pp2") and "ep2" not in name:  # the same ops: stage boundaries only cut the graph
-            assert (loss, norm, weight) == (0, 0, 0), name
-        else:
+        if name != "single":
             # Losses and grad norms, two-sided against fp32. Above 1/30 of bf16's error: fp32 layouts match fp32 to
             # ~2e-7, several times below that floor on any kernel set (bf16's loss error is 4e-5 with ATen's AVX2
             # kernels, 3e-4 with its default ones), so an error above it means the run computed in bf16. Below 8x

@@ -418,7 +418,9 @@ def test_extensions_through_the_seams(tiny_train_setup, tmp_path, monkeypatch, c
     args = lambda out, **extra: train_args(config, data, tmp_path / out, steps=3, adam_eps=1e-6, **extra)
     single = run_train(args("single"))
     log = capsys.readouterr().out
-    layouts = {"pp2": {"pp": 2}, "cp2": {"cp": 2}, "ep2": {"ep": 2}}
+    # the l2 term reads the experts' weights in the attention step, outside the experts' own FSDP2 unit: their units
+    # gathered for the whole step (core/training.py:LossTerm)
+    layouts = {"pp2": {"pp": 2}, "cp2": {"cp": 2, "fsdp_gather": "step"}, "ep2": {"ep": 2, "fsdp_gather": "step"}}
     jobs = {name: ("train", args(name, **layout)) for name, layout in layouts.items()}
     jobs |= {"grads cp2": ("grads", (config, 2, 1, 32)), "whole": ("whole", None)}
     per_rank = run_ranks(2, extension_worker, jobs)

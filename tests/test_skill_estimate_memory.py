@@ -1,7 +1,8 @@
-"""core/memory.py (the estimate) against exact counts on CPU: parameter bytes of the built model, Adam state of a
-real ShardedAdamW (one process and 2 gloo ranks), bytes saved for backward measured with saved_tensors_hooks (one
-process, ep2, and what each rank of a DualPipeV step at pp2 x ep2 holds at its peak); the refusal with suggested
-layouts; and the skill's script (tools/estimate_memory.py's command line) on every recipe."""
+"""core/memory.py (the estimate) against exact counts on CPU: parameter bytes of the built model, optimizer state of
+the real FSDPAdamW and MuonAdamW (one process and 2 gloo ranks: Adam shards, each rank's Muon momentum), bytes saved
+for backward measured with saved_tensors_hooks (one process, ep2, and what each rank of a DualPipeV step at pp2 x ep2
+holds at its peak); the refusal with suggested layouts; and the skill's script (tools/estimate_memory.py's command
+line) on every recipe."""
 
 import dataclasses
 import runpy
@@ -14,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from core import memory, moe
+from core.fsdp import FSDPAdamW, shard_model
 from core.mesh import build_mesh, destroy_mesh
-from core.optimizer import ReplicaSet, ShardedAdamW
+from core.muon import MuonAdamW
 from core.pipeline import DualPipeV, Running, split_layers
 from recipes import recipe_names
 from tests.conftest import TINY_TRAIN_CONFIG
@@ -63,58 +65,76 @@ def measured_saved_bytes(model, batch, seq):
     return held
 
 
-def adam_bytes(model, group_dense, group_experts):
-    experts = {n: p for n, p in model.named_parameters() if ".mlp.experts." in n}
-    dense = {n: p for n, p in model.named_parameters() if n not in experts}
-    opt = ShardedAdamW([ReplicaSet(dense, group_dense, None), ReplicaSet(experts, group_experts, None)],
-                       1e-3, 0.1, (0.9, 0.95), 1e-8)
-    return opt.state_bytes()[0]
+def optimizer_bytes(model, mesh, optimizer: str) -> tuple[int, int]:
+    """(Adam bytes, Muon momentum bytes) the real optimizer holds on this rank (FSDP2 over `mesh` at world > 1)."""
+    units = shard_model(model, mesh, bf16=False, once=False) if mesh is not None and mesh.world > 1 else None
+    if optimizer == "adamw":
+        return FSDPAdamW(model, units, 1e-3, 0.1, (0.9, 0.95), 1e-8).state_bytes()[0], 0
+    opt = MuonAdamW(model, units, model.muon_matrices, 1e-3, 0.1, (0.9, 0.95), 1e-8)
+    momentum = sum(4 * m.momentum_kAB.numel() for m in opt.owned)
+    return opt.state_bytes()[0] - momentum, momentum
 
 
 @pytest.mark.parametrize("recipe", recipe_names())
 def test_params_and_optimizer_exact_one_process(recipe):
     """Each pp rank's weights/gradients with pp=2 and ep=2 equal that rank's share of the CPU-built full model
-    (its two stages' layers, embedding/norm/head on rank 0, half of each expert tensor); with no sharding the Adam
-    state equals a real ShardedAdamW's."""
+    (its two stages' layers, embedding/norm/head on rank 0, half of each expert tensor), dense rows sharded over the
+    2 ep ranks, the gradients plus the unsharded fp32 sums of pp > 1; in one process the optimizer state equals a
+    real FSDPAdamW's and MuonAdamW's."""
     mod, cfg = tiny(recipe)
     model = mod.Model(cfg)
     layout = memory.Layout(pp=2, ep=2, bf16=False)
     stages = split_layers(cfg.num_hidden_layers, 2)
     for pp_rank, layers in enumerate((stages[0] + stages[3], stages[1] + stages[2])):
-        want = 0
+        local = shard = 0  # elements of this rank's part, and of its FSDP2 shards (dense rows over the 2 ep ranks)
         for name, p in model.named_parameters():
             held = int(name.split(".")[1]) in layers if name.startswith("layers.") else pp_rank == 0
-            want += held * p.numel() // (2 if ".mlp.experts." in name else 1)
+            expert = ".mlp.experts." in name
+            local += held * p.numel() // (2 if expert else 1)
+            shard += held * (p.numel() // 2 if expert else -(-p.shape[0] // 2) * (p.numel() // p.shape[0]))
         got = memory.param_bytes(memory.meta_model(mod, cfg, **memory.rank_parts(cfg, layout, pp_rank)), layout)
-        assert got["weights"] == got["gradients"] == 4 * want
+        assert got["weights"] == 4 * shard and got["gradients"] == 4 * shard + 4 * local  # + the unsharded sums
     got = memory.param_bytes(memory.meta_model(mod, cfg), memory.Layout(bf16=False))
-    assert got["optimizer"] == adam_bytes(model, None, None) == 2 * got["weights"]
+    assert got["optimizer"] == sum(optimizer_bytes(model, None, "adamw")) == 2 * got["weights"]
+    muon = memory.param_bytes(memory.meta_model(mod, cfg), memory.Layout(bf16=False, optimizer="muon"))
+    assert muon["optimizer"] == sum(optimizer_bytes(model, None, "muon")) < got["optimizer"]
     assert got["weight_cache"] == 0  # fp32: no casts
 
 
-def _adam_on_two_ranks():
-    """Adam bytes held by this rank: dp=2 (everything over both ranks) and ep=2 (dense over both, experts alone)."""
-    dist.init_process_group("gloo")
+def _optimizers_on_two_ranks():
+    """(Adam bytes, Muon momentum bytes) held by this rank: dp2 (everything over both ranks) and ep2 (dense over
+    both, experts alone), AdamW and Muon."""
     out = {}
     for recipe in recipe_names():
         mod, cfg = tiny(recipe)
-        torch.manual_seed(0)
-        dp2 = adam_bytes(mod.Model(cfg), dist.group.WORLD, dist.group.WORLD)
-        ep2 = adam_bytes(mod.Model(cfg, ep_group=dist.group.WORLD), dist.group.WORLD, None)
-        out[recipe] = (dp2, ep2)
+        for name, dims in (("dp2", dict(dp=2)), ("ep2", dict(ep=2))):
+            mesh = build_mesh(**dims)
+            for optimizer in ("adamw", "muon"):
+                torch.manual_seed(0)
+                out[recipe, name, optimizer] = optimizer_bytes(mod.Model(cfg, ep_group=mesh.group("ep")), mesh,
+                                                               optimizer)
     dist.destroy_process_group()
     return out
 
 
 def test_optimizer_shards_exact_on_two_ranks():
-    ranks = run_ranks(2, _adam_on_two_ranks)
+    """Adam's moments: the first rank holds the estimate's (the largest shards, ceil(d0 / 2) rows), the other at
+    most that; Muon's momentum on each rank exactly what core/memory.py:muon_bytes places there (matrices inside a
+    row on its holder, 2-D weights on FLOP-balanced owners), the estimate counting the most any rank holds."""
+    ranks = run_ranks(2, _optimizers_on_two_ranks)
     for recipe in recipe_names():
         mod, cfg = tiny(recipe)
-        dp2 = memory.param_bytes(memory.meta_model(mod, cfg), memory.Layout(dp=2, bf16=False))["optimizer"]
-        ep2 = memory.param_bytes(memory.meta_model(mod, cfg, expert_ids=range(cfg.num_experts // 2)),
-                             memory.Layout(ep=2, bf16=False))["optimizer"]
-        assert (dp2, ep2) == ranks[0][recipe], recipe  # rank 0 holds the largest shards (ceil split)
-        assert ranks[1][recipe][0] <= dp2
+        for name, layout, experts in (("dp2", memory.Layout(dp=2, bf16=False), None),
+                                      ("ep2", memory.Layout(ep=2, bf16=False), range(cfg.num_experts // 2))):
+            for optimizer in ("adamw", "muon"):
+                L = dataclasses.replace(layout, optimizer=optimizer)
+                model = memory.meta_model(mod, cfg, **({} if experts is None else {"expert_ids": experts}))
+                momentum = memory.muon_bytes(model, L)[0] if optimizer == "muon" else [0, 0]
+                adam = memory.param_bytes(model, L)["optimizer"] - max(momentum)
+                got = [ranks[r][recipe, name, optimizer] for r in (0, 1)]
+                assert got[0][0] == adam and got[1][0] <= adam, (recipe, name, optimizer, got, adam)
+                assert [m for _, m in got] == momentum, (recipe, name, optimizer, got, momentum)
+                assert optimizer == "adamw" or min(momentum) > 0, momentum  # both ranks own matrices
 
 
 def assert_activations_estimated(mod, cfg, recomputes, seed: int):

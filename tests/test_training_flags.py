@@ -99,3 +99,20 @@ def test_a_class_without_source_shows_defaults_only():
     made = dataclasses.make_dataclass("Made", [("steps", int, dataclasses.field(default=7))])
     assert field_comments(made) == {}
     assert "default: 7" in build_parser(made).format_help()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_removed_flag_says_what_replaced_it(recipe):
+    """train.py's --shard (zero1 | fsdp) is gone: with or without a value, in either spelling, one line says that
+    FSDP2 shards every multi-rank run and to drop the flag; an unknown flag still gets argparse's message; the
+    removed name is no flag of --help."""
+    train = importlib.import_module(f"recipes.{recipe}.train")
+    for argv in (["--shard", "zero1"], ["--steps", "3", "--shard=fsdp"], ["--shard"]):
+        with pytest.raises(ValueError) as e:
+            parse_args(train.Args, argv)
+        assert str(e.value) == ("--shard no longer exists: every run of more than one rank shards weights, gradients "
+                                "and optimizer state with FSDP2 (core/fsdp.py) and one process runs unsharded; drop "
+                                "the flag"), argv
+    with pytest.raises(ValueError, match=r"^unrecognized arguments: --shards 2 \(see --help\)$"):
+        parse_args(train.Args, ["--shards", "2"])
+    assert "--shard" not in build_parser(train.Args).format_help() and "removed_flags" not in field_comments(train.Args)

@@ -7,6 +7,7 @@
     python -m tools.bench --newton-schulz-share                       # Muon's FLOPs vs a training step, released models
     python -m tools.bench --document-mask-cost --steps 10 --rounds 2   # --document-mask vs plain causal, each recipe
     python -m tools.bench --checkpoint-cost --steps 8 --rounds 2        # a checkpoint every step: none, sync, async
+    python -m tools.bench --train-ab "" "--optimizer muon" --nproc 4 --pp 2 --ep 2 --rounds 3   # train.py A vs B
 
 Our step is recipes/qwen3_30b_a3b/train.py's own loop: train.main on a synthetic token dataset written to a temp
 folder (data loader, micro-batches, forward + backward, gradient reduction, clipping, AdamW, metrics), so every
@@ -23,12 +24,18 @@ both alike). Peak memory is the CUDA allocator's peak, or on CPU the process's r
 before each run through /proc/self/clear_refs).
 
 --optimizer-step times, for every recipe, what the optimizer adds to a training step (gradient reduction, clipping,
-the step with its weight all-gather: train.py's three calls) with ShardedAdamW and with MuonAdamW, on random
+the step: train.py's three calls) with FSDPAdamW and with MuonAdamW (on FSDP2's shards under torchrun), on random
 gradients of the recipe's model (--size tiny: its config_tiny.json; wide: its config.json with --layers layers,
 default 2), the two taking turns --rounds times; under torchrun --dp/--ep set the layout. --newton-schulz-share
 counts (no run) the Newton-Schulz FLOPs of one Muon step of each released model (recipes/*/config.json, every matrix
 Model.muon_matrices names) against its training step's at launch.sh's GPU defaults on one 8-GPU node: 64 sequences
 of 4,096 tokens (flops_per_token).
+
+--train-ab A B runs train.py under torchrun (--nproc ranks, the layout flags after the others) with flag set A, then
+B, taking turns --rounds times, each run a fresh process group, and compares their step times (from metrics.jsonl,
+after --warmup steps): medians and bests of the wall-clock time, and the median of rank 0's CPU time per step
+(`cpu_time`, which other jobs on a shared machine do not inflate, but which leaves out time spent waiting), B / A. The two flag sets are strings as on a command line; anything
+train.py takes (another optimizer, precision, recompute, overlap) can be set against anything else.
 
 --checkpoint-cost runs train.py (the tiny model unless --size) with no checkpoints, a blocking checkpoint after
 every step and an asynchronous one (--async-checkpoint) after every step, taking turns --rounds times, and times
@@ -51,10 +58,10 @@ from pathlib import Path
 import torch
 
 from core.data import TokenLoader, write_shards
+from core.fsdp import FSDPAdamW, shard_model
 from core.mesh import build_mesh, destroy_mesh
 from core.metrics import measure_matmul_flops, peak_flops_and_source, timed
 from core.muon import MuonAdamW, newton_schulz_flops
-from core.optimizer import ReplicaSet, ShardedAdamW
 from recipes import recipe_names
 from recipes.qwen3_30b_a3b import train
 from recipes.qwen3_30b_a3b.model import ModelConfig, flops_per_token, real_config_path, tiny_config_path
@@ -246,19 +253,18 @@ def optimizer_step_times(args, layout: list[str]) -> dict:
             torch.manual_seed(0)
             with torch.device(mesh.device):
                 model = mod.Model(cfg, ep_group=mesh.group("ep"))
-            experts = {n: p for n, p in model.named_parameters() if ".mlp.experts." in n}
-            sets = [ReplicaSet({n: p for n, p in model.named_parameters() if n not in experts},
-                               mesh.group("dp", "cp", "ep"), None), ReplicaSet(experts, mesh.group("dp", "cp"), None)]
+            units = shard_model(model, mesh, bf16=False, once=False) if mesh.world > 1 else None
             adamw = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
                          norm_group=torch.distributed.group.WORLD if mesh.world > 1 else None)
-            opt = MuonAdamW(sets, model.muon_matrices, **adamw) if kind == "muon" else ShardedAdamW(sets, **adamw)
+            opt = MuonAdamW(model, units, model.muon_matrices, **adamw) if kind == "muon" else \
+                FSDPAdamW(model, units, **adamw)
 
             def optimizer_calls(opt=opt):
                 opt.reduce_gradients()
                 opt.clip_grad_norm_(1.0)
                 opt.step()
             for step in range(args.warmup + args.steps):
-                for p in model.parameters():
+                for p in model.parameters():  # (FSDP2: this rank's shard, as its reduce-scatter leaves it)
                     p.grad = torch.randn_like(p)
                 seconds = timed(optimizer_calls, mesh.device)
                 opt.zero_grad()
@@ -332,6 +338,45 @@ def checkpoint_cost(args, flags: list[str], out: Path) -> dict:
     return {"checkpoint_mib": size / 2**20, "iteration_ms": ms, "best_ms": best}
 
 
+def train_ab(args, flags: list[str], out: Path) -> dict:
+    """Step and optimizer-step times of train.py under flag sets A and B (args.train_ab), taking turns."""
+    import shlex
+    import subprocess
+    import sys
+
+    sets = {"A": shlex.split(args.train_ab[0]), "B": shlex.split(args.train_ab[1])}
+    times = {k: {"step": [], "opt": [], "cpu": []} for k in sets}
+    for r in range(args.rounds):
+        for name, extra in sets.items():
+            run = out / f"{name}{r}"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+                   "-m", "recipes.qwen3_30b_a3b.train", *flags, "--out", str(run), *extra]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode:
+                raise RuntimeError(f"train.py {' '.join(extra)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+            records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][args.warmup:]
+            times[name]["step"] += [x["step_time"] for x in records]
+            times[name]["opt"] += [x.get("opt_time", 0.0) for x in records]
+            times[name]["cpu"] += [x.get("cpu_time", 0.0) for x in records]
+    result = {}
+    for name in sets:
+        step, opt, cpu = times[name]["step"], times[name]["opt"], times[name]["cpu"]
+        result[name] = {"flags": args.train_ab["AB".index(name)], "step_ms": 1000 * statistics.median(step),
+                        "best_ms": 1000 * min(step), "opt_ms": 1000 * statistics.median(opt),
+                        "cpu_ms": 1000 * statistics.median(cpu)}
+    result["ratio"] = result["B"]["step_ms"] / result["A"]["step_ms"]
+    result["best_ratio"] = result["B"]["best_ms"] / result["A"]["best_ms"]
+    result["cpu_ratio"] = result["B"]["cpu_ms"] / result["A"]["cpu_ms"]
+    print(f"train.py on {args.nproc} ranks, {' '.join(flags[flags.index('--steps'):])}: {args.steps} measured steps "
+          f"x {args.rounds} rounds taking turns, after {args.warmup} warm-up; load {os.getloadavg()[0]:.1f}")
+    for name in sets:
+        r = result[name]
+        print(f"  {name} {r['flags'] or '(no flags)'!r:<36} step: median {r['step_ms']:7.0f} ms, best {r['best_ms']:7.0f} ms,"
+              f" rank 0's CPU {r['cpu_ms']:7.0f} ms; optimizer {r['opt_ms']:6.0f} ms")
+    print(f"  B / A: median {result['ratio']:.2f}x, best {result['best_ratio']:.2f}x, CPU {result['cpu_ratio']:.2f}x")
+    return result
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=list(SIZES), default="tiny",
@@ -346,7 +391,7 @@ def main(argv=None) -> dict:
     p.add_argument("--fp8", action="store_true", help="FP8 GEMMs (train.py --fp8)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="default: train.py's")
     p.add_argument("--vs-hf", action="store_true", help="also time transformers' training step; print the ratio")
-    p.add_argument("--rounds", type=int, default=1, help="with --vs-hf: take turns this many times")
+    p.add_argument("--rounds", type=int, default=1, help="with --vs-hf / --train-ab: take turns this many times")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", default="", help="append the result as one JSON line to this file")
     p.add_argument("--optimizer-step", action="store_true", help="time each recipe's optimizer step, AdamW vs Muon")
@@ -355,6 +400,8 @@ def main(argv=None) -> dict:
                    "without, each recipe's tiny config")
     p.add_argument("--checkpoint-cost", action="store_true", help="step time with a checkpoint every step: none, "
                    "blocking, asynchronous")
+    p.add_argument("--train-ab", nargs=2, metavar=("A", "B"), help="train.py under flag sets A and B in turn")
+    p.add_argument("--nproc", type=int, default=1, help="with --train-ab: ranks (torchrun --nproc-per-node)")
     args, layout = p.parse_known_args(argv)  # the rest (--dp, --ep, --cp, ...) goes to train.py
     if args.newton_schulz_share:
         return newton_schulz_share()
@@ -388,6 +435,8 @@ def main(argv=None) -> dict:
                  *([] if args.compile is None else ["--compile" if args.compile else "--no-compile"]), *layout]
         if args.checkpoint_cost:
             return checkpoint_cost(args, flags, tmp)  # (its flags come later: they win)
+        if args.train_ab:
+            return train_ab(args, flags, tmp)
         device = torch.device("cuda" if cuda else "cpu")
         use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and cuda)
         ours, theirs, mem_ours, mem_theirs, hf, losses, hf_gemm = [], [], 0.0, 0.0, None, None, {}

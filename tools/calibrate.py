@@ -36,12 +36,17 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from core.attention import attention
 from core.moe import grouped_mm, grouped_weight_grad
-from core.optimizer import all_gather_flat, reduce_scatter_flat
+
+# torch 2.13 renamed the flat collectives (the old names warn with a FutureWarning on every call); the oldest torch
+# pyproject admits (2.11) has only the old names
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class OpCounter(TorchDispatchMode):

@@ -41,15 +41,15 @@ def main(argv=None):
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--recompute", choices=("none", "attention", "layer"), default="none")
     p.add_argument("--expert-placement", default="", help="train.py's: ep rank of each routed expert, comma-separated")
-    p.add_argument("--shard", choices=("zero1", "fsdp"), default="zero1",
-                   help="train.py's: zero1 (Adam state sharded) or fsdp (weights, gradients and Adam state sharded)")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw", help="train.py's")
+    p.add_argument("--fsdp-gather", choices=("auto", "micro-batch", "step"), default="auto", help="train.py's")
     p.add_argument("--gpu-gib", type=float, default=80.0, help="GPU memory, e.g. 80 (H100) or 141 (H200)")
     p.add_argument("--reserve-gib", type=float, default=4.0, help="CUDA context and allocator fragmentation")
     a = p.parse_args(argv)
     mod = recipe_module(a.recipe)
     cfg = mod.ModelConfig.from_hf(a.config or mod.tiny_config_path())
     layout = Layout(a.pp, a.dp, a.cp, a.ep, a.micro_batch, a.seq_len, a.dtype == "bf16", a.fp8, a.recompute,
-                    a.expert_placement, a.shard)
+                    a.expert_placement, a.optimizer, a.fsdp_gather)
     est = estimate(mod, cfg, layout)
     print(f"{a.recipe} {a.config or 'config_tiny.json'}: {layout} --seq-len {a.seq_len} --dtype {a.dtype}"
           f"{' --fp8' if a.fp8 else ''} | pp rank {est['pp_rank']} (the most loaded)")

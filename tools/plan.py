@@ -42,10 +42,9 @@ on a GPU without one the datasheet x the published efficiencies of GPU_EFFICIENC
   pipeline   the action order of core/pipeline.py's DualPipeV (tools/pipeline_timeline.py:schedule_order, a dry
              run of the engine itself) replayed with these durations per stage and a p2p hand-off time between
              ranks (tools/pipeline_timeline.py:simulate); the bubble is span - busy of the rank reported.
-  ZeRO       reduce-scatter of the fp32 gradients and all-gather of the fp32 weights over each parameter's replicas
-             (dense: dp*cp*ep, routed experts: dp*cp; core/optimizer.py), plus the AdamW step on the shard; with
-             --shard fsdp (core/fsdp.py) at pp = 1 two all-gathers (compute dtype) and one fp32 reduce-scatter per
-             micro-batch, at pp > 1 one of each per step.
+  ZeRO       FSDP2's collectives over each parameter's replicas (dense: dp*cp*ep, routed experts: dp*cp;
+             core/fsdp.py): at pp = 1 per micro-batch two all-gathers of the weights (compute dtype) and one fp32
+             reduce-scatter of the gradients, at pp > 1 one of each per step; plus the AdamW step on the shard.
 Collective time = t0 + bytes * (n-1)/n / bandwidth, with the bandwidth of where the group lands: ranks are
 row-major over (pp, dp, cp, ep), so a group stays inside a node while its span of ranks <= GPUs per node (NVLink),
 else it crosses the network (per-GPU NIC).
@@ -63,7 +62,7 @@ import shlex
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -536,17 +535,15 @@ def predict(mod, cfg, cfg_path: str, layout: Layout, global_batch: int, machine:
         by_class = max(busy, key=total)
         by_class["pipeline hand-offs"] = with_p2p - free
         by_class["bubble"] = free - total(by_class)
-    # ZeRO-1 (core/optimizer.py): fp32 gradients reduce-scattered, fp32 weights all-gathered, over each
-    # parameter's replicas, once per step; FSDP2 (core/fsdp.py) at pp = 1: per micro-batch two all-gathers in the
-    # compute dtype (forward, backward) and one fp32 reduce-scatter, at pp > 1 one of each per step. The AdamW step
-    # reads and writes 7 fp32 numbers per shard element
+    # FSDP2 (core/fsdp.py), over each parameter's replicas: gathered per micro-batch (pp = 1's default) two
+    # all-gathers in the compute dtype (forward, backward) and one fp32 reduce-scatter per micro-batch, once per
+    # step (pp > 1) one of each per step (one process: none). The AdamW step reads and writes 7 fp32 numbers per shard element
     dense, expert = max((rank_params(mod, cfg_path, layout, r) for r in range(layout.pp)), key=sum)
     n_dense, n_expert = layout.dp * layout.cp * layout.ep, layout.dp * layout.cp
     span_dense, span_expert = group_span(layout, ("dp", "cp", "ep")), group_span(layout, ("dp", "cp"))
     compute = 2 if layout.bf16 else 4
-    passes = {"reduce_scatter": (4, 1), "all_gather": (4, 1)} if not layout.fsdp else \
-        {"reduce_scatter": (4, n_micro if layout.pp == 1 else 1),
-         "all_gather": (compute, 2 * n_micro if layout.pp == 1 else 1)}  # kind -> (bytes per element, times)
+    passes = {"reduce_scatter": (4, 1 if layout.once else n_micro),
+              "all_gather": (compute, 1 if layout.once else 2 * n_micro)}  # kind -> (bytes per element, times)
     for kind, (nbytes, times) in passes.items():
         by_class["ZeRO reduce-scatter/all-gather"] += times * (
             collective_s(machine, kind, nbytes * dense, n_dense, span_dense, gpus_per_node) +
@@ -594,17 +591,15 @@ def valid_layouts(train, cfg_path: str, gpus: int, seq_len: int, global_batch: i
 
 def plan(recipe: str, gpus: int, gpus_per_node: int, gpu: str, seq_len: int, global_batch: int, fp8: bool = False,
          config: str = "", calibration: str = "", expert_load: str = "", bf16: bool = True, reserve_gib: float = 4.0,
-         micro_batches=(1, 2, 4, 8), shards=("zero1",)) -> list[dict]:
-    """Every valid layout with its prediction and memory, fitting ones first, fastest first; each layout under
-    each of `shards` (train.py's --shard)."""
+         micro_batches=(1, 2, 4, 8)) -> list[dict]:
+    """Every valid layout with its prediction and memory, fitting ones first, fastest first."""
     mod, train = recipe_modules(recipe)
     cfg_path = str(config or mod.real_config_path())
     cfg = mod.ModelConfig.from_hf(cfg_path)
     machine = machine_for(gpu, load_calibration(calibration) if calibration else None, gpus)
     imbalance = expert_imbalance(expert_load) if expert_load else 1.0
     rows = []
-    for layout in (replace(one, shard=shard) for one in valid_layouts(train, cfg_path, gpus, seq_len, global_batch,
-                                                                       fp8, bf16, micro_batches) for shard in shards):
+    for layout in valid_layouts(train, cfg_path, gpus, seq_len, global_batch, fp8, bf16, micro_batches):
         mem = estimate(mod, cfg, layout)["total"]
         pred = predict(mod, cfg, cfg_path, layout, global_batch, machine, gpus_per_node, imbalance)
         rows.append({"layout": layout, "memory_gib": mem / GIB, "fits": mem <= (machine.hbm_gib - reserve_gib) * GIB,
@@ -614,7 +609,7 @@ def plan(recipe: str, gpus: int, gpus_per_node: int, gpu: str, seq_len: int, glo
 
 
 LAYOUT_FLAGS = {"--pp": "pp", "--dp": "dp", "--cp": "cp", "--ep": "ep", "--micro-batch": "micro_batch",
-                "--recompute": "recompute", "--shard": "shard"}
+                "--recompute": "recompute"}
 
 
 SWITCHES = {"--overlap": ("overlap", True), "--no-overlap": ("overlap", False),
@@ -627,7 +622,7 @@ def parse_layout(train, cfg_path: str, gpus: int, flags: str, seq_len: int, glob
     ep, micro-batch 1, recompute none, dp the rest), checked by the recipe's own train.py check_run; and the
     schedule switches among them ({'overlap', 'delay_wgrad'}: train.py's --no-overlap, --no-delay-wgrad)."""
     words = shlex.split(flags)
-    values = {"pp": 1, "dp": -1, "cp": 1, "ep": 1, "micro_batch": 1, "recompute": "none", "shard": "zero1"}
+    values = {"pp": 1, "dp": -1, "cp": 1, "ep": 1, "micro_batch": 1, "recompute": "none"}
     switches = {"overlap": True, "delay_wgrad": True}
     i = 0
     while i < len(words):
@@ -643,7 +638,7 @@ def parse_layout(train, cfg_path: str, gpus: int, flags: str, seq_len: int, glob
             raise ValueError(f"--layout: {flag} needs a value, e.g. '--pp 1 --ep 8 --micro-batch 4'")
         value = words[i + 1]
         try:
-            values[LAYOUT_FLAGS[flag]] = value if flag in ("--recompute", "--shard") else int(value)
+            values[LAYOUT_FLAGS[flag]] = value if flag == "--recompute" else int(value)
         except ValueError:
             raise ValueError(f"--layout: {flag} {value}: an integer is needed") from None
         i += 2
@@ -653,8 +648,7 @@ def parse_layout(train, cfg_path: str, gpus: int, flags: str, seq_len: int, glob
         train.check_run(args, gpus)  # a ValueError names what is wrong with the layout
     v = values
     dp = v["dp"] if v["dp"] > 0 else gpus // (v["pp"] * v["cp"] * v["ep"])
-    return Layout(v["pp"], dp, v["cp"], v["ep"], v["micro_batch"], seq_len, bf16, fp8, v["recompute"],
-                  shard=v["shard"]), switches
+    return Layout(v["pp"], dp, v["cp"], v["ep"], v["micro_batch"], seq_len, bf16, fp8, v["recompute"]), switches
 
 
 def plan_layout(recipe: str, gpus: int, gpus_per_node: int, gpu: str, flags: str, seq_len: int, global_batch: int,
@@ -695,9 +689,8 @@ def run_config(run: dict) -> str:
 
 def published_table(path: str | Path = PUBLISHED_RUNS) -> list[dict]:
     """Each published run of the file predicted at its own layout: {'run', 'published', 'predicted', 'ratio'
-    (predicted / published tokens/s per GPU), 'row' (the plan_layout row), 'fits' {shard: whether its layout fits
-    the run's GPU under train.py's --shard zero1 / fsdp (core/memory.py:estimate, 4 GiB reserve; None: fp8 runs
-    need zero1)}}."""
+    (predicted / published tokens/s per GPU), 'row' (the plan_layout row), 'fits' (whether its layout fits the
+    run's GPU: core/memory.py:estimate, 4 GiB reserve)}."""
     out = []
     for run in json.loads(Path(path).read_text())["runs"]:
         ours = run["ours"]
@@ -708,9 +701,7 @@ def published_table(path: str | Path = PUBLISHED_RUNS) -> list[dict]:
         published = run["published"]["tokens_per_s_gpu"]
         mod, _ = recipe_modules(run["recipe"])
         cfg, hbm = mod.ModelConfig.from_hf(run_config(run)), GPUS[gpu_key(run["gpu"])].hbm_gib
-        fits = {shard: None if shard == "fsdp" and row["layout"].fp8 else  # (--fp8 needs --shard zero1)
-                estimate(mod, cfg, replace(row["layout"], shard=shard))["total"] <= (hbm - 4.0) * GIB
-                for shard in ("zero1", "fsdp")}
+        fits = estimate(mod, cfg, row["layout"])["total"] <= (hbm - 4.0) * GIB
         out.append({"run": run, "published": published, "predicted": row["tokens_per_s_gpu"],
                     "ratio": row["tokens_per_s_gpu"] / published, "row": row, "fits": fits})
     return out
@@ -718,7 +709,7 @@ def published_table(path: str | Path = PUBLISHED_RUNS) -> list[dict]:
 
 def print_published(table: list[dict]) -> None:
     print("| run | GPUs | layout (ours) | published tok/s/GPU | predicted | predicted / published | bottleneck | "
-          "fits (--shard zero1 / fsdp) | source |")
+          "fits | source |")
     print("|---|---|---|---|---|---|---|---|---|")
     for t in table:
         run, L = t["run"], t["row"]["layout"]
@@ -726,7 +717,7 @@ def print_published(table: list[dict]) -> None:
             ("" if run["ours"].get("overlap", True) else " no-overlap")
         print(f"| {run['id']} | {run['gpus']} x {run['gpu'].upper()} | {ours} | {t['published']:,} | "
               f"{t['predicted']:,.0f} | {t['ratio']:.2f}{' (outlier)' if run.get('outlier') else ''} | "
-              f"{t['row']['bottleneck']} | {' / '.join({True: 'yes', False: 'no', None: 'n/a'}[t['fits'][k]] for k in ('zero1', 'fsdp'))} | "
+              f"{t['row']['bottleneck']} | {'yes' if t['fits'] else 'no'} | "
               f"{run['source']} |")
     ratios = sorted(max(t["ratio"], 1 / t["ratio"]) for t in table)
     print(f"median factor {statistics.median(ratios):.2f}, worst {ratios[-1]:.2f} over {len(ratios)} runs")

@@ -47,7 +47,6 @@ from core.mesh import build_mesh, destroy_mesh, resolve_layout
 from core.metrics import MetricsLogger, load_max_over_mean, peak_flops, peak_memory_gib, reduce_stats, timed
 from core.moe import traffic
 from core.muon import MuonAdamW
-from core.optimizer import ReplicaSet, ShardedAdamW
 from core.pipeline import DualPipeV, running, split_layers
 from core.placement import Placement
 from core.profiling import StepProfiler, parse_steps
@@ -119,7 +118,10 @@ class Args:
     global_batch: int = 16  # sequences per optimizer step, all ranks together
     micro_batch: int = 4  # sequences per forward/backward on one rank
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon for the weight matrices, AdamW for the rest (core/muon.py)
-    shard: Literal["zero1", "fsdp"] = "zero1"  # zero1: Adam state sharded (core/optimizer.py); fsdp: weights, gradients and Adam state too, by FSDP2 (core/fsdp.py)
+    fsdp_gather: Literal["auto", "micro-batch", "step"] = "auto"  # more than one rank (FSDP2, core/fsdp.py): gather each
+    # unit around every micro-batch's forward and backward (least memory), or once per step (one all-gather and one
+    # reduce-scatter per step, +6 bytes per parameter: its bf16 copy and fp32 gradient sum); auto: step at --pp > 1
+    # (the only one there), micro-batch otherwise
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -155,6 +157,9 @@ class Args:
     sample_chat: str = ""  # also sample the assistant's answer to this question through the tokenizer's chat template
     profile_steps: str = ""  # "A-B": torch.profiler over steps A..B -> <out>/profile/rank<N>.json (core/profiling.py)
     dry_run: bool = False  # check flags, config, layout (against WORLD_SIZE), data and resume, then exit (launch.sh does)
+    # ---- flags that no longer exist -> what replaced them (core/training.py:parse_args refuses each in one line)
+    removed_flags = {"shard": "every run of more than one rank shards weights, gradients and optimizer state with "
+                              "FSDP2 (core/fsdp.py) and one process runs unsharded; drop the flag"}
 
 
 def main(argv=None):
@@ -210,8 +215,9 @@ def main(argv=None):
         enable_fp8(model)
     if args.compile if args.compile is not None else device.type == "cuda":
         compile_dense_parts(model, document_mask)
-    # --shard fsdp: fully_shard the experts over (dp, cp), the rest over (dp, cp, ep) (core/fsdp.py); one process: ZeRO-1
-    fsdp_units = shard_model(model, mesh, use_bf16) if args.shard == "fsdp" and mesh.world > 1 else None
+    # FSDP2: fully_shard the experts over (dp, cp), the rest over (dp, cp, ep) (core/fsdp.py); one process: plain
+    once = args.fsdp_gather == "step" or args.pp > 1  # gathered once per step, else per micro-batch
+    fsdp_units = shard_model(model, mesh, use_bf16, once) if mesh.world > 1 else None
     pipeline = None
     if args.pp > 1:
         step_ranks = mesh.world // args.pp  # global rank distance between pipeline neighbours
@@ -223,20 +229,11 @@ def main(argv=None):
     loss_terms = loss_weights(model.loss_terms(args), args.loss_weight)  # name -> LossTerm (weight, denominator)
     n_params = sum(p.numel() for p in model.parameters())
 
-    # ---- optimizer (ZeRO-1: Adam state sharded over each parameter's replicas; Muon: each matrix on one replica)
-    # and lr schedule
-    experts = {n: p for n, p in model.named_parameters() if ".mlp.experts." in n}
-    dense = {n: p for n, p in model.named_parameters() if n not in experts}
-    expert_ids = {n: model.get_submodule(n.rsplit(".", 1)[0]).expert_ids for n in experts}  # checkpoints per expert
-    replica_sets = [ReplicaSet(dense, mesh.group("dp", "cp", "ep"), mesh.replica_mesh()),
-                    ReplicaSet(experts, mesh.group("dp", "cp"), None, expert_ids)]
+    # ---- optimizer (on FSDP2's shards; Muon: each matrix on one owner) and lr schedule
     adamw = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2), eps=args.adam_eps,
-                 norm_group=dist.group.WORLD if mesh.world > 1 else None)
-    if fsdp_units is not None:
-        optimizer = FSDPAdamW(model, fsdp_units, **adamw, pp=args.pp)
-    else:
-        optimizer = MuonAdamW(replica_sets, model.muon_matrices, **adamw) if args.optimizer == "muon" else \
-            ShardedAdamW(replica_sets, **adamw)
+                 norm_group=dist.group.WORLD if mesh.world > 1 else None, once=once)
+    optimizer = MuonAdamW(model, fsdp_units, model.muon_matrices, **adamw) if args.optimizer == "muon" else \
+        FSDPAdamW(model, fsdp_units, **adamw)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda s: lr_factor(s, **schedule))
 
     # ---- resume
@@ -249,8 +246,7 @@ def main(argv=None):
             if args.eval_only:  # the weights only
                 start_step = load_checkpoint(candidate, {"model": optimizer.checkpoint_state(model)["model"]}, {},
                                              mesh.rank)["step"]
-                if fsdp_units is not None:  # pp > 1: gather the loaded shards again
-                    optimizer.gather()
+                optimizer.gather()  # pp > 1: gather the loaded shards again
             else:
                 extra = load_checkpoint(candidate, optimizer.checkpoint_state(model),
                                         {"scheduler": scheduler.state_dict(), "data": loader.state_dict()}, mesh.rank)
@@ -298,7 +294,7 @@ def main(argv=None):
     # window_LE: expert load since the last collapse check, window_live_LE: experts live in all of it (None: all)
     bad_in_a_row, skipped, timeline, window_LE, window_live_LE, why = 0, 0, [], 0, None, ""
     for step in range(start_step + 1, args.steps + 1):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         watchdog.arm(step, "data")
         inject_fault("hang", step)  # MOE_TRAIN_FAULT (tests only; core/reliability.py)
         profiler.begin(step)
@@ -337,18 +333,18 @@ def main(argv=None):
                                                   device=device) for name in loss_terms])
 
         # ---- reliability: a step with a non-finite loss or gradient on any rank is skipped on every rank
+        watchdog.set_phase("gradient reduce-scatter and norm")
+        optimizer.reduce_gradients()  # (pp > 1: the reduce-scatter over each parameter's replicas; pp = 1: done)
         for fault in ("nan", "kill"):
             inject_fault(fault, step, model)
-        finite_P, grad_names = grads_finite(model)  # before the reduction mixes the ranks' gradients
-        watchdog.set_phase("gradient reduce-scatter and norm")
-        optimizer.reduce_gradients()  # reduce-scatter over each parameter's replicas
+        finite_P, grad_names = grads_finite(model)  # on each rank's reduced shards
         grad_norm = optimizer.clip_grad_norm_(args.grad_clip)
         watchdog.set_phase("finiteness all-reduce")
         stats, bad_ranks, bad_names = step_is_finite(stats, finite_P, grad_names, grad_norm, mesh.rank, mesh.world)
         lr = scheduler.get_last_lr()[0]
         watchdog.set_phase("optimizer step")
         opt_time = 0.0
-        if not bad_ranks:  # AdamW on this rank's shard (Muon: its matrices), then all-gather the weights
+        if not bad_ranks:  # AdamW on this rank's shards (Muon: the matrices it owns)
             opt_time = timed(optimizer.step, device)
             fp8.CACHE.invalidate()  # new weights: the next step's first micro-batch re-quantises / re-casts them
             scheduler.step()
@@ -377,7 +373,8 @@ def main(argv=None):
         scalars = {"loss" if name == "lm" else f"{name}_loss": float(total / denominators[name])
                    for name, total in zip(loss_terms, stats)}  # every term: its sum / its denominator
         scalars.update({"lr": lr, "grad_norm": grad_norm.item(), "peak_mem_gib": peak_memory_gib(device),
-                   "skipped_steps": skipped, "opt_time": opt_time})
+                   "skipped_steps": skipped, "opt_time": opt_time,
+                   "cpu_time": time.process_time() - cpu_start})  # this rank's CPU seconds (other jobs add none)
         if a2a_rows[1] > 0:  # rows sent to other ranks, deduplicated vs one per (token, expert)
             scalars["a2a_rows_vs_naive"] = (a2a_rows[0] / a2a_rows[1]).item()
         history.append(logger.log(step, time.perf_counter() - start, args.global_batch * args.seq_len, scalars,
@@ -506,6 +503,8 @@ def check_arguments(args: Args) -> None:
             not (args.sample_chat and args.pp > 1),
         f"--export-hf {args.export_hf} is a file; name a folder": not os.path.isfile(args.export_hf),
         f"--fp8-recipe {args.fp8_recipe} chooses the recipe of --fp8: add --fp8": args.fp8 or args.fp8_recipe == "rowwise",
+        "--fsdp-gather micro-batch needs --pp 1 (DualPipeV runs a layer's steps, not its forward: FSDP2 gathers once "
+        "per step there); drop it": not (args.fsdp_gather == "micro-batch" and args.pp > 1),
     })
     try:
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -538,10 +537,6 @@ def check_run(args: Args, world: int):
     if args.pp > 1:
         split_layers(cfg.num_hidden_layers, args.pp, flops_by_layer(cfg, args.seq_len))  # clear error if too few layers
     pp, dp, cp, ep = resolve_layout(world, args.pp, args.dp, args.cp, args.ep)
-    if args.shard == "fsdp" and (args.optimizer == "muon" or args.fp8):  # (core/fsdp.py)
-        flag = "--optimizer muon" if args.optimizer == "muon" else "--fp8"
-        raise ValueError(f"{flag} needs --shard zero1 (Muon's whole matrices, FP8's per-step weight copies); "
-                         "--shard fsdp runs AdamW in bf16 or fp32")
     Placement.parse(args.expert_placement, cfg.num_experts, ep)  # a bad table
     data_world = dp * ep  # ranks reading different sequences (cp ranks share theirs)
     if args.micro_batch < 1 or args.global_batch < 1 or args.global_batch % (data_world * args.micro_batch):
