@@ -7,8 +7,8 @@ Components of the most loaded pipeline rank (every pp rank is built; the largest
                DualPipeV stages, the ep rank holding the most experts, embedding and head on pp rank 0)
   gradients    fp32, one per parameter (the full gradient lives until ShardedAdamW.reduce_gradients)
   optimizer    AdamW's two fp32 moments of this rank's ZeRO-1 shard (core/optimizer.py: ceil(numel / n) each)
-  weight cache bf16 casts of the routed experts and LM head (core/weight_cache.py); fp8: two 1-byte copies of
-               every attention / dense MLP / expert matrix instead (core/fp8.py)
+  weight cache bf16 casts of the routed experts and LM head (core/weight_cache.py); fp8: the two FP8 operands
+               of every weight the recipe's enable_fp8 converts instead, with their fp32 scales (fp8_operand_bytes)
   activations  bytes saved for backward and held when the forward ends (core/moe.py frees received rows it
                dispatches again), measured once with torch.autograd.graph.saved_tensors_hooks on the
                recipe's tiny config on CPU (per token and layer, and per routed choice: an MoE layer keeps [T*k, H]
@@ -16,12 +16,12 @@ Components of the most loaded pipeline rank (every pp rank is built; the largest
                layers, hidden_size / tiny's, vocab, 1/2 for bf16, micro-batches in flight (pp + 1 under DualPipeV)
   comm buffers MoE all-to-all rows (sent and received, tokens * top-k * hidden), a reduce-scatter bucket
 With `shard="fsdp"` (core/fsdp.py) every parameter lies on 1/n shards of ceil(d0 / n) rows: 16 bytes per shard
-element, no bf16 cache. pp = 1: the comm buffers hold the two largest units gathered and the largest unit's
-gradient before its reduce-scatter (compute dtype + fp32);
-pp > 1: the weight cache is the gathered stage, the gradients add the unsharded ones (compute dtype for dense
-units, fp32 for experts) and the comm buffers the largest unit's fp32 reduce-scatter input.
-Plus a reserve for the CUDA context and fragmentation. Weights, gradients and optimizer are exact (tested against a
-built model and ShardedAdamW); activations exact on tiny configs, first-order on full ones (scaled by hidden size).
+element, no bf16 cache. pp = 1: the comm buffers hold the two largest units gathered and the largest unit's gradient
+before its reduce-scatter (compute dtype + fp32), with fp8 the largest weight's operands (made per use, none kept);
+pp > 1: the weight cache is the gathered stage plus the FP8 operands, the gradients add the unsharded ones (compute
+dtype for dense units, fp32 for experts) and the comm buffers the largest unit's fp32 reduce-scatter input.
+Plus a reserve for the CUDA context and fragmentation. Weights, gradients, optimizer and weight cache are exact (tested
+against a built model, ShardedAdamW, FSDP2, the cache); activations exact on tiny configs, first-order on full ones.
 Parameter names follow the recipes' convention: routed experts under `.mlp.experts.`, the head is `lm_head`.
 """
 
@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from core.fp8 import BLOCK, FP8Linear
 from core.optimizer import _split
 from core.pipeline import split_layers
 from core.placement import Placement
@@ -55,6 +56,7 @@ class Layout:
     recompute: str = "none"
     expert_placement: str = ""  # train.py's --expert-placement ('': the even split)
     shard: str = "zero1"  # train.py's --shard: zero1 (core/optimizer.py) or fsdp (core/fsdp.py)
+    fp8_recipe: str = "rowwise"  # train.py's --fp8-recipe (the bytes of the FP8 operands' scales)
 
     def __str__(self):
         return (f"--pp {self.pp} --dp {self.dp} --cp {self.cp} --ep {self.ep} --micro-batch {self.micro_batch} "
@@ -80,9 +82,26 @@ def rank_parts(cfg, layout: Layout, pp_rank: int, costs: list | None = None) -> 
     return dict(layers=layers, expert_ids=most, embed=pp_rank == 0, head=pp_rank == 0)
 
 
-def meta_model(mod, cfg, **parts):
+def meta_model(mod, cfg, fp8: bool = False, **parts):
     with torch.device("meta"):
-        return mod.Model(cfg, **parts)
+        model = mod.Model(cfg, **parts)
+    if fp8:
+        mod.enable_fp8(model)
+    return model
+
+
+def fp8_weights(model) -> set[str]:
+    """Names of the weights core/fp8.py quantises: FP8Linear weights, [E, K, N] tensors of experts with .fp8 set."""
+    return {f"{name}.{n}" for name, m in model.named_modules() for n, p in m.named_parameters(recurse=False)
+            if (isinstance(m, FP8Linear) and n == "weight") or (getattr(m, "fp8", False) is True and p.ndim == 3)}
+
+
+def fp8_operand_bytes(shape, recipe: str) -> int:
+    """Bytes of a weight's forward and dgrad FP8 operands (core/fp8.py:weight_operand): a byte per element each, fp32
+    scales per row of each (rowwise) or per 128x128 block (blockwise; a [1, k] or [n, 1] grid's transpose: no copy)."""
+    *lead, a, b = shape
+    n, k = math.ceil(a / BLOCK), math.ceil(b / BLOCK)
+    return math.prod(lead) * (2 * a * b + 4 * ((a + b) if recipe == "rowwise" else n * k * (1 + (min(n, k) > 1))))
 
 
 def saved_bytes(model, input_ids_BS) -> tuple[int, int]:
@@ -169,22 +188,21 @@ def fsdp_bytes(model, layout: Layout) -> dict:
     shards), the units in flight counted as comm_buffers (module docstring)."""
     n_dense, n_expert = layout.dp * layout.cp * layout.ep, layout.dp * layout.cp
     compute = 2 if layout.bf16 else 4  # bytes of a gathered weight (MixedPrecisionPolicy param_dtype)
-    shards = cache = unsharded_grads = 0
-    units = {}
+    shards = cache = unsharded_grads = fp8_per_use = 0
+    units, fp8 = {}, fp8_weights(model) if layout.fp8 else set()
     for name, p in model.named_parameters():
         expert = ".mlp.experts." in name
         rows = p.shape[0] if p.ndim else 1
         shards += math.ceil(rows / (n_expert if expert else n_dense)) * (p.numel() // rows)
         units[fsdp_unit(name)] = units.get(fsdp_unit(name), 0) + p.numel()
-        if layout.fp8 and p.ndim >= 2 and ".layers." in name and name.split(".")[-2] not in ("gate", "router"):
-            cache += 2 * p.numel()  # two FP8 copies (core/fp8.py: one per GEMM direction)
-        elif layout.pp > 1:
-            cache += compute * p.numel()  # gathered once per step
-        if layout.pp > 1:
+        if layout.pp > 1:  # gathered once per step, its FP8 operands made once per step
+            cache += compute * p.numel() + (fp8_operand_bytes(p.shape, layout.fp8_recipe) if name in fp8 else 0)
             unsharded_grads += (4 if expert else compute) * p.numel()
+        elif name in fp8:  # pp = 1: per use (core/weight_cache.py keep False), both operands at most
+            fp8_per_use = max(fp8_per_use, fp8_operand_bytes(p.shape, layout.fp8_recipe))
     largest = sorted(units.values(), reverse=True)
     in_flight = largest[0] * 4 if layout.pp > 1 else \
-        compute * sum(largest[:2]) + (compute + 4) * largest[0]
+        compute * sum(largest[:2]) + (compute + 4) * largest[0] + fp8_per_use
     return dict(weights=4 * shards, gradients=4 * shards + unsharded_grads, optimizer=8 * shards, weight_cache=cache,
                 fsdp_buffers=in_flight)
 
@@ -196,13 +214,14 @@ def param_bytes(model, layout: Layout) -> dict:
     n_dense = layout.dp * layout.cp * layout.ep
     n_expert = layout.dp * layout.cp
     weights = adam = cache = 0
+    fp8 = fp8_weights(model) if layout.fp8 else set()
     for name, p in model.named_parameters():
         expert = ".mlp.experts." in name
         weights += 4 * p.numel()
         lo, hi = _split(p.numel(), n_expert if expert else n_dense, 0)
         adam += 8 * (hi - lo)
-        if layout.fp8 and p.ndim >= 2 and ".layers." in name and name.split(".")[-2] not in ("gate", "router"):
-            cache += 2 * p.numel()  # two FP8 copies (core/fp8.py: one per GEMM direction)
+        if name in fp8:
+            cache += fp8_operand_bytes(p.shape, layout.fp8_recipe)
         elif layout.bf16 and (expert or name.startswith("lm_head")):
             cache += 2 * p.numel()
     return dict(weights=weights, gradients=weights, optimizer=adam, weight_cache=cache, fsdp_buffers=0)
@@ -215,12 +234,13 @@ def rank_param_bytes(mod, cfg, layout: Layout, pp_rank: int) -> tuple[dict, list
     """(param_bytes, layer ids, holds the head) of one pp rank, from the model built on meta (the model cached per
     (pp, ep, placement, sequence length: the layer costs split the stages, pp rank), the bytes per layout)."""
     key = (mod.__name__, id(cfg), layout.pp, layout.dp, layout.cp, layout.ep, layout.expert_placement, layout.bf16,
-           layout.fp8, layout.seq_len, layout.shard, pp_rank)
+           layout.fp8, layout.fp8_recipe, layout.seq_len, layout.shard, pp_rank)
     if key not in _PARAMS:
-        model_key = (mod.__name__, id(cfg), layout.pp, layout.ep, layout.expert_placement, layout.seq_len, pp_rank)
+        model_key = (mod.__name__, id(cfg), layout.pp, layout.ep, layout.expert_placement, layout.seq_len, layout.fp8,
+                     pp_rank)
         if model_key not in _MODELS:
             parts = rank_parts(cfg, layout, pp_rank, mod.flops_by_layer(cfg, layout.seq_len))
-            _MODELS[model_key] = (meta_model(mod, cfg, **parts), parts["head"], cfg)
+            _MODELS[model_key] = (meta_model(mod, cfg, layout.fp8, **parts), parts["head"], cfg)
         model, head, _ = _MODELS[model_key]
         _PARAMS[key] = (param_bytes(model, layout), [int(i) for i in model.layers], head)
     return _PARAMS[key]
@@ -304,5 +324,5 @@ def check_train_args(model_cls, cfg, args, world: int) -> None:
     if dp < 1 or args.pp * dp * args.cp * args.ep != world:
         return  # build_mesh reports a layout that does not match the world size
     layout = Layout(args.pp, dp, args.cp, args.ep, args.micro_batch, args.seq_len, args.dtype != "fp32", args.fp8,
-                    args.recompute, args.expert_placement, args.shard)
+                    args.recompute, args.expert_placement, args.shard, args.fp8_recipe)
     check_fits(sys.modules[model_cls.__module__], cfg, layout, torch.cuda.get_device_properties(0).total_memory / GIB)

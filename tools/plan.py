@@ -695,8 +695,7 @@ def run_config(run: dict) -> str:
 def published_table(path: str | Path = PUBLISHED_RUNS) -> list[dict]:
     """Each published run of the file predicted at its own layout: {'run', 'published', 'predicted', 'ratio'
     (predicted / published tokens/s per GPU), 'row' (the plan_layout row), 'fits' {shard: whether its layout fits
-    the run's GPU under train.py's --shard zero1 / fsdp (core/memory.py:estimate, 4 GiB reserve; None: fp8 runs
-    need zero1)}}."""
+    the run's GPU under train.py's --shard zero1 / fsdp (core/memory.py:estimate, 4 GiB reserve)}}."""
     out = []
     for run in json.loads(Path(path).read_text())["runs"]:
         ours = run["ours"]
@@ -707,8 +706,7 @@ def published_table(path: str | Path = PUBLISHED_RUNS) -> list[dict]:
         published = run["published"]["tokens_per_s_gpu"]
         mod, _ = recipe_modules(run["recipe"])
         cfg, hbm = mod.ModelConfig.from_hf(run_config(run)), GPUS[gpu_key(run["gpu"])].hbm_gib
-        fits = {shard: None if shard == "fsdp" and row["layout"].fp8 else  # (--fp8 needs --shard zero1)
-                estimate(mod, cfg, replace(row["layout"], shard=shard))["total"] <= (hbm - 4.0) * GIB
+        fits = {shard: estimate(mod, cfg, replace(row["layout"], shard=shard))["total"] <= (hbm - 4.0) * GIB
                 for shard in ("zero1", "fsdp")}
         out.append({"run": run, "published": published, "predicted": row["tokens_per_s_gpu"],
                     "ratio": row["tokens_per_s_gpu"] / published, "row": row, "fits": fits})
@@ -725,7 +723,7 @@ def print_published(table: list[dict]) -> None:
             ("" if run["ours"].get("overlap", True) else " no-overlap")
         print(f"| {run['id']} | {run['gpus']} x {run['gpu'].upper()} | {ours} | {t['published']:,} | "
               f"{t['predicted']:,.0f} | {t['ratio']:.2f}{' (outlier)' if run.get('outlier') else ''} | "
-              f"{t['row']['bottleneck']} | {' / '.join({True: 'yes', False: 'no', None: 'n/a'}[t['fits'][k]] for k in ('zero1', 'fsdp'))} | "
+              f"{t['row']['bottleneck']} | {' / '.join({True: 'yes', False: 'no'}[t['fits'][k]] for k in ('zero1', 'fsdp'))} | "
               f"{run['source']} |")
     ratios = sorted(max(t["ratio"], 1 / t["ratio"]) for t in table)
     print(f"median factor {statistics.median(ratios):.2f}, worst {ratios[-1]:.2f} over {len(ratios)} runs")

@@ -212,6 +212,8 @@ def main(argv=None):
         compile_dense_parts(model, document_mask)
     # --shard fsdp: fully_shard the experts over (dp, cp), the rest over (dp, cp, ep) (core/fsdp.py); one process: ZeRO-1
     fsdp_units = shard_model(model, mesh, use_bf16) if args.shard == "fsdp" and mesh.world > 1 else None
+    # FP8 / bf16 weight copies once per step, but none kept where FSDP2 frees each unit's gathered weights after use
+    fp8.CACHE.keep = fsdp_units is None or args.pp > 1  # (core/weight_cache.py)
     pipeline = None
     if args.pp > 1:
         step_ranks = mesh.world // args.pp  # global rank distance between pipeline neighbours
@@ -538,10 +540,8 @@ def check_run(args: Args, world: int):
     if args.pp > 1:
         split_layers(cfg.num_hidden_layers, args.pp, flops_by_layer(cfg, args.seq_len))  # clear error if too few layers
     pp, dp, cp, ep = resolve_layout(world, args.pp, args.dp, args.cp, args.ep)
-    if args.shard == "fsdp" and (args.optimizer == "muon" or args.fp8):  # (core/fsdp.py)
-        flag = "--optimizer muon" if args.optimizer == "muon" else "--fp8"
-        raise ValueError(f"{flag} needs --shard zero1 (Muon's whole matrices, FP8's per-step weight copies); "
-                         "--shard fsdp runs AdamW in bf16 or fp32")
+    if args.shard == "fsdp" and args.optimizer == "muon":  # (core/fsdp.py)
+        raise ValueError("--optimizer muon needs --shard zero1 (Muon's whole matrices); --shard fsdp runs AdamW")
     Placement.parse(args.expert_placement, cfg.num_experts, ep)  # a bad table
     data_world = dp * ep  # ranks reading different sequences (cp ranks share theirs)
     if args.micro_batch < 1 or args.global_batch < 1 or args.global_batch % (data_world * args.micro_batch):
