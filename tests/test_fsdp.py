@@ -1,6 +1,6 @@
 """--shard fsdp (core/fsdp.py: FSDP2 fully_shard) against one process: every layout's losses, grad norms and
-weights; resume from a ZeRO-1 checkpoint; each rank's bytes of weights, gradients and Adam state after a step
-against core/memory.py's estimate."""
+weights, with --fp8 too; resume from a ZeRO-1 checkpoint; each rank's bytes of weights, gradients, Adam state and
+weight cache after a step against core/memory.py's estimate."""
 
 import importlib
 
@@ -178,7 +178,9 @@ def test_fsdp_two_ranks_equal_one_process(tiny_train_setup, tmp_path):
     """dp2, ep2 and pp2 (DualPipeV with its W slots, gathered once per step) under FSDP2 equal one process (ZeRO-1
     code, nothing to shard), and each rank holds the bytes core/memory.py estimates. A ZeRO-1 checkpoint (ep2,
     step 2 of 4: flat Adam moments) resumes under FSDP2 at ep2: steps 3-4 equal the ZeRO-1 run's; reinit_ after
-    step 2 at dp2 (an expert's new weights, dense rows' moments) gives the ZeRO-1 run's steps 3-4."""
+    step 2 at dp2 (an expert's new weights, dense rows' moments) gives the ZeRO-1 run's steps 3-4. --fp8 row-wise
+    and block-wise at dp2, ep2, pp2, cp2 and ep2 with expert 1 alone equals the same FP8 run in one process
+    (tests/test_fp8.py's bounds), each rank's weight cache holding the estimated bytes (nothing at pp = 1)."""
     config, data = tiny_train_setup
     zero1 = train_args(config, data, tmp_path / "zero1", steps=4, ckpt_every=2, global_batch=16, ep=2, adam_eps=1e-6)
     resumed = train_args(config, data, tmp_path / "resumed", steps=4, global_batch=16, ep=2, adam_eps=1e-6, shard="fsdp",
@@ -201,4 +203,5 @@ def test_fsdp_two_ranks_equal_one_process(tiny_train_setup, tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_four_ranks_equal_one_process(tiny_train_setup, tmp_path):
+    """FOUR_RANKS under FSDP2, and FP8_FOUR_RANKS with --fp8 row-wise and block-wise, as the two-rank test."""
     check_layouts(tiny_train_setup, tmp_path, 4, FOUR_RANKS, fp8_layouts=FP8_FOUR_RANKS)
