@@ -1,5 +1,4 @@
-"""FP8 (e4m3) GEMMs for training on Hopper: linear layers and grouped expert GEMMs, row-wise scaled, with the FP8 copy
-of each weight made once per optimizer step and reused by every micro-batch.
+"""FP8 (e4m3) GEMMs for training on Hopper: linear layers and grouped expert GEMMs, row-wise or block-wise scaled.
 
 Legend: T tokens (rows), K input features, N output features, E experts, R expert rows (grouped by expert).
 
@@ -7,20 +6,21 @@ Row-wise (torchao's "rowwise"): a tensor is quantised along its reduction dim, q
 448 per row (fp32), so each row's largest value maps to the largest e4m3 number and every element keeps 3 mantissa bits
 (relative rounding error <= 2^-4; values below 2^-6 * s are subnormal, absolute error <= 2^-10 * s).
   forward   y  = x @ w.T      x per row over K, w per output row over K          -> torch._scaled_mm, fp32 accumulate
-  dgrad     dx = dy @ w       dy per row over N, w per input column over N (a second cached copy of w)
+  dgrad     dx = dy @ w       dy per row over N, w per input column over N (a second operand made from w)
   wgrad     dw = dy.T @ x     high precision (GPU: bf16): per-token scales do not factor out of its sum over tokens
 Straight-through: quantisation is the identity in backward; x is saved in the compute dtype, as bf16 training would.
-
-Weight cache (core/weight_cache.py): a weight is quantised (both copies) at its first use after an update, then reused:
-one quantisation per step instead of 2n with n micro-batches. The GEMMs are torch custom ops, opaque to torch.compile,
-so the lookup (plain Python, reading the weight's version counter) runs at run time, also inside a compiled graph.
-
 Paths: torch._scaled_mm (also on CPU: torch 2.13 runs float8_e4m3fn) and, on CUDA, torch._scaled_grouped_mm (bf16 out).
 
 Blockwise (--fp8-recipe blockwise; DeepSeek-V3's recipe, paper 3.3): activations, gradients in 1x128 tiles along the
 reduction dim, weights in 128x128 blocks (one quantisation serves forward and dgrad: a block's scale is its
 transpose's), the wgrad in FP8 too, both operands in 1x128 tiles along the tokens; last tiles / blocks may be partial.
 `block_scaled_mm`: F.scaled_mm with BlockWise1x128 / BlockWise128x128 scales on CUDA (one GEMM per expert), else fp32.
+
+Weight operands (`weight_operand`, cached by core/weight_cache.py): quantised from the weight in the compute dtype at
+its first use after an update, reused by every micro-batch. Under FSDP2 that is the gathered copy (bf16 on the bf16
+path, as one process casts: every layout quantises the same values), at pp > 1 gathered and cached for the step, at
+pp = 1 freed after each forward and backward: each use quantises (a pass beside FSDP2's all-gather) and keeps nothing.
+The GEMMs are torch custom ops, opaque to torch.compile: the lookup runs at run time, also inside a compiled graph.
 """
 
 import functools
@@ -64,7 +64,8 @@ def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w_XnBkB = F.pad(w.detach().float(), (0, -K % BLOCK, 0, -N % BLOCK)).unflatten(-1, (-1, BLOCK)).unflatten(-3, (-1, BLOCK))
     scale = w_XnBkB.abs().amax((-3, -1)).clamp(min=1e-12) / E4M3_MAX
     q = (w_XnBkB / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).flatten(-4, -3).flatten(-2)
-    return q[..., :N, :K].contiguous(), scale
+    # a copy of the unpadded part (a row slice of the padded blocks is contiguous and would keep all of them)
+    return q if q.shape[-2:] == (N, K) else q[..., :N, :K].clone(memory_format=torch.contiguous_format), scale
 
 
 def _expand(scale, rows: int, cols: int, row_block: int) -> torch.Tensor:
@@ -111,15 +112,18 @@ def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _quantize_cuda()(x) if x.is_cuda else quantize_rowwise(x)
 
 
-def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A weight, [N, K] (nn.Linear) or [E, K, N] (stacked experts, y = x @ w[e]), as the two FP8 operands:
-    (q_NK, s_N1) quantised over K for the forward, (q_KN, s_K1) quantised over N for the dgrad ([E, ...] leading).
-    Blockwise: the 128x128 blocks once, the dgrad's operand their transpose (s_nk, s_kn the block scales)."""
-    w_NK = w if w.dim() == 2 else w.transpose(-2, -1)
+def weight_operand(w: torch.Tensor, dtype: torch.dtype, dgrad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight, [N, K] (nn.Linear) or [E, K, N] (stacked experts, y = x @ w[e]), in `dtype` (the GEMMs' compute dtype)
+    as an FP8 operand from the weight cache: the forward's (q_NK, s_N1) quantised over K or the dgrad's (q_KN, s_K1)
+    over N ([E, ...] leading), each made alone. Blockwise: 128x128 blocks (s_nk); the dgrad's is their transpose."""
+    kind = f"fp8{SCALING} {dtype}"
+    w_NK = lambda w: (w if w.dim() == 2 else w.transpose(-2, -1)).to(dtype)
     if SCALING == "blockwise":
-        q_NK, s_nk = quantize_blocks(w_NK)
-        return q_NK, s_nk, q_NK.transpose(-2, -1).contiguous(), s_nk.transpose(-2, -1).contiguous()
-    return (*_quantize(w_NK), *_quantize(w_NK.transpose(-2, -1)))
+        blocks = lambda w: CACHE.get(w, kind, lambda w: quantize_blocks(w_NK(w)))
+        transposed = lambda q_NK, s_nk: (q_NK.transpose(-2, -1).contiguous(), s_nk.transpose(-2, -1).contiguous())
+        return CACHE.get(w, kind + " dgrad", lambda w: transposed(*blocks(w))) if dgrad else blocks(w)
+    return CACHE.get(w, kind + " dgrad", lambda w: _quantize(w_NK(w).transpose(-2, -1))) if dgrad else \
+        CACHE.get(w, kind, lambda w: _quantize(w_NK(w)))
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -144,14 +148,12 @@ def _scaled_mm(a_MK: torch.Tensor, q_NK: torch.Tensor, s_N1: torch.Tensor) -> to
 
 @torch.library.custom_op("moe_fp8::linear", mutates_args=())
 def _linear(x_TK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    q_NK, s_N1, _, _ = CACHE.get(w_NK, "fp8" + SCALING, quantize_weight)
-    return _scaled_mm(x_TK, q_NK, s_N1)
+    return _scaled_mm(x_TK, *weight_operand(w_NK, x_TK.dtype))
 
 
 @torch.library.custom_op("moe_fp8::linear_dgrad", mutates_args=())
 def _linear_dgrad(dy_TN: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    _, _, q_KN, s_K1 = CACHE.get(w_NK, "fp8" + SCALING, quantize_weight)
-    return _scaled_mm(dy_TN, q_KN, s_K1)
+    return _scaled_mm(dy_TN, *weight_operand(w_NK, dy_TN.dtype, dgrad=True))
 
 
 @_linear.register_fake
@@ -223,14 +225,12 @@ def _grouped(x_RK, q_ENK, s_EN1, counts_E):
 
 @torch.library.custom_op("moe_fp8::grouped_mm", mutates_args=())
 def _grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    q_ENK, s_EN1, _, _ = CACHE.get(w_EKN, "fp8" + SCALING, quantize_weight)
-    return _grouped(x_RK, q_ENK, s_EN1, counts_E)
+    return _grouped(x_RK, *weight_operand(w_EKN, x_RK.dtype), counts_E)
 
 
 @torch.library.custom_op("moe_fp8::grouped_mm_dgrad", mutates_args=())
 def _grouped_mm_dgrad(dy_RN: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    _, _, q_EKN, s_EK1 = CACHE.get(w_EKN, "fp8" + SCALING, quantize_weight)
-    return _grouped(dy_RN, q_EKN, s_EK1, counts_E)
+    return _grouped(dy_RN, *weight_operand(w_EKN, dy_RN.dtype, dgrad=True), counts_E)
 
 
 @_grouped_mm.register_fake

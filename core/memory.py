@@ -10,8 +10,8 @@ Components of the most loaded pipeline rank (every pp rank is built; the largest
   gradients    fp32, as the weights
   optimizer    AdamW's two fp32 moments of the same elements; with --optimizer muon, for Muon's matrices their
                fp32 momentum on the ranks that own them (core/muon.py; the most any rank owns: `muon_bytes`)
-  weight cache one process: bf16 casts of the routed experts and LM head (core/weight_cache.py); fp8: two 1-byte
-               copies of every attention / dense MLP / expert matrix instead (core/fp8.py)
+  weight cache one process: bf16 casts of the routed experts and LM head (core/weight_cache.py); fp8: the two FP8
+               operands of every weight the recipe's enable_fp8 converts instead, with their scales (fp8_operand_bytes)
   activations  bytes held for backward after a forward (saved_bytes: tiny config, CPU) per token of a dense and an
                MoE layer (+ per routed choice, received row) and per token and vocab entry of the head, scaled by
                top-k, tokens, hidden_size / tiny's, 1/2 for bf16; pp > 1: as a DualPipeV stage holds them, for the
@@ -19,10 +19,11 @@ Components of the most loaded pipeline rank (every pp rank is built; the largest
   comm buffers MoE all-to-all rows (sent and received, tokens * top-k * hidden); gathered per micro-batch: the two
                largest FSDP2 units gathered and the largest unit's gradient before its reduce-scatter (compute dtype
                + fp32); once per step: the largest unit's fp32 reduce-scatter input; Muon: its largest bucket's rows
-Gathered once per step (pp > 1, or --fsdp-gather step) the weight cache is the gathered stage (compute dtype) and
-the gradients add the unsharded ones, summed in fp32. Plus a reserve for the CUDA context and fragmentation. Weights, gradients and optimizer are
-exact (tested against a built model and the optimizers on gloo ranks); activations exact on tiny configs,
-first-order on full ones (scaled by hidden size).
+Gathered once per step (pp > 1, or --fsdp-gather step) the weight cache is the gathered stage (compute dtype) plus
+its FP8 operands, and the gradients add the unsharded ones, summed in fp32; gathered per micro-batch, the comm buffers
+add the largest weight's FP8 operands (made per use, none kept). Plus a reserve for the CUDA context and
+fragmentation. Weights, gradients, optimizer and weight cache are exact (tested against a built model, the optimizers
+on gloo ranks, FSDP2, the cache); activations exact on tiny configs, first-order on full ones (scaled by hidden size).
 Parameter names follow the recipes' convention: routed experts under `.mlp.experts.`, the head is `lm_head`.
 """
 
@@ -34,6 +35,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from core.fp8 import BLOCK, FP8Linear
 from core.muon import assign_owners, matrix_rows, newton_schulz_flops
 from core.pipeline import _forward_steps, _Tape, split_layers  # (saved_bytes runs a stage as the engine does)
 from core.placement import Placement
@@ -58,6 +60,7 @@ class Layout:
     expert_placement: str = ""  # train.py's --expert-placement ('': the even split)
     optimizer: str = "adamw"  # train.py's --optimizer: adamw or muon
     fsdp_gather: str = "auto"  # train.py's --fsdp-gather: auto, micro-batch or step
+    fp8_recipe: str = "rowwise"  # train.py's --fp8-recipe (the bytes of the FP8 operands' scales)
 
     def __str__(self):
         return (f"--pp {self.pp} --dp {self.dp} --cp {self.cp} --ep {self.ep} --micro-batch {self.micro_batch} "
@@ -89,9 +92,26 @@ def rank_parts(cfg, layout: Layout, pp_rank: int, costs: list | None = None) -> 
     return dict(layers=layers, expert_ids=most, embed=pp_rank == 0, head=pp_rank == 0)
 
 
-def meta_model(mod, cfg, **parts):
+def meta_model(mod, cfg, fp8: bool = False, **parts):
     with torch.device("meta"):
-        return mod.Model(cfg, **parts)
+        model = mod.Model(cfg, **parts)
+    if fp8:
+        mod.enable_fp8(model)
+    return model
+
+
+def fp8_weights(model) -> set[str]:
+    """Names of the weights core/fp8.py quantises: FP8Linear weights, [E, K, N] tensors of experts with .fp8 set."""
+    return {f"{name}.{n}" for name, m in model.named_modules() for n, p in m.named_parameters(recurse=False)
+            if (isinstance(m, FP8Linear) and n == "weight") or (getattr(m, "fp8", False) is True and p.ndim == 3)}
+
+
+def fp8_operand_bytes(shape, recipe: str) -> int:
+    """Bytes of a weight's forward and dgrad FP8 operands (core/fp8.py:weight_operand): a byte per element each, fp32
+    scales per row of each (rowwise) or per 128x128 block (blockwise; a [1, k] or [n, 1] grid's transpose: no copy)."""
+    *lead, a, b = shape
+    n, k = math.ceil(a / BLOCK), math.ceil(b / BLOCK)
+    return math.prod(lead) * (2 * a * b + 4 * ((a + b) if recipe == "rowwise" else n * k * (1 + (min(n, k) > 1))))
 
 
 class _Saved:  # a tensor autograd saved (saved_bytes): alive while the graph node that saved it lives
@@ -240,25 +260,24 @@ def fsdp_bytes(model, layout: Layout) -> dict:
     docstring), Muon's largest bucket as muon_buffers."""
     n_dense, n_expert = layout.dp * layout.cp * layout.ep, layout.dp * layout.cp
     compute = 2 if layout.bf16 else 4  # bytes of a gathered weight (MixedPrecisionPolicy param_dtype)
-    shards = adam = cache = unsharded_grads = 0
+    shards = adam = cache = unsharded_grads = fp8_per_use = 0
     muon = {n for n, p in model.named_parameters() if layout.optimizer == "muon" and model.muon_matrices(n, p)}
-    units = {}
+    units, fp8 = {}, fp8_weights(model) if layout.fp8 else set()
     for name, p in model.named_parameters():
         expert = ".mlp.experts." in name
         rows = p.shape[0] if p.ndim else 1
         shard = math.ceil(rows / (n_expert if expert else n_dense)) * (p.numel() // rows)
         shards, adam = shards + shard, adam + (0 if name in muon else shard)
         units[fsdp_unit(name)] = units.get(fsdp_unit(name), 0) + p.numel()
-        if layout.fp8 and p.ndim >= 2 and ".layers." in name and name.split(".")[-2] not in ("gate", "router"):
-            cache += 2 * p.numel()  # two FP8 copies (core/fp8.py: one per GEMM direction)
-        elif layout.once:
-            cache += compute * p.numel()  # gathered once per step
-        if layout.once:
+        if layout.once:  # gathered once per step, its FP8 operands made once per step
+            cache += compute * p.numel() + (fp8_operand_bytes(p.shape, layout.fp8_recipe) if name in fp8 else 0)
             unsharded_grads += 4 * p.numel()  # summed in fp32 (each bf16 gradient moves there as it arrives)
+        elif name in fp8:  # per micro-batch: made per use (core/weight_cache.py keep False), both operands at most
+            fp8_per_use = max(fp8_per_use, fp8_operand_bytes(p.shape, layout.fp8_recipe))
     momentum, muon_buffers = muon_bytes(model, layout) if muon else ([0], 0)
     largest = sorted(units.values(), reverse=True)
     in_flight = largest[0] * 4 if layout.once else \
-        compute * sum(largest[:2]) + (compute + 4) * largest[0]
+        compute * sum(largest[:2]) + (compute + 4) * largest[0] + fp8_per_use
     return dict(weights=4 * shards, gradients=4 * shards + unsharded_grads, optimizer=8 * adam + max(momentum),
                 weight_cache=cache, fsdp_buffers=in_flight + muon_buffers)
 
@@ -268,13 +287,14 @@ def param_bytes(model, layout: Layout) -> dict:
     if layout.fsdp:
         return fsdp_bytes(model, layout)
     weights = adam = cache = 0
+    fp8 = fp8_weights(model) if layout.fp8 else set()
     for name, p in model.named_parameters():  # one process: every tensor whole, plain
         expert = ".mlp.experts." in name
         weights += 4 * p.numel()
         muon = layout.optimizer == "muon" and model.muon_matrices(name, p)
         adam += (4 if muon else 8) * p.numel()
-        if layout.fp8 and p.ndim >= 2 and ".layers." in name and name.split(".")[-2] not in ("gate", "router"):
-            cache += 2 * p.numel()  # two FP8 copies (core/fp8.py: one per GEMM direction)
+        if name in fp8:
+            cache += fp8_operand_bytes(p.shape, layout.fp8_recipe)
         elif layout.bf16 and (expert or name.startswith("lm_head")):
             cache += 2 * p.numel()
     return dict(weights=weights, gradients=weights, optimizer=adam, weight_cache=cache, fsdp_buffers=0)
@@ -287,12 +307,13 @@ def rank_param_bytes(mod, cfg, layout: Layout, pp_rank: int) -> tuple[dict, list
     """(param_bytes, layer ids, holds the head) of one pp rank, from the model built on meta (the model cached per
     (pp, ep, placement, sequence length: the layer costs split the stages, pp rank), the bytes per layout)."""
     key = (mod.__name__, id(cfg), layout.pp, layout.dp, layout.cp, layout.ep, layout.expert_placement, layout.bf16,
-           layout.fp8, layout.seq_len, layout.optimizer, layout.fsdp_gather, pp_rank)
+           layout.fp8, layout.fp8_recipe, layout.seq_len, layout.optimizer, layout.fsdp_gather, pp_rank)
     if key not in _PARAMS:
-        model_key = (mod.__name__, id(cfg), layout.pp, layout.ep, layout.expert_placement, layout.seq_len, pp_rank)
+        model_key = (mod.__name__, id(cfg), layout.pp, layout.ep, layout.expert_placement, layout.seq_len, layout.fp8,
+                     pp_rank)
         if model_key not in _MODELS:
             parts = rank_parts(cfg, layout, pp_rank, mod.flops_by_layer(cfg, layout.seq_len))
-            _MODELS[model_key] = (meta_model(mod, cfg, **parts), parts["head"], cfg)
+            _MODELS[model_key] = (meta_model(mod, cfg, layout.fp8, **parts), parts["head"], cfg)
         model, head, _ = _MODELS[model_key]
         _PARAMS[key] = (param_bytes(model, layout), [int(i) for i in model.layers], head)
     return _PARAMS[key]
@@ -384,5 +405,6 @@ def check_train_args(model_cls, cfg, args, world: int) -> None:
     if dp < 1 or args.pp * dp * args.cp * args.ep != world:
         return  # build_mesh reports a layout that does not match the world size
     layout = Layout(args.pp, dp, args.cp, args.ep, args.micro_batch, args.seq_len, args.dtype != "fp32", args.fp8,
-                    args.recompute, args.expert_placement, args.optimizer, args.fsdp_gather)
+                    args.recompute, args.expert_placement, args.optimizer, args.fsdp_gather,
+                    args.fp8_recipe)
     check_fits(sys.modules[model_cls.__module__], cfg, layout, torch.cuda.get_device_properties(0).total_memory / GIB)

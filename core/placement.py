@@ -8,9 +8,6 @@ allowed (any number of experts per rank, zero included, contiguous or not).
                                     for E divisible by ep, rank d holds [d*E/ep, (d+1)*E/ep))
     Placement([0, 1, 0, 1, 1], 2)   rank 0 holds experts 0, 2 (local 0, 1); rank 1 holds 1, 3, 4
     Placement.parse("0,0,1,1,2,3", 6, 4)   the --expert-placement flag; "" is the even split
-
-Used by core/moe.py:DispatchPlan (a slot for expert e goes to rank_of[e], local id local_index[e]), each recipe's
-Model (builds `experts[ep rank]`, its Experts' `expert_ids`) and exports (`gather_experts`: back to global order).
 """
 
 import functools

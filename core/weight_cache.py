@@ -1,9 +1,11 @@
-"""Low-precision weight copies made once per optimizer step for every micro-batch (core/fp8.py's pairs, bf16 casts).
+"""Low-precision weight copies made once per optimizer step for every micro-batch (core/fp8.py's operands, bf16 casts).
 
 An entry is keyed by storage address, shape, dtype and kind of copy (torch.compile may hand an op an alias; aliases
-share the version counter) and keeps the parameter alive. It is stale when the version counter moved or after
-`invalidate()`, which the training loop calls after each optimizer.step() (updates through `.data` do not move the
-counter). Autocast caches nn.Linear casts only within one region, so train.py runs a whole step in one.
+share the version counter). It is stale when the counter moved, when the weight it was made from no longer lies at that
+address (FSDP2 frees a gathered weight's storage and gathers it again, maybe elsewhere, without moving the counter;
+another weight may take the address), or after `invalidate()`, which train.py calls after each optimizer step.
+`keep` False (train.py: FSDP2 at pp = 1, whose units are gathered per use): a copy per use, none kept (kept, they
+would hold every layer's copies through the step: the memory FSDP2 saves).
 """
 
 from collections import Counter
@@ -15,23 +17,25 @@ class WeightCache:
     def __init__(self):
         self.entries: dict[tuple, tuple] = {}  # key -> (weight, version, copy)
         self.made = Counter()  # copies made so far, per kind (the tests count them)
+        self.keep = True
 
     def get(self, w: torch.Tensor, kind, make):
         """make(w detached), or the copy made earlier from the same weight if it has not changed since."""
         key = (w.data_ptr(), w.dtype, tuple(w.shape), kind)
         entry = self.entries.get(key)
-        if entry is None or entry[1] != w._version:
-            entry = self.entries[key] = (w, w._version, make(w.detach()))
+        if entry is None or entry[1] != w._version or entry[0].data_ptr() != key[0]:
+            entry = (w, w._version, make(w.detach()))
             self.made[kind] += 1
+            if self.keep:
+                self.entries[key] = entry
         return entry[2]
 
     @property
     def quantizations(self) -> int:
-        """FP8 copies made so far (core/fp8.py's kinds: "fp8" + its recipe)."""
+        """FP8 operands made so far (core/fp8.py's kinds start with "fp8")."""
         return sum(n for kind, n in self.made.items() if str(kind).startswith("fp8"))
 
-    def invalidate(self) -> None:
-        """Call after optimizer.step(): the next use of each weight makes its copies again."""
+    def invalidate(self) -> None:  # after each optimizer step: the next use of each weight makes its copies again
         self.entries.clear()
 
 

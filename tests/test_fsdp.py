@@ -1,6 +1,7 @@
 """The data-parallel engine (core/fsdp.py: FSDP2, every run of more than one rank) against one process: every
 layout's losses, grad norms and weights with AdamW and with Muon (core/muon.py), and each rank's bytes of weights,
-gradients and optimizer state after a step against core/memory.py's estimate; reinit_ in a sharded run; pp > 1
+gradients, optimizer state and weight cache after a step against core/memory.py's estimate; --fp8 row-wise and
+block-wise against the same FP8 run in one process (tests/test_fp8.py's bounds); reinit_ in a sharded run; pp > 1
 sums its micro-batches' bf16 gradients in fp32; checkpoints written by the ZeRO-1 engine this repository ran
 before resume (tests/data/zero1_checkpoints) at their layout and at others.
 
@@ -15,9 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from core import fsdp, memory, muon
-from tests.multiproc import run_ranks
+from core import fp8, fsdp, memory, muon
+from tests.multiproc import one_thread, start_ranks
 from tests.recipe_checks import write_counting_data
+from tests.test_fp8 import FP8_STEPS, fp8_layout_errors
 from tests.test_train import LAYOUT_TOLERANCE, assert_matches_single, rel_err, run_train, train_args
 
 TWO_RANKS = {"dp2": {"dp": 2}, "ep2": {"ep": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2},
@@ -28,6 +30,10 @@ FOUR_RANKS = {"pp2xep2": {"pp": 2, "ep": 2}, "cp2xep2": {"cp": 2, "ep": 2},
               "dp2xep2 placed": {"dp": 2, "ep": 2, "expert_placement": "0,1,0,0"}}
 # train.py flags each layout runs under (name -> flags), each compared with one process under the same flags
 VARIANTS = {"adamw": {}, "muon": {"optimizer": "muon"}}
+# --fp8 under FSDP2, its weights gathered in the compute dtype and quantised per use (pp = 1) or once per step (pp2)
+FP8 = {f"fp8 {scaling}": {"fp8": True, "fp8_recipe": scaling, "steps": FP8_STEPS} for scaling in ("rowwise", "blockwise")}
+FP8_TWO_RANKS = {"dp2": {"dp": 2}, "ep2": {"ep": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2},
+                 "ep2 placed": {"ep": 2, "expert_placement": "1,0,1,1"}}  # expert 1 alone on ep rank 0
 OLD = Path(__file__).parent / "data/zero1_checkpoints"  # written by the ZeRO-1 engine (its make.py says how)
 
 
@@ -78,9 +84,10 @@ def measure_worker(jobs: dict) -> dict:
         train.Model.after_step = reinit_after_step(after_step) if name.startswith("reinit") else after_step
 
         def reduce_gradients(opt, seen=seen):
-            if not seen:
+            if not seen:  # the gathered stage (once per step) and the FP8 operands kept (none per micro-batch)
                 gathered = [p for n, p in opt.model.named_parameters()] if opt.once else []
-                seen.update(cache=_storage_bytes(gathered), unsharded=_storage_bytes(_unsharded_grads(opt)))
+                operands = [t for _, _, operand in fp8.CACHE.entries.values() for t in operand]
+                seen.update(cache=_storage_bytes(gathered + operands), unsharded=_storage_bytes(_unsharded_grads(opt)))
             reduce(opt)
             seen.setdefault("grads", {n: (fsdp.local_rows(opt.params[n])[2], t.grad.clone()) for n, t in opt.local.items()})
 
@@ -113,13 +120,13 @@ def estimated(layout: dict, rank: int, cfg, flags: dict) -> tuple[dict, int, lis
     experts, as the estimate builds it; [0] without Muon)."""
     mod = importlib.import_module("recipes.qwen3_30b_a3b.model")
     L = memory.Layout(**layout, seq_len=32, bf16=False, fp8=bool(flags.get("fp8")),
-                      optimizer=flags.get("optimizer", "adamw"))
+                      fp8_recipe=flags.get("fp8_recipe", "rowwise"), optimizer=flags.get("optimizer", "adamw"))
     ep_rank, pp_rank = rank % L.ep, rank // (L.dp * L.cp * L.ep)
     parts = memory.rank_parts(cfg, L, pp_rank, mod.flops_by_layer(cfg, 32))
     muon = (lambda model: memory.muon_bytes(model, L)[0]) if L.optimizer == "muon" else (lambda model: [0])
     momentum = muon(memory.meta_model(mod, cfg, **parts))
     parts["expert_ids"] = memory.Placement.parse(L.expert_placement, cfg.num_experts, L.ep).experts[ep_rank]
-    model = memory.meta_model(mod, cfg, **parts)  # (its param_bytes' optimizer: Adam + the most momentum it sees)
+    model = memory.meta_model(mod, cfg, L.fp8, **parts)  # (its param_bytes' optimizer: Adam + the most momentum it sees)
     est = memory.param_bytes(model, L)
     return est, est["optimizer"] - max(muon(model)), momentum
 
@@ -133,30 +140,47 @@ def whole_grads(ranks) -> dict:
     return {n: torch.cat([parts[first] for first in sorted(parts)]) for n, parts in rows.items()}
 
 
-def check_layouts(tiny_train_setup, tmp_path, world: int, layouts: dict, more: dict | None = None) -> dict:
-    """Each layout under each of VARIANTS against one process (3 steps), and its bytes against the estimate;
-    `more`: other runs (name -> argv) in the same process group. Returns every job's measure_worker result per
-    rank (job -> [(run_train's result, what was recorded, rank)])."""
+def check_layouts(tiny_train_setup, tmp_path, world: int, layouts: dict, more: dict | None = None,
+                  fp8_layouts: dict | None = None) -> dict:
+    """Each layout under each of VARIANTS against one process (3 steps), each of `fp8_layouts` under each of FP8
+    against the same FP8 run in one process, and its bytes against the estimate; `more`: other runs (name -> argv)
+    in the same process group. The one-process runs go while the ranks run. Returns every job's measure_worker
+    result per rank (job -> [(run_train's result, what was recorded, rank)])."""
     config, data = tiny_train_setup
     # Adam eps 1e-6 as in the shared checks: FSDP2 sums each micro-batch's gradients over the ranks, then over the
     # micro-batches (one process: the other way round), ~1e-7 apart, which eps 1e-8 lets Adam amplify in
     # near-zero gradients beyond LAYOUT_TOLERANCE (measured 1.5e-5 in one k_proj at 4 ranks)
-    args = lambda out, **extra: train_args(config, data, tmp_path / out, steps=3, global_batch=16, adam_eps=1e-6,
-                                           **extra)
-    single = {v: run_train(args(f"single_{v}", **flags)) for v, flags in VARIANTS.items()}
-    jobs = {f"{v} {name}": args(f"{v}_{name}", **flags, **layout) for name, layout in layouts.items()
-            for v, flags in VARIANTS.items()}
-    runs = run_ranks(world, measure_worker, {**jobs, **(more or {})})
+    args = lambda out, **extra: train_args(config, data, tmp_path / out, **{"steps": 3, "global_batch": 16,
+                                                                            "adam_eps": 1e-6, **extra})
+    variants = {**VARIANTS, **(FP8 if fp8_layouts else {})}
+    checked = {f"{v} {name}": (v, layout) for v in variants for name, layout in (layouts.items() if v in VARIANTS
+                                                                                 else fp8_layouts.items())}
+    jobs = {job: args(job.replace(" ", "_"), **variants[v], **layout) for job, (v, layout) in checked.items()}
+    ranks = start_ranks(world, measure_worker, {**jobs, **(more or {})})
+    try:
+        with one_thread():  # as each rank runs: the FP8 references round (and flip e4m3 steps) as the ranks do
+            single = {v: run_train(args(f"single_{v}".replace(" ", "_"), **flags)) for v, flags in variants.items()}
+    except BaseException:
+        ranks.kill()
+        raise
+    runs = ranks.join()
     cfg = importlib.import_module("recipes.qwen3_30b_a3b.model").ModelConfig.from_hf(config)
-    for (v, flags), (name, layout) in ((v, x) for v in VARIANTS.items() for x in layouts.items()):
-        job = f"{v} {name}"
-        try:
-            placement = [int(r) for r in layout["expert_placement"].split(",")] if "expert_placement" in layout else None
-            worst = assert_matches_single(single[v], [rank[job][0] for rank in runs], ep=layout.get("ep", 1),
-                                          placement=placement)
-        except AssertionError as e:
-            raise AssertionError(f"{job}: {e}") from None
-        print(f"{job} vs one process: losses / grad norms / weights {' / '.join(f'{e:.1e}' for e in worst)}")
+    for job, (v, layout) in checked.items():
+        flags = variants[v]
+        placement = [int(r) for r in layout["expert_placement"].split(",")] if "expert_placement" in layout else None
+        results = [rank[job][0] for rank in runs]
+        if v in FP8:
+            errors = fp8_layout_errors(single[v], results, flags["fp8_recipe"], ep=layout.get("ep", 1),
+                                       placement=placement)
+            print(f"{job}: " + ", ".join(f"{what} {e:.1e} (<= {b:.0e})" for what, (e, _, b) in errors.items()))
+            failed = {what: found for what, found in errors.items() if not found[0] <= found[2]}
+            assert not failed, f"{job} differs from one process (error, where, bound): {failed}"
+        else:
+            try:
+                worst = assert_matches_single(single[v], results, ep=layout.get("ep", 1), placement=placement)
+            except AssertionError as e:
+                raise AssertionError(f"{job}: {e}") from None
+            print(f"{job} vs one process: losses / grad norms / weights {' / '.join(f'{e:.1e}' for e in worst)}")
         for _, seen, rank in (rank[job] for rank in runs):
             est, adam, momentum = estimated(layout, rank, cfg, flags)
             # FSDP2 pads a shard to ceil(d0 / n) rows, as the estimate counts for the first rank of each shard group
@@ -189,7 +213,8 @@ def old_checkpoint_runs(tmp_path) -> tuple[dict, dict]:
 
 def test_two_ranks_equal_one_process(tiny_train_setup, tmp_path):
     """dp2, ep2, pp2 (DualPipeV with its W slots, gathered once per step), cp2 and dp2 gathered once per step, AdamW
-    and Muon, equal one process, and each rank holds the bytes core/memory.py estimates. reinit_ after step 2 at dp2
+    and Muon, equal one process, and each rank holds the bytes core/memory.py estimates; --fp8 row-wise and
+    block-wise at dp2, ep2, pp2, cp2 and ep2 with expert 1 alone equal the same FP8 run in one process. reinit_ after step 2 at dp2
     (an expert's new weights, dense rows' state) equals it in one process. pp2 in bf16 sums its micro-batches in fp32: its gradients equal
     dp2's (where FSDP2 reduce-scatters each micro-batch in fp32). The ZeRO-1 checkpoints (AdamW and Muon at ep2,
     step 2 of 6) resume at ep2, at dp2 and in one process: steps 3-6 give the uninterrupted ZeRO-1 run's losses and
@@ -201,7 +226,7 @@ def test_two_ranks_equal_one_process(tiny_train_setup, tmp_path):
     bf16 = {f"bf16 {name}": run(f"bf16_{name}", dtype="bf16", **dims) for name, dims in (("pp2", {"pp": 2}),
                                                                                         ("dp2", {"dp": 2}))}
     old_jobs, old_single = old_checkpoint_runs(tmp_path)
-    runs = check_layouts(tiny_train_setup, tmp_path, 2, TWO_RANKS, {**reinit, **bf16, **old_jobs})
+    runs = check_layouts(tiny_train_setup, tmp_path, 2, TWO_RANKS, {**reinit, **bf16, **old_jobs}, FP8_TWO_RANKS)
     train = importlib.import_module("recipes.qwen3_30b_a3b.train")
     after_step, train.Model.after_step = train.Model.after_step, reinit_after_step(train.Model.after_step)
     try:  # reinit_ of an expert's weights and state and of dense rows' state, sharded: as in one process
@@ -234,8 +259,8 @@ def test_two_ranks_equal_one_process(tiny_train_setup, tmp_path):
 
 
 def test_four_ranks_equal_one_process(tiny_train_setup, tmp_path):
-    """pp2 x ep2, cp2 x ep2 and dp2 x ep2 with 3 + 1 experts (padded and empty shards), AdamW and Muon."""
-    check_layouts(tiny_train_setup, tmp_path, 4, FOUR_RANKS)
+    """pp2 x ep2, cp2 x ep2 and dp2 x ep2 with 3 + 1 experts (padded and empty shards), AdamW, Muon and --fp8."""
+    check_layouts(tiny_train_setup, tmp_path, 4, FOUR_RANKS, fp8_layouts=FOUR_RANKS)
 
 
 def test_muon_refuses_column_splits():

@@ -72,11 +72,12 @@ def test_fp8_quantization_numerics():
     assert rel_err(fp8.dequantize(q, s), x) < 3e-2  # typical: ~2^-5 relative
     # weights: forward operand quantised over K per output row, dgrad operand over N per input column
     w = torch.randn(24, 40, generator=g)
-    q_NK, s_N1, q_KN, s_K1 = fp8.quantize_weight(w)
+    quantize_weight = lambda w: (*fp8.weight_operand(w, w.dtype), *fp8.weight_operand(w, w.dtype, dgrad=True))
+    q_NK, s_N1, q_KN, s_K1 = quantize_weight(w)
     assert q_NK.shape == (24, 40) and s_N1.shape == (24, 1) and q_KN.shape == (40, 24) and s_K1.shape == (40, 1)
     assert rel_err(fp8.dequantize(q_KN, s_K1).T, w) < 4e-2
     we = torch.randn(3, 40, 24, generator=g)  # stacked experts [E, K, N]
-    q_ENK, s_EN1, q_EKN, s_EK1 = fp8.quantize_weight(we)
+    q_ENK, s_EN1, q_EKN, s_EK1 = quantize_weight(we)
     assert q_ENK.shape == (3, 24, 40) and s_EN1.shape == (3, 24, 1) and q_EKN.shape == (3, 40, 24)
     assert rel_err(fp8.dequantize(q_ENK, s_EN1).transpose(1, 2), we) < 4e-2
 
@@ -102,27 +103,28 @@ def test_fp8_gemms_close_to_high_precision():
 def test_fp8_weight_cache_quantizes_once_per_update():
     lin = fp8.FP8Linear(64, 32, bias=True)
     before = fp8.CACHE.quantizations
-    for _ in range(3):  # three micro-batches: one quantisation (both copies of the weight)
-        lin(torch.randn(4, 64)).sum().backward()
-    assert fp8.CACHE.quantizations == before + 1
+    for _ in range(3):  # three micro-batches: one quantisation of each operand (forward, dgrad) of the weight
+        lin(torch.randn(4, 64, requires_grad=True)).sum().backward()
+    assert fp8.CACHE.quantizations == before + 2
     with torch.no_grad():  # an in-place update moves the version counter: stale, re-quantised on next use
         lin.weight.mul_(0.5)
     lin(torch.randn(4, 64))
-    assert fp8.CACHE.quantizations == before + 2
+    assert fp8.CACHE.quantizations == before + 3
     lin.weight.data.mul_(2.0)  # .data bypasses the version counter: only invalidate() notices
     y_stale = lin(torch.ones(1, 64))
     fp8.CACHE.invalidate()
     y_fresh = lin(torch.ones(1, 64))
-    assert fp8.CACHE.quantizations == before + 3 and rel_err(y_fresh - lin.bias, 2 * (y_stale - lin.bias)) < 1e-6
+    assert fp8.CACHE.quantizations == before + 4 and rel_err(y_fresh - lin.bias, 2 * (y_stale - lin.bias)) < 1e-6
 
 
 def test_fp8_training_quantizes_once_per_step_and_tracks_fp32(tiny_train_setup, tmp_path):
     """train.py --fp8: 4 micro-batches per step, the 12 FP8 weights (2 layers x 4 attention projections + 2
-    expert tensors) are quantised once per step; the losses stay within e4m3's error of the fp32 run."""
+    expert tensors) are quantised once per step, each as its forward and its dgrad operand; the losses stay within
+    e4m3's error of the fp32 run."""
     config, data = tiny_train_setup
     before = fp8.CACHE.quantizations
     losses, norms, _ = run_train(train_args(config, data, tmp_path / "fp8", steps=3) + ["--fp8"])
-    assert fp8.CACHE.quantizations - before == 12 * 3
+    assert fp8.CACHE.quantizations - before == 2 * 12 * 3
     ref_losses, ref_norms, _ = run_train(train_args(config, data, tmp_path / "fp32", steps=3))
     assert rel_err(torch.tensor(losses), torch.tensor(ref_losses)) < 1e-2
     assert rel_err(torch.tensor(norms), torch.tensor(ref_norms)) < 5e-2
@@ -153,7 +155,8 @@ def test_compiled_dense_parts_match_eager():
 
 def test_fp8_linears_trace_inside_a_fullgraph_compile():
     """The FP8 GEMM is an opaque custom op: a fullgraph compile of an attention block with FP8 projections traces,
-    and the weight cache still runs at run time (aot_eager backend: tracing only, no C++ compile)."""
+    and the weight cache still runs at run time (aot_eager backend: tracing only, no C++ compile): the 4 forward
+    operands and o_proj's dgrad operand once (q, k, v read an input without gradient: no dgrad operand)."""
     torch.manual_seed(0)
     model = Model(ModelConfig(**TINY))
     enable_fp8(model)
@@ -166,10 +169,10 @@ def test_fp8_linears_trace_inside_a_fullgraph_compile():
     for _ in range(2):
         out = attn(x, cos, sin)
         out.sum().backward()
-    assert fp8.CACHE.quantizations == before + 4 and rel_err(out, ref) < 1e-6
+    assert fp8.CACHE.quantizations == before + 5 and rel_err(out, ref) < 1e-6
     fp8.CACHE.invalidate()
     attn(x, cos, sin)
-    assert fp8.CACHE.quantizations == before + 8
+    assert fp8.CACHE.quantizations == before + 9
 
 
 # ------------------------------------------------------------------------------------------ GPU only

@@ -39,6 +39,7 @@ def main(argv=None):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--fp8", action="store_true")
+    p.add_argument("--fp8-recipe", choices=("rowwise", "blockwise"), default="rowwise", help="train.py's")
     p.add_argument("--recompute", choices=("none", "attention", "layer"), default="none")
     p.add_argument("--expert-placement", default="", help="train.py's: ep rank of each routed expert, comma-separated")
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw", help="train.py's")
@@ -49,10 +50,10 @@ def main(argv=None):
     mod = recipe_module(a.recipe)
     cfg = mod.ModelConfig.from_hf(a.config or mod.tiny_config_path())
     layout = Layout(a.pp, a.dp, a.cp, a.ep, a.micro_batch, a.seq_len, a.dtype == "bf16", a.fp8, a.recompute,
-                    a.expert_placement, a.optimizer, a.fsdp_gather)
+                    a.expert_placement, a.optimizer, a.fsdp_gather, a.fp8_recipe)
     est = estimate(mod, cfg, layout)
     print(f"{a.recipe} {a.config or 'config_tiny.json'}: {layout} --seq-len {a.seq_len} --dtype {a.dtype}"
-          f"{' --fp8' if a.fp8 else ''} | pp rank {est['pp_rank']} (the most loaded)")
+          f"{f' --fp8 --fp8-recipe {a.fp8_recipe}' if a.fp8 else ''} | pp rank {est['pp_rank']} (the most loaded)")
     print(table(est))
     ok = fits(est, a.gpu_gib, a.reserve_gib)
     print(f"{'FITS' if ok else 'DOES NOT FIT'} in {a.gpu_gib:g} GiB ({a.reserve_gib:g} GiB reserved)")

@@ -218,6 +218,8 @@ def main(argv=None):
     # FSDP2: fully_shard the experts over (dp, cp), the rest over (dp, cp, ep) (core/fsdp.py); one process: plain
     once = args.fsdp_gather == "step" or args.pp > 1  # gathered once per step, else per micro-batch
     fsdp_units = shard_model(model, mesh, use_bf16, once) if mesh.world > 1 else None
+    # FP8 / bf16 weight copies once per step, but none kept where FSDP2 frees each unit's gathered weights after use
+    fp8.CACHE.keep = fsdp_units is None or once  # (core/weight_cache.py)
     pipeline = None
     if args.pp > 1:
         step_ranks = mesh.world // args.pp  # global rank distance between pipeline neighbours

@@ -2,7 +2,7 @@
 
 RECIPE is a folder under recipes/ (any one with model.py and train.py, a copy too); the options are those of
 tools/estimate_memory.py, the command line of core/memory.py (--config, --pp, --dp, --cp, --ep, --micro-batch,
---seq-len, --dtype, --fp8, --recompute, --optimizer, --gpu-gib, --reserve-gib). Exit status 1 when the layout does not fit."""
+--seq-len, --dtype, --fp8, --fp8-recipe, --recompute, --optimizer, --gpu-gib, --reserve-gib). Exit status 1 when the layout does not fit."""
 
 import sys
 from pathlib import Path
