@@ -265,25 +265,26 @@ def attention(q_BNSD, k_BGSD, v_BGSE, mask=None, cp_group=None, scale=None, sink
     """Every recipe's attention: this rank's queries over the keys of the whole sequence -> [B, N, S, E].
 
     q [B, N, S, D]; k [B, G, S or K, D], v [B, G, S or K, E] (GQA: query head h reads kv head h // (N / G)). mask: None
-    (causal, same positions) or a CPMask (cp_attention_mask). cp_group: K and V are gathered over it (gather_kv) when
-    they hold fewer positions than the mask's K; whole-sequence keys (e.g. an MLA latent the caller gathered) are used
-    as given. scale: None = D**-0.5. sinks_N: GPT-OSS's sink logits. select_BNQJ: a per-head block selection in cells
-    of select_block = (queries, keys) or an int for both (CPMask.with_selection; select_from_indices).
+    (causal, same positions) or a CPMask (cp_attention_mask). cp_group: K and V are gathered over it (one all-gather)
+    when they hold fewer positions than the mask's K; whole-sequence keys (e.g. an MLA latent the caller gathered)
+    are used as given. scale: None = D**-0.5. sinks_N: GPT-OSS's sink logits. select_BNQJ: a per-head block selection
+    in cells of select_block = (queries, keys), an int for both (CPMask.with_selection; select_from_indices).
 
-    score_mod(score, b, h, q_idx, kv_idx) -> score and mask_mod(b, h, q_idx, kv_idx) -> bool: flex_attention's
-    functions with q_idx, kv_idx the GLOBAL positions (as in one process under any cp), h the query head; mask_mod
-    adds to the mask (it does not skip blocks: a selection does). per_token: tensors [B, S or K, ...] of this rank's
-    tokens (sequence on dim 1), gathered over cp_group to the whole sequence; with them, score_mod / mask_mod are
-    called once with the whole tensors and return the functions (a cumsum goes there). Gradients reach them all.
-    A query that sees no key outputs 0.
+    score_mod(score, b, h, q_idx, kv_idx) -> score (fp32 scores) and mask_mod(b, h, q_idx, kv_idx) -> bool:
+    flex_attention's functions with q_idx, kv_idx the GLOBAL positions (as in one process under any cp), h the query
+    head; mask_mod narrows the mask (it skips no block: a selection does). per_token: tensors [B, S or K, ...] of this
+    rank's tokens (sequence on dim 1), gathered over cp_group; with them, score_mod / mask_mod are builders, called
+    once with all the whole-sequence tensors, that return the functions (a cumsum over the sequence goes there).
+    Gradients reach every tensor the functions use. A query that sees no key outputs 0.
 
     Which kernel runs (the one place that decides):
 
-    | device | mask | sinks, selection, score_mod, mask_mod | kernel                                             |
-    |--------|------|---------------------------------------|----------------------------------------------------|
-    | any    | None | none                                  | SDPA is_causal (flash on CUDA)                     |
-    | CUDA   | any  | any                                   | flex_attention, BlockMask of 128-blocks of the mask |
-    | CPU    | any  | any                                   | attention_reference: 128 queries at a time          |
+    | device | mask | sinks, selection, functions | kernel                                                       |
+    |--------|------|-----------------------------|--------------------------------------------------------------|
+    | any    | None | none                        | SDPA is_causal (flash on CUDA)                               |
+    | CUDA   | any  | any                         | flex_attention, BlockMask of 128-blocks of the CPMask        |
+    | CPU    | any  | any                         | attention_reference, 128 queries at a time: SDPA with the    |
+    |        |      |                             | block's mask, or the explicit softmax with score_mod / sinks |
 
     cp changes only K: the gather, then the same table (a selection's key blocks are global, its query blocks local)."""
     B, N, S, _ = q_BNSD.shape
