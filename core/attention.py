@@ -1,86 +1,66 @@
 """Attention, model-agnostic: every recipe calls `attention` (end of the file), whose table says which kernel runs.
 
-Masks come from global positions, once per forward for every layer (`cp_attention_mask` -> a `CPMask`): causal, sliding
-window (GPT-OSS), packed documents (`attention_mask`); GPT-OSS's sinks (`sink_rescale`) apply over the gathered keys.
-
-On CUDA flex_attention (compiled) reads the CPMask as a BlockMask (empty key blocks skipped, full ones unmasked):
-O(S + K) memory per head plus an int32 [S/128, K/128] block table, not the [B, N, S, K] fp32 scores of SDPA's math
-kernel (used for a boolean mask with GQA). Elsewhere a dense boolean [B, S, K] (SDPA or `attention_reference`): flex has
-no CPU backward (torch 2.13). Not per-chunk SDPA merged by log-sum-exp: public SDPA returns none, and window or document
-blocks need a mask. A per-head mask (block selection) adds a head dimension: unselected tiles are never loaded.
+A mask is a function of (batch, head, query, key) and a score bias one of (score, batch, head, query, key), in
+flex_attention's signatures: a CPMask's rule (causal, sliding window, packed documents, a per-head block selection;
+built once per forward by `cp_attention_mask`) and a recipe's own `mask_mod` / `score_mod` over global positions.
+GPT-OSS's sinks join the softmax over the gathered keys (`sink_rescale`). On CUDA flex_attention (compiled) runs them
+inside the CPMask's BlockMask: empty key blocks skipped, O(S + K) memory per head plus an int32 [S/128, K/128] table.
+On CPU `attention_reference` evaluates the same functions one block of queries at a time (flex has no CPU backward in
+torch 2.13), memory bounded by the block in backward too (each block recomputed).
 
 Legend: B batch, S local sequence (this rank's queries, = K / cp), K whole sequence (gathered keys), N query heads, G
-key/value heads, n = N / G query heads per kv head, D head dim of q and k, E head dim of v.
+key/value heads, n = N / G query heads per kv head, D head dim of q and k, E head dim of v, s queries of one block.
 """
 
+import copy
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from core.context import cp_positions, gather_kv, split_for_cp
+from core.context import cp_positions, split_for_cp, whole_sequence
 from core.precision import upcast
 
 # ------------------------------------------------------------------------------------------------ masks
 
 
-def attention_mask(q_pos_S, k_pos_K, window: int | None = None, q_doc_BS=None, k_doc_BK=None) -> torch.Tensor:
-    """Boolean [B or 1, S, K], True where query i sees key j: j <= i, i - window < j, the same document."""
-    i, j = q_pos_S[:, None], k_pos_K[None, :]
-    mask_SK = j <= i
-    if window is not None:
-        mask_SK = mask_SK & (j > i - window)
-    if q_doc_BS is None:
-        return mask_SK[None]
-    return mask_SK & (q_doc_BS[:, :, None] == k_doc_BK[:, None, :])
-
-
 @dataclass(eq=False)
 class CPMask:
-    """Which of the K gathered keys (positions 0..K-1) this rank's queries see: dense() (reference) and block_mask()
-    (flex), both cached. select_BNQJ (with_selection): per (batch, query head, `select_block` local queries) the key
-    blocks it may attend, the rule applying within them; select_block 1: a per-head mask [B, N, S, K]."""
+    """Which of the K gathered keys (positions 0..K-1) this rank's queries see, as flex's functions (`mods`) and
+    block tables (`block_mask`, cached). select_BNQJ (with_selection): per (batch, query head, block of
+    select_block[0] local queries) the blocks of select_block[1] keys it may attend, the rule applying within them."""
 
     q_pos_S: torch.Tensor  # global positions of this rank's queries
     seq_len: int  # K
     window: int | None = None
     q_doc_BS: torch.Tensor | None = None  # document ids of this rank's queries / of the whole sequence
     k_doc_BK: torch.Tensor | None = None
-    select_BNQJ: torch.Tensor | None = None  # bool [B, N, ceil(S/select_block), ceil(K/select_block)]
-    select_block: int = 1
+    select_BNQJ: torch.Tensor | None = None  # bool [B, N, ceil(S/query block), ceil(K/key block)]
+    select_block: tuple[int, int] = (1, 1)  # (queries, keys) per selection cell
     _cache: dict = field(default_factory=dict, repr=False)
 
-    def with_selection(self, select_BNQJ: torch.Tensor, block: int, batch: int, heads: int) -> "CPMask":
+    def with_selection(self, select_BNQJ: torch.Tensor, block, batch: int, heads: int) -> "CPMask":
         """This mask restricted to a per-head block selection (bool [B or 1, N or 1, Q, J], broadcast here to
-        [batch, heads, Q, J] as a view); a new CPMask with its own cache (the selection changes every layer)."""
+        [batch, heads, Q, J] as a view) of cells of block = (queries, keys), or block x block; a new CPMask with its
+        own cache (the selection changes every layer)."""
+        bq, bk = (block, block) if isinstance(block, int) else block
         S, K = self.q_pos_S.numel(), self.seq_len
-        want = (-(-S // block), -(-K // block))
+        want = (-(-S // bq), -(-K // bk))
         if select_BNQJ.dtype != torch.bool or select_BNQJ.dim() != 4 or tuple(select_BNQJ.shape[2:]) != want \
                 or select_BNQJ.shape[0] not in (1, batch) or select_BNQJ.shape[1] not in (1, heads):
-            raise ValueError(f"a block selection must be bool [B or 1, N or 1, ceil(S/block), ceil(K/block)] = "
+            raise ValueError(f"a block selection must be bool [B or 1, N or 1, ceil(S/{bq}), ceil(K/{bk})] = "
                              f"[{batch}, {heads}, {want[0]}, {want[1]}] for {S} queries over {K} keys in blocks of "
-                             f"{block}; got {select_BNQJ.dtype} {list(select_BNQJ.shape)} (index form: "
+                             f"({bq}, {bk}); got {select_BNQJ.dtype} {list(select_BNQJ.shape)} (index form: "
                              f"core.attention.select_from_indices)")
-        return replace(self, select_BNQJ=select_BNQJ.expand(batch, heads, -1, -1), select_block=block, _cache={})
+        return replace(self, select_BNQJ=select_BNQJ.expand(batch, heads, -1, -1), select_block=(bq, bk), _cache={})
 
-    def dense(self) -> torch.Tensor:
-        """Boolean [B or 1, S, K], or [B, N, S, K] with a selection."""
-        if "dense" not in self._cache:
-            k_pos_K = torch.arange(self.seq_len, device=self.q_pos_S.device)
-            mask = attention_mask(self.q_pos_S, k_pos_K, self.window, self.q_doc_BS, self.k_doc_BK)
-            if self.select_BNQJ is not None:  # each selection cell over its block x block (query, key) pairs
-                S, K, bs = self.q_pos_S.numel(), self.seq_len, self.select_block
-                sel_BNSK = self.select_BNQJ.repeat_interleave(bs, 2)[:, :, :S].repeat_interleave(bs, 3)[..., :K]
-                mask = mask[:, None] & sel_BNSK
-            self._cache["dense"] = mask
-        return self._cache["dense"]
-
-    def mask_mod(self):
-        """flex_attention's mask function: the rule of dense(), one (query, key) index pair at a time (a closure
-        over tensors, which torch.compile takes as graph inputs: a new mask does not recompile)."""
+    def mods(self, score_mod=None, mask_mod=None):
+        """(score function or None, mask function) over this rank's query indices 0..S-1, as flex calls them: this
+        mask's rule and a recipe's functions, which get global query positions. Closures over tensors, which
+        torch.compile takes as graph inputs (a new mask does not recompile); indices may be broadcast tensors."""
         q_pos_S, window, q_doc_BS, k_doc_BK = self.q_pos_S, self.window, self.q_doc_BS, self.k_doc_BK
-        select_BNQJ, bs = self.select_BNQJ, self.select_block
+        select_BNQJ, (bq, bk) = self.select_BNQJ, self.select_block
 
         def visible(b, h, q_idx, kv_idx):
             i = q_pos_S[q_idx]
@@ -90,28 +70,31 @@ class CPMask:
             if q_doc_BS is not None:
                 ok = ok & (q_doc_BS[b, q_idx] == k_doc_BK[b, kv_idx])
             if select_BNQJ is not None:
-                ok = ok & select_BNQJ[b, h, q_idx // bs, kv_idx // bs]
+                ok = ok & select_BNQJ[b, h, q_idx // bq, kv_idx // bk]
+            if mask_mod is not None:
+                ok = ok & mask_mod(b, h, i, kv_idx)
             return ok
 
-        return visible
+        if score_mod is None:
+            return None, visible
+        return lambda score, b, h, q_idx, kv_idx: score_mod(score, b, h, q_pos_S[q_idx], kv_idx), visible
 
     def _selection_blocks(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(any, all) of the selection over each block x block tile: bool [B, N, ceil(S/block), ceil(K/block)]."""
-        sel, bs = self.select_BNQJ, self.select_block
-        Q, J = -(-self.q_pos_S.numel() // block), -(-self.seq_len // block)
-        if bs % block == 0:  # a selection cell covers whole tiles
-            sel = sel.repeat_interleave(bs // block, 2)[:, :, :Q].repeat_interleave(bs // block, 3)[..., :J]
-            return sel, sel
-        if block % bs:
-            raise ValueError(f"select_block {bs} must divide the attention block {block} or be a multiple of it")
-        r = block // bs  # a tile covers r x r cells; cells past the end: False for any, True for all (no pair)
 
-        def pool(fill, reduce):
-            pad = (0, J * r - sel.shape[3], 0, Q * r - sel.shape[2])
-            cells = F.pad(sel, pad, value=fill).unflatten(3, (J, r)).unflatten(2, (Q, r))  # [B, N, Q, r, J, r]
-            return reduce(reduce(cells, 5), 3)
+        def tiles(sel, dim, cell, length, fill, reduce):  # selection cells -> tiles along one dim
+            count = -(-length // block)
+            if cell % block == 0:  # a cell covers whole tiles
+                return sel.repeat_interleave(cell // block, dim).narrow(dim, 0, count)
+            if block % cell:
+                raise ValueError(f"selection block {cell} must divide the attention block {block} or be a multiple")
+            r = block // cell  # a tile covers r cells; cells past the end: False for any, True for all (no pair)
+            pad = [0, 0] * (3 - dim) + [0, count * r - sel.shape[dim]]
+            return reduce(F.pad(sel, pad, value=fill).unflatten(dim, (count, r)), dim + 1)
 
-        return pool(False, torch.any), pool(True, torch.all)
+        (bq, bk), S, K = self.select_block, self.q_pos_S.numel(), self.seq_len
+        return tuple(tiles(tiles(self.select_BNQJ, 2, bq, S, fill, reduce), 3, bk, K, fill, reduce)
+                     for fill, reduce in ((False, torch.any), (True, torch.all)))
 
     def block_kinds(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(partial, full), bool [B or 1, N or 1, ceil(S/block), ceil(K/block)], from each block's extreme positions
@@ -148,27 +131,33 @@ class CPMask:
             any_BNQK, full_BNQK = any_BNQK & sel_any, full_BNQK & sel_all
         return any_BNQK & ~full_BNQK, full_BNQK
 
-    def block_mask(self, block: int = 128):
-        """flex_attention's BlockMask [B or 1, N or 1, S, K] of blocks of block x block (query x key), built once
-        (cached) without a host sync: one per micro-batch serves every layer."""
-        if ("block", block) not in self._cache:
+    def block_mask(self, block: int = 128, mask_mod=None):
+        """flex_attention's BlockMask [B or 1, N or 1, S, K] of blocks of block x block (query x key). Its tables
+        are built once (cached) without a host sync: one per micro-batch serves every layer. A recipe's mask_mod
+        (global positions) runs inside every listed block, so none of them counts as full then."""
+        key = ("block", block, mask_mod is None)
+        if key not in self._cache:
             from torch.nn.attention.flex_attention import BlockMask
 
             def table(m_BNQK):  # (count [B, N, Q], indices [B, N, Q, Kb]: the listed key blocks first, in order)
                 order = torch.argsort(m_BNQK.to(torch.int32), dim=-1, descending=True, stable=True)  # as flex's own
                 return m_BNQK.sum(-1, dtype=torch.int32), order.to(torch.int32)
 
-            partial, full = self.block_kinds(block)
-            partial, full = torch.broadcast_tensors(partial, full)
-            self._cache[("block", block)] = BlockMask.from_kv_blocks(
-                *table(partial), *table(full), BLOCK_SIZE=block, mask_mod=self.mask_mod(),
-                seq_lengths=(self.q_pos_S.numel(), self.seq_len))
-        return self._cache[("block", block)]
+            partial, full = torch.broadcast_tensors(*self.block_kinds(block))
+            tables = (*table(partial), *table(full)) if mask_mod is None else table(partial | full)
+            self._cache[key] = BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=block, mask_mod=self.mods()[1],
+                                                        seq_lengths=(self.q_pos_S.numel(), self.seq_len))
+        if mask_mod is None:
+            return self._cache[key]
+        with_mod = copy.copy(self._cache[key])  # the cached tables, this call's function
+        with_mod.mask_mod = self.mods(None, mask_mod)[1]
+        return with_mod
 
 
 def select_from_indices(key_blocks_BNQk: torch.Tensor, num_key_blocks: int) -> torch.Tensor:
     """Block selection in index form -> bool [B, N, Q, J]: key_blocks_BNQk[b, h, q] lists the key blocks (global,
-    in [0, J)) that query block q of head h attends; negative entries are empty slots. One scatter, no host sync."""
+    in [0, J)) that query block q of head h attends (query and key blocks of any sizes, with_selection's block);
+    negative entries are empty slots. One scatter, no host sync."""
     J = num_key_blocks
     slot_BNQk = torch.where(key_blocks_BNQk < 0, J, key_blocks_BNQk)  # empty slots land in an extra column
     sel = torch.zeros(*key_blocks_BNQk.shape[:-1], J + 1, dtype=torch.bool, device=key_blocks_BNQk.device)
@@ -189,37 +178,56 @@ def cp_attention_mask(seq_len: int, cp_rank: int = 0, cp_size: int = 1, window: 
     return CPMask(cp_positions(seq_len, cp_rank, cp_size, device), seq_len, window, q_doc_BS, doc_ids_BK)
 
 
+_causal_masks: dict = {}  # (S, device) -> CPMask of plain causal attention, when None needs the general path
+
+
+def _causal_mask(S: int, device) -> CPMask:
+    key = (S, str(device))
+    if key not in _causal_masks:
+        _causal_masks[key] = CPMask(torch.arange(S, device=device), S)
+    return _causal_masks[key]
+
+
 # -------------------------------------------------------------------------------------------- attention
 
 
-def attention_reference(q_BNSD, k_BGKD, v_BGKE, mask_BSK=None, scale=None, sinks_N=None) -> torch.Tensor:
-    """Attention [B, N, S, E] (trains on CPU): logits in the input dtype, fp32 softmax as transformers. mask: None
-    (causal), a CPMask, bool [B or 1, S, K] or per head [B or 1, N or 1, S, K] (no visible key: output 0, as flex)."""
+def attention_reference(q_BNSD, k_BGKD, v_BGKE, mask=None, scale=None, sinks_N=None, score_mod=None, mask_mod=None,
+                        block: int = 128) -> torch.Tensor:
+    """Attention [B, N, S, E] (trains on CPU) of `block` queries at a time, each block recomputed in backward when
+    there are several: memory [B, N, block, K], not [B, N, S, K]. mask: None (causal) or a CPMask; score_mod /
+    mask_mod: functions of global positions (attention's). The block's mask is the mask function's; without a
+    score_mod or sinks SDPA takes it (fused on CPU), else logits in the input dtype, score_mod and the fp32 softmax
+    as flex and transformers compute them. A query that sees no key outputs 0, as flex."""
     B, N, S, D = q_BNSD.shape
-    G, K = k_BGKD.shape[1], k_BGKD.shape[2]
-    if isinstance(mask_BSK, CPMask):
-        mask_BSK = mask_BSK.dense()
-    if mask_BSK is None:
-        assert S == K, "mask None means plain causal over the same positions"
-        mask_BSK = torch.ones(S, K, dtype=torch.bool, device=q_BNSD.device).tril()[None]
-    per_head = mask_BSK.dim() == 4
-    if per_head:  # [B, N or 1, S, K] -> [B, G, n or 1, S, K]: query head h = g * n + i, as q is viewed below
-        mask_BGnSK = mask_BSK.unflatten(1, (G, N // G)) if mask_BSK.shape[1] == N else mask_BSK[:, :, None]
-    else:
-        mask_BGnSK = mask_BSK[:, None, None]
+    G, K, E = k_BGKD.shape[1], k_BGKD.shape[2], v_BGKE.shape[-1]
+    n, dev = N // G, q_BNSD.device
+    score_fn, visible = (mask or _causal_mask(S, dev)).mods(score_mod, mask_mod)
     scale = D**-0.5 if scale is None else scale
-    q_BGnSD = q_BNSD.view(B, G, N // G, S, D)  # no GQA copies: head h reads kv head h // n (transformers' repeat_kv)
-    logits_BGnSK = (q_BGnSD @ k_BGKD[:, :, None].transpose(-1, -2)) * scale
-    logits_BGnSK = upcast(logits_BGnSK).masked_fill(~mask_BGnSK, float("-inf"))
-    if sinks_N is not None:  # one more column per head: the sink logit, softmaxed with the keys, then dropped
-        sink_BGnS1 = upcast(sinks_N).view(1, G, N // G, 1, 1).expand(B, G, N // G, S, 1)
-        probs_BGnSK = torch.cat([logits_BGnSK, sink_BGnS1], -1).softmax(-1)[..., :-1]
-    else:
-        probs_BGnSK = logits_BGnSK.softmax(-1)
-    if per_head and sinks_N is None:  # rows without a visible key are NaN (0/0): their output is 0, no gradient
-        probs_BGnSK = probs_BGnSK.masked_fill(~mask_BGnSK.any(-1, keepdim=True), 0.0)
-    out_BGnSE = probs_BGnSK.to(v_BGKE.dtype) @ v_BGKE[:, :, None]
-    return out_BGnSE.reshape(B, N, S, v_BGKE.shape[-1])
+    b, h = torch.arange(B, device=dev).view(B, 1, 1, 1), torch.arange(N, device=dev).view(1, N, 1, 1)
+    kv_idx = torch.arange(K, device=dev)[None]  # indices broadcast over [B, N, s, K]
+
+    def rows(q_BNsD, q_idx):  # one block of s queries (local indices q_idx [s, 1]) over every key
+        s, seen_BNsK = q_BNsD.shape[2], visible(b, h, q_idx, kv_idx)
+        if score_fn is None and sinks_N is None:
+            return F.scaled_dot_product_attention(q_BNsD, k_BGKD, v_BGKE, seen_BNsK, scale=scale, enable_gqa=n > 1)
+        # the n query heads of kv head g side by side: one matmul per kv head, no GQA copies
+        logits_BNsK = (q_BNsD.reshape(B, G, n * s, D) @ k_BGKD.transpose(-1, -2)).view(B, N, s, K)
+        logits_BNsK = upcast(logits_BNsK * scale)
+        if score_fn is not None:
+            logits_BNsK = score_fn(logits_BNsK, b, h, q_idx, kv_idx)
+        logits_BNsK = logits_BNsK.masked_fill(~seen_BNsK, float("-inf"))
+        if sinks_N is not None:  # one more column per head: the sink logit, softmaxed with the keys, then dropped
+            sink_BNs1 = upcast(sinks_N).view(1, N, 1, 1).expand(B, N, s, 1)
+            probs_BNsK = torch.cat([logits_BNsK, sink_BNs1], -1).softmax(-1)[..., :-1]
+        else:  # rows without a visible key are NaN (0/0): their output is 0, no gradient
+            probs_BNsK = logits_BNsK.softmax(-1).masked_fill(~seen_BNsK.any(-1, keepdim=True), 0.0)
+        return (probs_BNsK.to(v_BGKE.dtype).reshape(B, G, n * s, K) @ v_BGKE).view(B, N, s, E)
+
+    starts = range(0, S, block)
+    if len(starts) == 1:  # one block: its tensors are the block's
+        return rows(q_BNSD, torch.arange(S, device=dev)[:, None])
+    return torch.cat([checkpoint(rows, q_BNsD, torch.arange(s, s + q_BNsD.shape[2], device=dev)[:, None],
+                                 use_reentrant=False) for s, q_BNsD in zip(starts, q_BNSD.split(block, 2))], 2)
 
 
 def sink_rescale(out_BNSE, lse_BNS, sinks_N) -> torch.Tensor:
@@ -232,9 +240,11 @@ def sink_rescale(out_BNSE, lse_BNS, sinks_N) -> torch.Tensor:
 _compiled_flex = None
 
 
-def flex_attend(q_BNSD, k_BGKD, v_BGKE, mask: CPMask, scale=None, sinks_N=None, block: int = 128) -> torch.Tensor:
-    """flex_attention [B, N, S, E] over mask.block_mask(block): compiled on CUDA (fused), eager elsewhere (forward
-    only, for tests); under autocast in the autocast dtype, like SDPA."""
+def flex_attend(q_BNSD, k_BGKD, v_BGKE, mask: CPMask, scale=None, sinks_N=None, score_mod=None, mask_mod=None,
+                block: int = 128) -> torch.Tensor:
+    """flex_attention [B, N, S, E] over mask.block_mask(block) with the recipe's functions (attention's): compiled
+    on CUDA (fused; its backward reaches the tensors score_mod captures), eager elsewhere (forward only, for tests);
+    under autocast in the autocast dtype, like SDPA."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention  # torch >= 2.9
 
@@ -244,42 +254,37 @@ def flex_attend(q_BNSD, k_BGKD, v_BGKE, mask: CPMask, scale=None, sinks_N=None, 
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     with torch.autocast(dev, enabled=False):
         out_BNSE, aux = (_compiled_flex if dev == "cuda" else flex_attention)(
-            q_BNSD.to(dtype), k_BGKD.to(dtype), v_BGKE.to(dtype), block_mask=mask.block_mask(block), scale=scale,
-            enable_gqa=q_BNSD.shape[1] != k_BGKD.shape[1], return_aux=AuxRequest(lse=True))
+            q_BNSD.to(dtype), k_BGKD.to(dtype), v_BGKE.to(dtype), mask.mods(score_mod)[0],
+            mask.block_mask(block, mask_mod), scale, enable_gqa=q_BNSD.shape[1] != k_BGKD.shape[1],
+            return_aux=AuxRequest(lse=True))
         return out_BNSE if sinks_N is None else sink_rescale(out_BNSE, aux.lse, sinks_N)
 
 
-_causal_masks: dict = {}  # (S, device) -> CPMask of plain causal attention, for the flex path and selections
-
-
-def _causal_mask(S: int, device) -> CPMask:
-    key = (S, str(device))
-    if key not in _causal_masks:
-        _causal_masks[key] = CPMask(torch.arange(S, device=device), S)
-    return _causal_masks[key]
-
-
-def attention(q_BNSD, k_BGSD, v_BGSE, mask=None, cp_group=None, scale=None, sinks_N=None,
-              select_BNQJ=None, select_block: int = 1) -> torch.Tensor:
+def attention(q_BNSD, k_BGSD, v_BGSE, mask=None, cp_group=None, scale=None, sinks_N=None, select_BNQJ=None,
+              select_block=1, score_mod=None, mask_mod=None, per_token=()) -> torch.Tensor:
     """Every recipe's attention: this rank's queries over the keys of the whole sequence -> [B, N, S, E].
 
     q [B, N, S, D]; k [B, G, S or K, D], v [B, G, S or K, E] (GQA: query head h reads kv head h // (N / G)). mask: None
-    (causal, same positions), a CPMask (cp_attention_mask) or bool [B or 1, S, K]. cp_group: K and V are gathered over
-    it (gather_kv) when they hold fewer positions than the mask's K; whole-sequence keys (e.g. an MLA latent the caller
-    gathered) are used as given. scale: None = D**-0.5. sinks_N: GPT-OSS's sink logits. select_BNQJ: a per-head block
-    selection (CPMask.with_selection; select_from_indices); a query that sees no key outputs 0.
+    (causal, same positions) or a CPMask (cp_attention_mask). cp_group: K and V are gathered over it (one all-gather)
+    when they hold fewer positions than the mask's K; whole-sequence keys (e.g. an MLA latent the caller gathered)
+    are used as given. scale: None = D**-0.5. sinks_N: GPT-OSS's sink logits. select_BNQJ: a per-head block selection
+    in cells of select_block = (queries, keys), an int for both (CPMask.with_selection; select_from_indices).
+
+    score_mod(score, b, h, q_idx, kv_idx) -> score (fp32 scores) and mask_mod(b, h, q_idx, kv_idx) -> bool:
+    flex_attention's functions with q_idx, kv_idx the GLOBAL positions (as in one process under any cp), h the query
+    head; mask_mod narrows the mask (it skips no block: a selection does). per_token: tensors [B, S or K, ...] of this
+    rank's tokens (sequence on dim 1), gathered over cp_group; with them, score_mod / mask_mod are builders, called
+    once with all the whole-sequence tensors, that return the functions (a cumsum over the sequence goes there).
+    Gradients reach every tensor the functions use. A query that sees no key outputs 0.
 
     Which kernel runs (the one place that decides):
 
-    | device | mask                                   | sinks | select | kernel                                   |
-    |--------|----------------------------------------|-------|--------|------------------------------------------|
-    | any    | None                                   | no    | no     | SDPA is_causal (flash on CUDA)           |
-    | CUDA   | CPMask; None with sinks or a selection | any   | any    | flex_attention, BlockMask of 128-blocks  |
-    | CPU    | CPMask                                 | no    | no     | SDPA with the dense boolean mask         |
-    | CPU    | None or CPMask                         | yes   | any    | attention_reference (fp32 softmax)       |
-    | CPU    | None or CPMask                         | any   | yes    | attention_reference                      |
-    | any    | boolean tensor                         | no    | no     | SDPA with that mask                      |
-    | any    | boolean tensor                         | yes   | no     | attention_reference                      |
+    | device | mask | sinks, selection, functions | kernel                                                       |
+    |--------|------|-----------------------------|--------------------------------------------------------------|
+    | any    | None | none                        | SDPA is_causal (flash on CUDA)                               |
+    | CUDA   | any  | any                         | flex_attention, BlockMask of 128-blocks of the CPMask        |
+    | CPU    | any  | any                         | attention_reference, 128 queries at a time: SDPA with the    |
+    |        |      |                             | block's mask, or the explicit softmax with score_mod / sinks |
 
     cp changes only K: the gather, then the same table (a selection's key blocks are global, its query blocks local)."""
     B, N, S, _ = q_BNSD.shape
@@ -287,22 +292,21 @@ def attention(q_BNSD, k_BGSD, v_BGSE, mask=None, cp_group=None, scale=None, sink
     if N % G:
         raise ValueError(f"{N} query heads cannot share {G} key/value heads; num_attention_heads must be a "
                          f"multiple of num_key_value_heads")
-    K = mask.seq_len if isinstance(mask, CPMask) else S if mask is None else mask.shape[-1]
-    if k_BGSD.shape[2] != K:
-        if cp_group is None or k_BGSD.shape[2] * dist.get_world_size(cp_group) != K:
-            raise ValueError(f"keys hold {k_BGSD.shape[2]} positions but the mask covers {K}: pass the cp group "
-                             f"the keys are split over (cp_group), or keys of the whole sequence")
-        k_BGSD, v_BGSE = gather_kv(k_BGSD, v_BGSE, cp_group)
+    if mask is not None and not isinstance(mask, CPMask):
+        raise ValueError(f"mask must be a CPMask (core.attention.cp_attention_mask) or None (causal), not "
+                         f"{type(mask).__name__}; a mask of your own is a mask_mod(b, h, q_idx, kv_idx)")
+    K = S if mask is None else mask.seq_len
+    if k_BGSD.shape[2] != K:  # K and V in one all-gather
+        kv_BGKX = whole_sequence(torch.cat([k_BGSD, v_BGSE], -1), K, cp_group, dim=2, what="keys")
+        k_BGSD, v_BGSE = kv_BGKX.split([k_BGSD.shape[-1], v_BGSE.shape[-1]], -1)
+    if per_token:  # builders of the functions, given the whole sequence's tensors
+        whole = [whole_sequence(t, K, cp_group, dim=1, what="per_token tensors") for t in per_token]
+        score_mod = score_mod(*whole) if score_mod else None
+        mask_mod = mask_mod(*whole) if mask_mod else None
+    if mask is None and sinks_N is None and select_BNQJ is None and score_mod is None and mask_mod is None:
+        return F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSE, is_causal=True, scale=scale, enable_gqa=N != G)
+    mask = mask or _causal_mask(S, q_BNSD.device)
     if select_BNQJ is not None:
-        if mask is not None and not isinstance(mask, CPMask):
-            raise ValueError("a block selection combines with a CPMask or None (causal), not a boolean mask")
-        mask = (mask or _causal_mask(S, q_BNSD.device)).with_selection(select_BNQJ, select_block, B, N)
-    if q_BNSD.is_cuda and (isinstance(mask, CPMask) or (mask is None and sinks_N is not None)):
-        return flex_attend(q_BNSD, k_BGSD, v_BGSE, mask or _causal_mask(S, q_BNSD.device), scale, sinks_N)
-    dense = mask.dense() if isinstance(mask, CPMask) else mask
-    if sinks_N is not None or (dense is not None and dense.dim() == 4):
-        return attention_reference(q_BNSD, k_BGSD, v_BGSE, dense, scale, sinks_N)
-    attn_mask = None if dense is None else dense[:, None]  # broadcast over heads
-    return F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSE, attn_mask=attn_mask, is_causal=dense is None,
-                                          scale=scale, enable_gqa=N != G)
-
+        mask = mask.with_selection(select_BNQJ, select_block, B, N)
+    attend = flex_attend if q_BNSD.is_cuda else attention_reference
+    return attend(q_BNSD, k_BGSD, v_BGSE, mask, scale, sinks_N, score_mod, mask_mod)

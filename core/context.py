@@ -94,6 +94,17 @@ def on_whole_sequence(fn, x: torch.Tensor, cp_group=None, dim: int = 1):
     return tuple(mine(t) for t in out) if isinstance(out, tuple) else mine(out)
 
 
+def whole_sequence(x: torch.Tensor, seq_len: int, cp_group=None, dim: int = 1, what: str = "tensors") -> torch.Tensor:
+    """x if it holds the whole sequence (seq_len positions along dim), else this rank's part gathered over cp_group
+    (core/attention.py: K and V, and the per-token tensors of score and mask functions)."""
+    if x.shape[dim] == seq_len:
+        return x
+    if cp_group is None or x.shape[dim] * dist.get_world_size(cp_group) != seq_len:
+        raise ValueError(f"{what} hold {x.shape[dim]} positions but the mask covers {seq_len}: pass the cp group "
+                         f"they are split over (cp_group), or {what} of the whole sequence")
+    return gather_sequence(x, cp_group, dim)
+
+
 def gather_kv(k_BGSD, v_BGSE, cp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """K [B, G, K, D] and V [B, G, K, E] of the whole sequence from this rank's parts, in one all-gather. `attention`
     calls it; a variant that needs the whole keys first (e.g. to score key blocks) calls it and passes the result."""

@@ -13,8 +13,8 @@ the latency); the raw (work, seconds) points are kept in the file:
   grouped_gemm  the same three of core.moe.grouped_mm over 8 experts with equal rows (the routed-expert GEMMs)
   attention     causal scaled_dot_product_attention forward + backward, counted as its useful (causal) FLOPs
   attention_masked, attention_explicit   (CPU) core.attention.attention forward + backward of a cp=2 rank's queries
-                over the gathered keys under a boolean mask, without and with sinks: the forms a CPU runs where a
-                GPU runs flash / flex kernels, counted over every (query, key) pair: they compute masked ones too
+                over the gathered keys under a causal CPMask, without and with sinks: the form a CPU runs where a
+                GPU runs flash / flex kernels, counted over every (query, key) pair: it computes masked ones too
   cross_entropy (CPU) the loss over the vocab (F.cross_entropy forward + backward), in logits per second
   op_latency    seconds per ATen op of a chain of small autograd ops (forward + backward), counted by a
                 TorchDispatchMode: the cost of an op whose work is negligible (Python, dispatcher, kernel launch);
@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from core.attention import attention
+from core.attention import CPMask, attention
 from core.moe import grouped_mm, grouped_weight_grad
 
 # torch 2.13 renamed the flat collectives (the old names warn with a FutureWarning on every call); the oldest torch
@@ -169,7 +169,7 @@ def compute_rates(device: torch.device, big: bool, min_seconds: float) -> dict:
                 # a cp=2 rank's queries (the second half of the sequence) over the gathered keys, causal mask
                 q = rand(batch, heads, seq // 2, dim).requires_grad_()
                 k_, v = (rand(batch, heads, seq, dim).requires_grad_() for _ in range(2))
-                mask = (torch.arange(seq // 2, seq)[:, None] >= torch.arange(seq)[None, :]).expand(batch, -1, -1).to(device)
+                mask = CPMask(torch.arange(seq // 2, seq, device=device), seq)
 
                 def masked_step(q=q, k_=k_, v=v, mask=mask, sinks=sinks):
                     attention(q, k_, v, mask, sinks_N=sinks).sum().backward()
