@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from tests.recipe_checks import GROUPS, format_table, recipe_names, run_checks
+from recipes import recipe_names
+from tests.recipe_checks import GROUPS, format_table, run_checks
 from tests.test_launch import ROOT, copy_recipe, launch
 
 RECIPES = recipe_names()
