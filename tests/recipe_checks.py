@@ -283,9 +283,11 @@ def run_checks(name: str, data, workdir, groups=GROUPS, progress=lambda group: N
                 results += document_results(recipe)
         return [r for r in results if rows is None or r.id in rows]
 
-    if "layouts" not in groups:
-        return in_this_process()
-    return layout_results(recipe, data, workdir, meanwhile=in_this_process, progress=progress, rows=rows, near=near)
+    results = layout_results(recipe, data, workdir, meanwhile=in_this_process, progress=progress, rows=rows, near=near) \
+        if "layouts" in groups else in_this_process()
+    unlisted = {r.id for r in results} - {row for ids in ROWS.values() for row in ids}
+    assert not unlisted, f"rows {unlisted} are missing from ROWS (--rows could not name them)"
+    return results
 
 
 # ------------------------------------------------------------------------ parity, base, export, buffers

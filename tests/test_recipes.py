@@ -4,7 +4,8 @@ tests are collected: `cp -r recipes/deepseek_v2_lite recipes/my_arch` is tested 
 Per recipe: parity with transformers (or equality with its base recipe), the export round trip and every buffer;
 every parallel layout against one process with resume, recompute, bf16 and a sharded export (one spawned process
 group per world size); the copied folder's launch.sh (train.py being the same file in every recipe is tests/test_layers.py's). And
-the copy itself: a copy of a shipped recipe in a scratch clone of the repository is collected and passes."""
+the copy itself: a copy of a shipped recipe in a scratch clone of the repository is collected and passes, and
+python -m tools.docs lists it in README.md and AGENTS.md from its model.py docstring, nothing written by hand."""
 
 import os
 import shutil

@@ -101,15 +101,14 @@ def output_to(log_path: Path):
 
 
 def selection(only: str, rows: str, groups: tuple, row_ids: dict) -> tuple[list[str], list[str] | None]:
-    """(groups, row ids or None) from --only and --rows."""
+    """(groups, row ids or None) from --only and --rows; a ValueError names the valid ones."""
     if only and rows:
         raise ValueError("give --only (groups) or --rows (row ids), not both")
-    names = [n for n in (only or rows).split(",") if n]
-    known = groups if not rows else [row for ids in row_ids.values() for row in ids]
-    unknown = [n for n in names if n not in known]
-    if unknown or (not names and (only or rows)):
-        raise ValueError(f"--{'rows' if rows else 'only'} {only or rows!r}: name {'rows' if rows else 'groups'} of "
-                         f"{', '.join(known)}, comma-separated")
+    flag, text, what, known = ("rows", rows, "rows", [row for ids in row_ids.values() for row in ids]) if rows \
+        else ("only", only, "groups", list(groups))
+    names = [name for name in text.split(",") if name]
+    if text and (not names or set(names) - set(known)):
+        raise ValueError(f"--{flag} {text!r}: name {what} of {', '.join(known)}, comma-separated")
     return (list(groups), names) if rows else (names or list(groups), None)
 
 
@@ -156,15 +155,18 @@ def main(argv=None) -> int:
         near = NEAR_BOUND if args.near is None else args.near
         groups, rows = selection(args.only, args.rows, GROUPS, ROWS)
         recipe = load_recipe(args.recipe)  # an incomplete check block fails here, before any run
-        if args.workdir:
+        if args.workdir:  # a new folder inside: no earlier run's checkpoints to resume, other files left alone
             Path(args.workdir).mkdir(parents=True, exist_ok=True)
-        with contextlib.nullcontext(tempfile.mkdtemp(prefix=f"validate-{args.recipe}-", dir=args.workdir)) \
-                if args.workdir else tempfile.TemporaryDirectory() as workdir:
+            scratch = contextlib.nullcontext(tempfile.mkdtemp(prefix=f"validate-{args.recipe}-", dir=args.workdir))
+        else:
+            scratch = tempfile.TemporaryDirectory()
+        with scratch as workdir:
             results = validate(args.recipe, groups, rows, near, args.data, Path(workdir))
         references = [f"transformers {recipe.transformers_class}"] * bool(recipe.transformers_class) + \
             [f"base recipe {recipe.base}"] * bool(recipe.base)
-        print(f"validate-correctness: recipe {args.recipe}, {'rows ' + ', '.join(rows) if rows else 'checks ' + ', '.join(groups)}"
-              f"; numerics against {' and '.join(references)}" + (f"; runs and runs.log in {workdir}" if args.workdir else ""))
+        chosen = f"rows {', '.join(rows)}" if rows else f"checks {', '.join(groups)}"
+        print(f"validate-correctness: recipe {args.recipe}, {chosen}; numerics against {' and '.join(references)}"
+              + (f"; runs and runs.log in {workdir}" if args.workdir else ""))
         if not results:
             print(f"no check of {', '.join(rows or groups)} applies: parity needs TRANSFORMERS_CLASS, base needs "
                   f"BASE_RECIPE, documents and some layout rows need the model's features")
