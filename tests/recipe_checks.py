@@ -92,6 +92,7 @@ ROWS = {"parity": ("parity-logits", "parity-grads", "parity-grad-worst", "parity
         "base": ("base-losses", "base-grad-norms", "base-weights", "base-expert-bias", "base64-logits", "base64-grads"),
         "export": ("export", "export-model-type"), "buffers": ("buffers",),
         "documents": ("documents-losses", "documents-grads", "documents-grad-tensors"), "layouts": tuple(LAYOUT_ROWS)}
+ROW_IDS = tuple(row for ids in ROWS.values() for row in ids)
 NEAR_BOUND = 0.1  # a row whose error is within 10% of its bound (either side) may be rounding at the edge of its
 # bound or a small bug: the table then says what the same comparison gives in float64 (Result.float64), where
 # rounding shrinks by 2^29 (float64's eps over fp32's) and a bug does not. Rounding then agrees within
@@ -253,10 +254,10 @@ def run_checks(name: str, data, workdir, groups=GROUPS, progress=lambda group: N
     if unknown:
         raise ValueError(f"unknown check group(s) {', '.join(sorted(unknown))}: choose from {', '.join(GROUPS)}")
     if rows is not None:
-        unknown = set(rows) - {row for ids in ROWS.values() for row in ids}
+        unknown = set(rows) - set(ROW_IDS)
         if unknown or not rows:
             raise ValueError(f"unknown row(s) {', '.join(sorted(unknown)) or '(none given)'}: name rows of the table's "
-                             f"first column, comma-separated: {', '.join(row for ids in ROWS.values() for row in ids)}")
+                             f"first column, comma-separated: {', '.join(ROW_IDS)}")
         groups = [g for g in GROUPS if set(ROWS[g]) & set(rows)]
     recipe, workdir = load_recipe(name, data_vocab(data)), Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -285,7 +286,7 @@ def run_checks(name: str, data, workdir, groups=GROUPS, progress=lambda group: N
 
     results = layout_results(recipe, data, workdir, meanwhile=in_this_process, progress=progress, rows=rows, near=near) \
         if "layouts" in groups else in_this_process()
-    unlisted = {r.id for r in results} - {row for ids in ROWS.values() for row in ids}
+    unlisted = {r.id for r in results} - set(ROW_IDS)
     assert not unlisted, f"rows {unlisted} are missing from ROWS (--rows could not name them)"
     return results
 

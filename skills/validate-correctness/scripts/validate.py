@@ -100,12 +100,11 @@ def output_to(log_path: Path):
                 os.close(copy)
 
 
-def selection(only: str, rows: str, groups: tuple, row_ids: dict) -> tuple[list[str], list[str] | None]:
+def selection(only: str, rows: str, groups: tuple, row_ids: tuple) -> tuple[list[str], list[str] | None]:
     """(groups, row ids or None) from --only and --rows; a ValueError names the valid ones."""
     if only and rows:
         raise ValueError("give --only (groups) or --rows (row ids), not both")
-    flag, text, what, known = ("rows", rows, "rows", [row for ids in row_ids.values() for row in ids]) if rows \
-        else ("only", only, "groups", list(groups))
+    flag, text, what, known = ("rows", rows, "rows", row_ids) if rows else ("only", only, "groups", groups)
     names = [name for name in text.split(",") if name]
     if text and (not names or set(names) - set(known)):
         raise ValueError(f"--{flag} {text!r}: name {what} of {', '.join(known)}, comma-separated")
@@ -150,10 +149,10 @@ def main(argv=None) -> int:
     print(f"validate-correctness: recipes/ copied to {snapshot}; this run reads the copy, so edit on", flush=True)
     with importing_from(snapshot):
         # imported now: torch and the checks take seconds to import, while the recipe may already be edited
-        from tests.recipe_checks import GROUPS, NEAR_BOUND, ROWS, format_table, load_recipe
+        from tests.recipe_checks import GROUPS, NEAR_BOUND, ROW_IDS, format_table, load_recipe
 
         near = NEAR_BOUND if args.near is None else args.near
-        groups, rows = selection(args.only, args.rows, GROUPS, ROWS)
+        groups, rows = selection(args.only, args.rows, GROUPS, ROW_IDS)
         recipe = load_recipe(args.recipe)  # an incomplete check block fails here, before any run
         if args.workdir:  # a new folder inside: no earlier run's checkpoints to resume, other files left alone
             Path(args.workdir).mkdir(parents=True, exist_ok=True)
