@@ -73,10 +73,13 @@ def agents_lines(root: Path) -> list[str]:
 
 
 def readme_lines(root: Path) -> list[str]:
-    """README.md's table: one row per recipe."""
-    rows = [f"| `recipes/{name}` | {' | '.join(describe(root / 'recipes' / name))} |" for name in recipe_names(root / "recipes")]
-    return ["| recipe | what it is (the first paragraph of its model.py docstring) | numerics checked against |",
-            "|---|---|---|", *rows]
+    """README.md's table: one row per recipe, with its config files (config.json: the released model's)."""
+    rows = []
+    for name in recipe_names(root / "recipes"):
+        configs = ", ".join(sorted(path.name for path in (root / "recipes" / name).glob("config*.json")))
+        rows.append(f"| `recipes/{name}` | {' | '.join(describe(root / 'recipes' / name))} | {configs} |")
+    return ["| recipe | what it is (the first paragraph of its model.py docstring) | numerics checked against | configs |",
+            "|---|---|---|---|", *rows]
 
 
 def rewrite(path: Path, lines: list[str]) -> bool:
