@@ -4,7 +4,8 @@ tests are collected: `cp -r recipes/deepseek_v2_lite recipes/my_arch` is tested 
 Per recipe: parity with transformers (or equality with its base recipe), the export round trip and every buffer;
 every parallel layout against one process with resume, recompute, bf16 and a sharded export (one spawned process
 group per world size); the copied folder's launch.sh (train.py being the same file in every recipe is tests/test_layers.py's). And
-the copy itself: a copy of a shipped recipe in a scratch clone of the repository is collected and passes."""
+the copy itself: a copy of a shipped recipe in a scratch clone of the repository is collected and passes, and
+python -m tools.docs lists it in README.md and AGENTS.md from its model.py docstring, nothing written by hand."""
 
 import os
 import shutil
@@ -13,7 +14,8 @@ import sys
 
 import pytest
 
-from tests.recipe_checks import GROUPS, format_table, recipe_names, run_checks
+from recipes import recipe_names
+from tests.recipe_checks import GROUPS, format_table, run_checks
 from tests.test_launch import ROOT, copy_recipe, launch
 
 RECIPES = recipe_names()
@@ -107,24 +109,22 @@ for tool in (estimate_memory, plan):
 """
 
 
-def test_a_documented_copy_needs_no_list_edited(tmp_path):
-    """copy_recipe.py's copy of Qwen3 in a scratch clone, documented as a new recipe is: one line under AGENTS.md's
-    "Differences", one row in README's feature table. Every test file that iterates over recipes collects my_arch,
-    the tools list it, and the cheap checks pass with it (AGENTS.md's references and length budget, the layers and
-    the shared train.py, the --help of its flags, its memory estimate, its FLOP count, its --profile-steps errors)."""
+def test_a_copy_needs_no_list_or_doc_edited(tmp_path):
+    """copy_recipe.py's copy of Qwen3 in a scratch clone, nothing else edited: python -m tools.docs writes its line
+    into AGENTS.md's recipe list and its row into README's recipe table from its model.py docstring (a second run
+    changes nothing). Every test file that iterates over recipes collects my_arch, the tools list it, and the cheap
+    checks pass with it (AGENTS.md's references, the copy's line included, and length budget, the layers and the
+    shared train.py, the --help of its flags, its memory estimate, its FLOP count, its --profile-steps errors)."""
     clone = clone_checkout(tmp_path / "clone")
     copied = subprocess.run([sys.executable, "skills/add-new-architecture/scripts/copy_recipe.py", "--base",
                              "qwen3_30b_a3b", "--name", "my_arch"], cwd=clone, capture_output=True, text=True)
     assert copied.returncode == 0, copied.stderr
-    agents = (clone / "AGENTS.md").read_text().splitlines(keepends=True)
-    at = next(i for i, line in enumerate(agents) if line.startswith("- Differences")) + 1
-    agents.insert(at, "  - `my_arch`: Qwen3 copied (`recipes/my_arch/model.py:Attention.forward`).\n")
-    (clone / "AGENTS.md").write_text("".join(agents))
-    readme = (clone / "README.md").read_text().splitlines(keepends=True)
-    at = next(i for i, line in enumerate(readme) if line.startswith("## Features"))
-    at = next(i for i in range(at, len(readme)) if readme[i].startswith("|---")) + 1
-    readme.insert(at, "| my_arch recipe (`recipes/my_arch`): Qwen3 copied | done |\n")
-    (clone / "README.md").write_text("".join(readme))
+    docs = [subprocess.run([sys.executable, "-m", "tools.docs"], cwd=clone, capture_output=True, text=True)
+            for _ in range(2)]
+    assert docs[0].stdout.count("rewritten") == 2 and docs[1].stdout.count("unchanged") == 2, docs
+    line = next(line for line in (clone / "AGENTS.md").read_text().splitlines() if line.startswith("  - `my_arch`: "))
+    assert "`recipes/my_arch/model.py:Attention.forward`" in line and line.endswith("`Qwen3MoeForCausalLM`."), line
+    assert "| `recipes/my_arch` | Qwen3-MoE" in (clone / "README.md").read_text()
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     tools = subprocess.run([sys.executable, "-c", LISTED_BY_TOOLS], cwd=clone, env=env, capture_output=True,

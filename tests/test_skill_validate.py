@@ -1,17 +1,22 @@
 """The validate-correctness skill's scripts. validate.py: one table for a recipe (the cheap groups here; every group
 on each recipe with -m slow, since tests/test_recipes.py runs the same checks for every recipe in CI),
 bad input in one line, and a copied recipe declared a variant of its base: equal to it bit for bit, while a copy
-with another norm epsilon fails (exit code 1). check_parity.py's table, and check_layout.py in a layout the shared
-checks do not run (dp2)."""
+with another norm epsilon fails (exit code 1); --rows runs only the work of its rows; a run reads the recipes as
+they were when it started; a row near its bound is told rounding (float64 agrees) or a bug (it does not).
+check_parity.py's table, and check_layout.py in a layout the shared checks do not run (dp2)."""
 
 import importlib.util
+import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 import recipes
+from tests import recipe_checks
 from tests.test_launch import ROOT, copy_recipe
+from tests.test_recipes import clone_checkout
 
 SKILLS = ROOT / "skills"
 
@@ -24,29 +29,49 @@ def script(name: str, skill: str = "validate-correctness"):
 
 
 def table_rows(out: str, recipe: str) -> list[str]:
-    """The rows of validate.py's table (between its ruler and the verdict)."""
+    """The rows of validate.py's table (between its ruler and the verdict; not the lines under a row near its
+    bound, which start with spaces)."""
     lines = out[out.index(f"validate-correctness: recipe {recipe}"):].rstrip().splitlines()
-    assert lines[1].split() == ["check", "worst", "error", "tolerance", "result", "where"], lines
-    return lines[3:-1]
+    assert lines[1].split() == ["row", "check", "error", "bound", "error/bound", "result", "where"], lines
+    return [line for line in lines[3:-1] if not line.startswith(" ")]
+
+
+def notes(out: str) -> dict[str, str]:
+    """{row id: the line under it} of the rows near their bound."""
+    lines = out.splitlines()
+    return {lines[i - 1].split()[0]: line.strip() for i, line in enumerate(lines) if line.lstrip().startswith("^ ")}
 
 
 def test_validate_prints_one_table(tmp_path, capsys):
-    """parity (4 rows in fp32, 3 in float64), export (2), buffers on GPT-OSS; the training runs' output goes to the log,
-    not the table."""
+    """parity (4 rows in fp32, 3 in float64), export (2), buffers on GPT-OSS, each with its id, bound and error /
+    bound; the training runs' output goes to the log in a new folder of the (not empty) work folder, not the table."""
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work/notes.txt").write_text("kept")
     assert script("validate").main(["--recipe", "gpt_oss_20b", "--only", "parity,export,buffers",
                                     "--workdir", str(tmp_path / "work")]) == 0
     out = capsys.readouterr().out
     rows = table_rows(out, "gpt_oss_20b")
     assert len(rows) == 4 + 3 + 2 + 1 and all("PASS" in row.split() for row in rows) and out.rstrip().endswith("ALL PASS"), out
-    assert "step " not in out and "trained steps 1-1" in (tmp_path / "work/runs.log").read_text()
+    assert [row.split()[0] for row in rows] == list(recipe_checks.ROWS["parity"] + recipe_checks.ROWS["export"]
+                                                    + recipe_checks.ROWS["buffers"])
+    logits = rows[0].split()  # parity-logits: error <= bound, and error / bound printed as their ratio
+    error, bound, ratio = float(logits[-5]), float(logits[-3]), float(logits[-2])
+    assert logits[-4] == "<=" and bound == 1e-4 and ratio == pytest.approx(error / bound, abs=0.006), rows[0]
+    [run] = (tmp_path / "work").glob("validate-gpt_oss_20b-*")
+    assert (tmp_path / "work/notes.txt").read_text() == "kept" and f"runs and runs.log in {run}" in out
+    assert "step " not in out and "trained steps 1-1" in (run / "runs.log").read_text()
 
 
 def test_validate_bad_input_is_one_line(tmp_path):
     validate = script("validate").main
     with pytest.raises(ValueError, match="unknown recipe 'my_arch'.*qwen3_30b_a3b"):
         validate(["--recipe", "my_arch"])
-    with pytest.raises(ValueError, match="--only 'layout'"):
+    with pytest.raises(ValueError, match="--only 'layout': name groups of parity"):
         validate(["--recipe", "qwen3_30b_a3b", "--only", "layout"])
+    with pytest.raises(ValueError, match="--rows 'ep2,ep3': name rows of parity-logits, .*, ep2, "):
+        validate(["--recipe", "qwen3_30b_a3b", "--rows", "ep2,ep3"])
+    with pytest.raises(ValueError, match="--only .* or --rows .*, not both"):
+        validate(["--recipe", "qwen3_30b_a3b", "--only", "layouts", "--rows", "ep2"])
     with pytest.raises(FileNotFoundError, match="no meta.json"):
         validate(["--recipe", "qwen3_30b_a3b", "--data", str(tmp_path)])
     proc = subprocess.run([sys.executable, str(SKILLS / "validate-correctness/scripts/validate.py"), "--recipe", "nope"],
@@ -87,12 +112,76 @@ def test_a_copied_variant_equals_its_base(tmp_path, monkeypatch, capsys):
         assert validate(["--recipe", "my_arch_eps", "--only", "base"]) == 1
         out = capsys.readouterr().out
         assert "FAIL" in table_rows(out, "my_arch_eps")[0].split() and "SOME CHECKS FAILED" in out, out
-        monkeypatch.setattr(sys.modules["recipes.my_arch.model"], "BASE_RECIPE", None)
+        model = repo / "recipes/my_arch/model.py"  # (each run reads the files as they are when it starts)
+        model.write_text(model.read_text().replace('BASE_RECIPE = "qwen3_30b_a3b"', "BASE_RECIPE = None"))
         with pytest.raises(ValueError, match="TRANSFORMERS_CLASS and BASE_RECIPE are both None"):
             validate(["--recipe", "my_arch"])
     finally:
         for name in [m for m in sys.modules if m.startswith("recipes.my_arch")]:
             del sys.modules[name]
+
+
+def test_rows_run_only_their_work(monkeypatch, capsys):
+    """--rows export-model-type,cp2-model: the export's train.py run in this process and one group of 2 ranks with the
+    model-level cp2 job alone; no one-process reference run, no other rank group."""
+    started, trained = [], []
+    start_ranks = recipe_checks.start_ranks
+    monkeypatch.setattr(recipe_checks, "start_ranks", lambda world, fn, recipe, jobs, *args, **kwargs: started.append(
+        (world, sorted(jobs))) or start_ranks(world, fn, recipe, jobs, *args, **kwargs))
+    monkeypatch.setattr(recipe_checks, "run_train", lambda *args: trained.append(args))
+    assert script("validate").main(["--recipe", "qwen3_30b_a3b", "--rows", "export-model-type,cp2-model"]) == 0
+    rows = table_rows(capsys.readouterr().out, "qwen3_30b_a3b")
+    assert [row.split()[0] for row in rows] == ["export-model-type", "cp2-model"], rows
+    assert started == [(2, ["grads cp2"])] and trained == []
+
+
+def test_validate_reads_the_recipes_as_they_were_at_its_start(tmp_path):
+    """copy_recipe.py's copy of Qwen3 in a scratch clone, no other edit, validated on the model-level cp2 row (2
+    ranks) while every .py file under the clone's recipes/ raises on import from the moment validate.py says it
+    copied them: it passes, so neither its process (which imports the checks and the recipe after that line), nor
+    the ranks, nor their forkserver read the live files. The runs go to a new folder in a work folder that holds
+    other files."""
+    clone = clone_checkout(tmp_path / "clone")
+    copied = subprocess.run([sys.executable, "skills/add-new-architecture/scripts/copy_recipe.py", "--base",
+                             "qwen3_30b_a3b", "--name", "my_copy"], cwd=clone, capture_output=True, text=True)
+    assert copied.returncode == 0, copied.stderr
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work/other.txt").write_text("kept")
+    run = subprocess.Popen([sys.executable, "skills/validate-correctness/scripts/validate.py", "--recipe", "my_copy",
+                            "--rows", "cp2-model", "--workdir", str(tmp_path / "work")], cwd=clone, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = run.stdout.readline()
+    for path in (clone / "recipes").rglob("*.py"):
+        path.write_text("raise RuntimeError('edited while validate.py runs')\n")
+    out, err = run.communicate(timeout=900)
+    out = first + out
+    assert "this run reads the copy" in first and run.returncode == 0 and out.rstrip().endswith("ALL PASS"), \
+        out + err[-5000:]
+    assert [row.split()[0] for row in table_rows(out, "my_copy")] == ["cp2-model"]
+    [folder] = (tmp_path / "work").glob("validate-my_copy-*")
+    assert (tmp_path / "work/other.txt").read_text() == "kept" and (folder / "runs.log").is_file()
+
+
+def test_a_row_near_its_bound_is_told_rounding_or_bug(tmp_path, monkeypatch, capsys):
+    """--near 1e6 puts every noise-bounded row near its bound, so each gets its float64 comparison. A copy of Qwen3
+    whose routed experts' output is scaled by 1 + 1e-4 under ep only (a small ep bug): the model-level cp2 row is
+    rounding (its ranks, run again in float64, agree with one process in float64), cp2xep2 fails and is a bug (in
+    float64 it stays off)."""
+    folder = tmp_path / "recipes/my_epbug"
+    shutil.copytree(ROOT / "recipes/qwen3_30b_a3b", folder, ignore=shutil.ignore_patterns("__pycache__"))
+    code = "h_BSH + out_TH.view_as(h_BSH)"
+    text = (folder / "model.py").read_text()
+    assert text.count(code) == 1
+    (folder / "model.py").write_text(text.replace(code, f"{code} * (1 + 1e-4 * (self.ep_group is not None))"))
+    monkeypatch.setattr(recipes, "__path__", [*recipes.__path__, str(tmp_path / "recipes")])
+    assert script("validate").main(["--recipe", "my_epbug", "--rows", "cp2-model,cp2xep2-model", "--near", "1e6"]) == 1
+    out = capsys.readouterr().out
+    rows = {row.split()[0]: row.split() for row in table_rows(out, "my_epbug")}
+    assert "PASS" in rows["cp2-model"] and "FAIL" in rows["cp2xep2-model"] and len(rows) == 2, out
+    verdicts = notes(out)
+    assert verdicts["cp2-model"].endswith("rounding, not a bug"), out
+    assert verdicts["cp2xep2-model"].endswith("not rounding, a bug"), out
 
 
 @pytest.mark.slow

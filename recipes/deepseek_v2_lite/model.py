@@ -1,5 +1,7 @@
-"""DeepSeek-V2 (Lite): multi-head latent attention (MLA) with YaRN rope, softmax top-k router (greedy or
-group-limited), shared experts, dense first layers, sequence-wise expert-balance loss.
+"""DeepSeek-V2 (Lite): multi-head latent attention (MLA) with YaRN rope, its latent gathered under cp
+(`Attention.forward`), softmax top-k router (greedy or group-limited), shared experts in layer step (1), dense
+first layers, a sequence-wise expert-balance loss (`MoE.route`) whose sums ride in the state that stage 0 makes
+(`Model.initial_state`).
 
 Numerics follow transformers' `DeepseekV2ForCausalLM` (checked by tests/test_deepseek_parity.py); the balance
 loss, which transformers does not compute, follows DeepSeek-V2's definition (Model docstring).

@@ -1,9 +1,9 @@
 """DeepSeek-V3 (also R1, V3.1, Kimi K2, Moonlight): multi-head latent attention (MLA) with the query LoRA and YaRN
 rope, a sigmoid router with the auxiliary-loss-free bias (`e_score_correction_bias`) and group-limited top-k
-(groups ranked by the sum of their best two scores), normalised top-k weights times routed_scaling_factor,
-shared experts, dense first layers, the V3 paper's optional sequence-wise balance loss, and multi-token
-prediction (MTP, training only). Released checkpoints store matrices as FP8 with a scale per 128x128 block;
-loading dequantises them (core.hf_io.CheckpointReader).
+(groups ranked by the sum of their best two scores; `Router.forward`), normalised top-k weights times
+routed_scaling_factor, shared experts, dense first layers, the V3 paper's optional sequence-wise balance loss, and
+multi-token prediction (`MTP`, training only, on pp rank 0 with its own loss term). Released checkpoints store
+matrices as FP8 with a scale per 128x128 block; loading dequantises them (core.hf_io.CheckpointReader).
 
 Numerics follow transformers' `DeepseekV3ForCausalLM` (checked by tests/test_deepseek_v3_parity.py); the balance
 loss and MTP, which transformers does not compute, follow the DeepSeek-V3 paper (Model docstrings).

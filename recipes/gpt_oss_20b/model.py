@@ -1,6 +1,7 @@
 """GPT-OSS (GPT-OSS-20B): GQA attention with biases and a learned sink logit per head, layers alternating
-sliding-window and full attention, YaRN rope, a biased top-k router (softmax over the chosen experts only),
-experts with biases and a clamped SwiGLU on interleaved gate/up.
+sliding-window and full attention (`Attention.forward`, `ModelConfig.window`), YaRN rope, a biased top-k router
+(softmax over the chosen experts only), experts with biases and a clamped SwiGLU on interleaved gate/up
+(`Experts.forward`), routed experts in every layer.
 
 Numerics follow transformers' `GptOssForCausalLM` (checked by tests/test_gpt_oss_parity.py). The released
 checkpoint stores the expert matrices in MXFP4 (`*_blocks` + `*_scales`); load_hf_checkpoint dequantises them

@@ -1,4 +1,5 @@
-"""Qwen3-MoE (Qwen3-30B-A3B): GQA attention with per-head q/k RMSNorm, rotate-half rope, softmax top-k router.
+"""Qwen3-MoE (Qwen3-30B-A3B): GQA attention with per-head q/k RMSNorm and rotate-half rope (`Attention.forward`), a
+softmax top-k router (`Router.forward`), each layer MoE or dense by config (`ModelConfig.is_moe_layer`).
 
 Numerics follow transformers' `Qwen3MoeForCausalLM` (checked by tests/test_qwen3_parity.py).
 

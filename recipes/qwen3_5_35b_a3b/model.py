@@ -1,5 +1,6 @@
-"""Qwen3.5-MoE (Qwen3.5-35B-A3B, text model): a hybrid of Gated DeltaNet linear-attention layers and gated softmax
-attention layers (`layer_types`), every layer with a softmax top-k MoE plus a sigmoid-gated shared expert.
+"""Qwen3.5-MoE (Qwen3.5-35B-A3B, text model): a hybrid of Gated DeltaNet linear-attention layers (`GatedDeltaNet`,
+under cp through `core/linear_attention.py`) and gated softmax attention layers (`layer_types`), every layer with a
+softmax top-k MoE plus a sigmoid-gated shared expert in layer step (1); pp stages split by `flops_by_layer`.
 
 Numerics follow transformers' `Qwen3_5MoeForCausalLM` (checked by tests/test_qwen3_5_parity.py). The
 multi-token-prediction head of the released checkpoint (`mtp.*`) is not built: transformers drops it on load too

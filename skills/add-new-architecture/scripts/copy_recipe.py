@@ -41,8 +41,9 @@ def main(argv=None) -> int:
     print(f"copied recipes/{args.base} -> {dst}\nnext, from the repository root:\n"
           f"  {validate}   # the copy as is: every check passes\n"
           f"  (edit recipes/{args.name}/model.py, its recipe-checks block at the end included:\n"
-          f"   TRANSFORMERS_CLASS = None and BASE_RECIPE = {args.base!r} once it departs from transformers)\n"
-          f"  {validate}   # again, until ALL PASS")
+          f"   TRANSFORMERS_CLASS = None and BASE_RECIPE = {args.base!r} once it departs from transformers;\n"
+          f"   its docstring's first paragraph documents it: README and AGENTS.md list it from there)\n"
+          f"  {validate}   # again, until ALL PASS (--rows ID,... reruns some rows)")
     return 0
 
 
