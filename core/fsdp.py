@@ -171,7 +171,8 @@ class FSDPAdamW:
             unit.set_requires_gradient_sync(False, recurse=False)
             unit.set_reshard_after_backward(False, recurse=False)
             unit.reshard()  # (a no-op when sharded; after a load the gathered copy is stale)
-            unit.unshard()
+        for handle in [unit.unshard(async_op=True) for unit in self.units]:  # issued together, then waited on
+            handle.wait()
 
     def _fsdp_params(self):
         return [fp for unit in self.units for group in fully_shard.state(unit)._fsdp_param_groups
