@@ -44,7 +44,7 @@ class ToyLayer(nn.Module):
         rows_RH = x_QH[row_R]
         return expert_matmul(F.silu(expert_matmul(rows_RH, self.w1, counts)), self.w2, counts) * weights_R[:, None]
 
-    def finish(self, state, out_TH):
+    def finish(self, state, x_TH, out_TH):
         return [state[0] + out_TH.view_as(state[0])]
 
 
@@ -86,7 +86,7 @@ def reference(num_micro):
         for layer in stage.layers:
             state, x_TH, top_ids, weights = layer.attention(state)
             out, _ = moe_forward(x_TH, top_ids, weights, E, None, layer.routed_experts)
-            state = layer.finish(state, out)
+            state = layer.finish(state, x_TH, out)
         loss = stage.post(state, mb)[0]
         loss.backward()
         losses.append(loss.detach())
@@ -216,7 +216,7 @@ def test_running_names_the_chunk(overlap):
             for i, layer in enumerate(model.layers):
                 ref.append((torch.tensor(fingerprint(state[0])), mb, stage_of[i]))
                 state, x_TH, top_ids, weights = layer.attention(state)
-                state = layer.finish(state, moe_forward(x_TH, top_ids, weights, E, None, layer.routed_experts)[0])
+                state = layer.finish(state, x_TH, moe_forward(x_TH, top_ids, weights, E, None, layer.routed_experts)[0])
     seen = set()
     for records, after in run_ranks(pp, running_worker, pp, num_micro, overlap):
         assert after is None  # reset when the step is done
