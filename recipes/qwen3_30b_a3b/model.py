@@ -15,9 +15,10 @@ holds the embedding and the final norm + LM head. Checkpoint I/O then touches on
 Seams (skills/add-new-architecture/SKILL.md's table, in this file's order): a config field `ModelConfig`,
 `load_config`; attention `Attention.forward` (through core.attention.attention) and its masks
 `Model.set_positions`; the router `Router`, `MoE.route`; expert kinds `ModelConfig.num_choices` (the router's
-choices) vs `num_experts` (the dispatched ones), `DecoderLayer.finish`; state crossing pipeline stages: the
-`state` list of `DecoderLayer` (entries after the first two pass through every base layer) made by
-`Model.initial_state` (what crosses pp ranks follows it); the running micro-batch `DecoderLayer.current_rope`
+choices) vs `num_experts` (the dispatched ones), `DecoderLayer.finish`; the layer's step order
+`DecoderLayer.before_mlp` (recompute: `DecoderLayer._run`); state crossing pipeline stages: the `state` list
+of `DecoderLayer` (entries after the first two pass through every base layer) made by `Model.initial_state`
+(what crosses pp ranks follows it); the running micro-batch `DecoderLayer.current_rope`
 (core.pipeline.running); loss terms `Model.loss_terms` (name -> weight, denominator) and their sums
 `Model.loss_sums`; per-token inputs made from whole sequences `Model.prepare_batch`; optional flags
 `Model.features`; statistics `Model.take_stats`; after each step `Model.after_step`; the shared checks' config
@@ -328,7 +329,7 @@ class DecoderLayer(nn.Module):
     def routed_experts(self, x_QH, row_R, counts_L, weights_R):  # (3)
         return self._run("layer", weighted_rows, self.mlp.experts, x_QH, row_R, counts_L, weights_R)  # [R, H]
 
-    def finish(self, state, x_TH, out_TH):  # (5) x_TH: step (1)'s MLP input (a zero-computation expert's)
+    def finish(self, state, x_TH, out_TH):  # (5) x_TH: step (1)'s routed tokens (a zero-computation expert's input)
         h_BSH, *more = state
         return [h_BSH + out_TH.view_as(h_BSH), *more]
 
