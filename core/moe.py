@@ -13,7 +13,7 @@ Router contract (what a recipe's router hands to this file; E experts, k slots p
   Example, k = 2, E = 4: ids [[2, 0], [3, -1], [-1, -1]], weights [[.7, .3], [1., .5], [0., 0.]] give
   out[0] = .7 expert2(x0) + .3 expert0(x0), out[1] = expert3(x1), out[2] = 0.
   E = `layer.num_experts`, the experts dispatched here; a router's choices beyond them (`num_choices`: AGENTS.md)
-  reach this file as -1 (ids.masked_fill(ids >= E, -1)) and the recipe adds their output in `finish`.
+  reach this file as -1 (ids.masked_fill(ids >= E, -1)) and the recipe adds their output in `finish` (given x_TH).
 
 Legend: T tokens on this rank, H hidden, k slots per token, E experts in the model, n ranks in the ep group, L
 experts on this rank (core/placement.py; may be 0), P (token, destination rank) pairs sent, Q pairs received, R

@@ -136,7 +136,7 @@ def _forward_steps(stage, inputs: list, mb: int, tape: _Tape, out: list):
         state, x_TH, ids_Tk, weights_Tk = layer.attention(state)  # (1)
         plan = DispatchPlan(ids_Tk, layer.num_experts, layer.ep_group, layer.placement,
                             getattr(layer, "recompute_dispatch", False))
-        *state, payload = tape.cut([*state, plan.dispatch_payload(x_TH, weights_Tk)])
+        *state, x_TH, payload = tape.cut([*state, x_TH, plan.dispatch_payload(x_TH, weights_Tk)])
         dispatch = AllToAll(payload, plan.send_splits, plan.recv_splits, layer.ep_group)  # (2)
         [buffer] = tape.cut([dispatch.out])
         yield
@@ -149,7 +149,7 @@ def _forward_steps(stage, inputs: list, mb: int, tape: _Tape, out: list):
         [buffer] = tape.cut([combine.out])
         yield
         tape.has_wait |= combine.transfer is not None
-        state = layer.finish(state, plan.unpermute(combine.wait(buffer)))  # (5)
+        state = layer.finish(state, x_TH, plan.unpermute(combine.wait(buffer)))  # (5)
         release(buffer)  # the combined rows [P, H]: unpermute keeps only its index
     out.extend(stage.post(state, mb))
 

@@ -5,6 +5,7 @@ the engine runs recorded, is in test_schedule.py; the Qwen3 recipe's --pp runs a
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -12,7 +13,10 @@ from torch.utils.checkpoint import checkpoint
 from core.mesh import build_mesh, destroy_mesh
 from core.moe import expert_matmul, moe_forward
 from core.pipeline import DualPipeV, running, split_layers
+from recipes.qwen3_30b_a3b import model as qwen3
 from tests.multiproc import run_ranks
+from tests.test_train import held_experts, rel_err
+from tools.hf_parity import FLOAT64_TOLERANCE
 
 H, E, K, S, MB = 16, 4, 2, 8, 2  # hidden, experts, top-k, sequence, sequences per micro-batch
 VOCAB, LAYERS = 32, 8
@@ -44,7 +48,7 @@ class ToyLayer(nn.Module):
         rows_RH = x_QH[row_R]
         return expert_matmul(F.silu(expert_matmul(rows_RH, self.w1, counts)), self.w2, counts) * weights_R[:, None]
 
-    def finish(self, state, out_TH):
+    def finish(self, state, x_TH, out_TH):
         return [state[0] + out_TH.view_as(state[0])]
 
 
@@ -86,7 +90,7 @@ def reference(num_micro):
         for layer in stage.layers:
             state, x_TH, top_ids, weights = layer.attention(state)
             out, _ = moe_forward(x_TH, top_ids, weights, E, None, layer.routed_experts)
-            state = layer.finish(state, out)
+            state = layer.finish(state, x_TH, out)
         loss = stage.post(state, mb)[0]
         loss.backward()
         losses.append(loss.detach())
@@ -216,7 +220,7 @@ def test_running_names_the_chunk(overlap):
             for i, layer in enumerate(model.layers):
                 ref.append((torch.tensor(fingerprint(state[0])), mb, stage_of[i]))
                 state, x_TH, top_ids, weights = layer.attention(state)
-                state = layer.finish(state, moe_forward(x_TH, top_ids, weights, E, None, layer.routed_experts)[0])
+                state = layer.finish(state, x_TH, moe_forward(x_TH, top_ids, weights, E, None, layer.routed_experts)[0])
     seen = set()
     for records, after in run_ranks(pp, running_worker, pp, num_micro, overlap):
         assert after is None  # reset when the step is done
@@ -253,3 +257,101 @@ def test_split_layers_by_cost():
         assert sum(split, []) == list(range(n)) and all(split[1:-1]) and largest(costs, split, ends) == best == want
     assert split[-1] == [] and len(split[0]) == 4  # the heavy head's stage holds no layer (by count: 2 of 12)
     assert split_layers(10, 2, [{"attention": 2, "dense": 3}] * 10 + [{"embedding": 5}, {"head": 5}]) == split_layers(10, 2)
+
+
+# ---------------------------------------------------------------- finish gets the layer input (a recipe variant)
+
+
+class IdentityExpertLayer(qwen3.DecoderLayer):
+    """A Qwen3 layer with a zero-computation expert, as a copied recipe adds one: an identity expert whose output
+    x_TH * w (x_TH: the routed tokens, w [H] its weight) joins the routed experts' in step (5), `finish`."""
+
+    def finish(self, state, x_TH, out_TH):
+        return super().finish(state, x_TH, out_TH + x_TH * self.identity_H)
+
+
+class IdentityInStepOne(qwen3.DecoderLayer):
+    """The same computation in one place, the reference: the identity expert added where x_TH is made, step (1)."""
+
+    def attention(self, state):
+        (h_BSH, *more), x_TH, ids_Tk, weights_Tk = super().attention(state)
+        return [h_BSH + (x_TH * self.identity_H).view_as(h_BSH), *more], x_TH, ids_Tk, weights_Tk
+
+
+def identity_model(layer_class, layers=None, **kw):
+    """The tiny Qwen3 model in float64, every layer of `layer_class` with the identity weight w = 0.5 + N(0, 0.1):
+    large enough that a lost or misplaced x_TH * w moves every gradient upstream of it by O(10%)."""
+    cfg = qwen3.ModelConfig.from_hf(qwen3.tiny_config_path())
+    torch.manual_seed(0)
+    model = qwen3.Model(cfg, layers=layers, **kw).double()
+    for i, layer in model.layers.items():
+        layer.__class__ = layer_class
+        w_H = 0.5 + 0.1 * torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(int(i)))
+        layer.identity_H = nn.Parameter(w_H.double())
+    return model, cfg
+
+
+def identity_expert_worker(num_micro, batch, seq):
+    """pp2 x ep2, each ep rank its own micro-batches: {recompute: (losses of pp rank 0, gradients: dense ones summed
+    over ep, routed experts this rank's rows)}, and the same from one process (both layer classes, every ep rank's
+    micro-batches in order) in the same form."""
+    mesh = build_mesh(pp=2, ep=2, dp=1)
+    r, ep_rank = mesh.coord("pp"), mesh.coord("ep")
+    torch.set_default_dtype(torch.float64)  # the state's statistics too (Model.initial_state)
+    ids = torch.randint(0, 4096, (2, num_micro * batch, seq), generator=torch.Generator().manual_seed(5))
+    positions_BS = torch.arange(seq).expand(batch, seq)
+
+    def mine(model, cfg):  # a whole model's routed experts: this ep rank's rows
+        rows = held_experts(cfg.num_experts, 2, ep_rank)
+        return {n: p.grad[rows] if ".mlp.experts." in n else p.grad for n, p in model.named_parameters()}
+
+    out = {}
+    for layer_class in (IdentityInStepOne, IdentityExpertLayer):  # one process
+        model, cfg = identity_model(layer_class)
+        model.set_positions(positions_BS)
+        losses = []
+        for e in range(2):
+            for ids_BS in ids[e].split(batch):
+                losses.append(model.forward_train(ids_BS, ids_BS).terms["lm"])
+                losses[-1].backward()
+        out[layer_class.__name__] = torch.stack(losses).detach().view(2, num_micro)[ep_rank], mine(model, cfg)
+    for recompute in ("none", "layer"):
+        layers = split_layers(cfg.num_hidden_layers, 2)
+        model, cfg = identity_model(IdentityExpertLayer, layers[r] + layers[3 - r], embed=r == 0, head=r == 0,
+                                    ep_group=mesh.group("ep"), recompute=recompute)
+        stages = [qwen3.PipelineStage(model, layers[s], s == 0, s == 3) for s in (r, 3 - r)]
+        engine = DualPipeV(stages, r, 2, mesh.rank - 2 if r else None, mesh.rank + 2 if r == 0 else None,
+                           mesh.group("pp"), None, torch.device("cpu"))
+        for stage in stages:
+            stage.input_ids = stage.labels = ids[ep_rank].split(batch)
+            stage.extras = [{}] * num_micro
+            stage.loss_fn = lambda terms: terms["lm"]
+        model.set_positions(positions_BS)
+        losses = engine.run(num_micro)
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        for n, g in grads.items():
+            if ".mlp.experts." not in n:
+                dist.all_reduce(g, group=mesh.group("ep"))
+        out[recompute] = torch.stack(losses).detach() if losses else None, grads
+    torch.set_default_dtype(torch.float32)
+    destroy_mesh()
+    return out
+
+
+def test_finish_gets_the_layer_input():
+    """A recipe variant whose finish adds an identity expert's x_TH * w equals the same computation done in step (1)
+    (IdentityInStepOne, one process), in one process and at pp2 x ep2 (DualPipeV with overlap and delayed weight
+    gradients; --recompute none and layer): losses and every gradient, the identity weights' included. In float64:
+    the runs differ only in summation order (the identity term added before or after the residual, partial sums
+    per ep rank), a few roundings of 1.1e-16 each (measured: <= 1.6e-15), so FLOAT64_TOLERANCE (1e-10) leaves no
+    room for a lost or detached term (x_TH detached before finish: 0.99 on the embedding's gradient)."""
+    runs = run_ranks(4, identity_expert_worker, 4, 2, 16)
+    for rank, run in enumerate(runs):
+        ref_losses, ref = run["IdentityInStepOne"]
+        for name in ("IdentityExpertLayer", "none", "layer"):
+            losses, grads = run[name]
+            if losses is not None:  # pp rank 0: its ep rank's micro-batches
+                assert rel_err(losses, ref_losses) < FLOAT64_TOLERANCE, (rank, name)
+            assert any(n.endswith("identity_H") for n in grads), (rank, name)
+            for n, g in grads.items():
+                assert rel_err(g, ref[n]) < FLOAT64_TOLERANCE, (rank, name, n, rel_err(g, ref[n]))

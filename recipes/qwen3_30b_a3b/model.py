@@ -15,9 +15,10 @@ holds the embedding and the final norm + LM head. Checkpoint I/O then touches on
 Seams (skills/add-new-architecture/SKILL.md's table, in this file's order): a config field `ModelConfig`,
 `load_config`; attention `Attention.forward` (through core.attention.attention) and its masks
 `Model.set_positions`; the router `Router`, `MoE.route`; expert kinds `ModelConfig.num_choices` (the router's
-choices) vs `num_experts` (the dispatched ones), `DecoderLayer.finish`; state crossing pipeline stages: the
-`state` list of `DecoderLayer` (entries after the first two pass through every base layer) made by
-`Model.initial_state` (what crosses pp ranks follows it); the running micro-batch `DecoderLayer.current_rope`
+choices) vs `num_experts` (the dispatched ones), `DecoderLayer.finish`; the layer's step order
+`DecoderLayer.before_mlp` (recompute: `DecoderLayer._run`); state crossing pipeline stages: the `state` list
+of `DecoderLayer` (entries after the first two pass through every base layer) made by `Model.initial_state`
+(what crosses pp ranks follows it); the running micro-batch `DecoderLayer.current_rope`
 (core.pipeline.running); loss terms `Model.loss_terms` (name -> weight, denominator) and their sums
 `Model.loss_sums`; per-token inputs made from whole sequences `Model.prepare_batch`; optional flags
 `Model.features`; statistics `Model.take_stats`; after each step `Model.after_step`; the shared checks' config
@@ -268,29 +269,21 @@ class MoE(nn.Module):
 RECOMPUTE = ("none", "attention", "layer")
 
 
-def _run(fn, *args, recompute: bool):
-    """fn(*args); with recompute, the tensors fn saves for backward are dropped and fn runs again in backward
-    (torch.utils.checkpoint, non-reentrant: it nests in core/pipeline.py's autograd segments, replays the autocast
-    state, and the delayed expert weight gradients capture the recomputed tensors). Nothing in fn draws random
-    numbers, so no RNG state is kept."""
-    if recompute and torch.is_grad_enabled():
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
-    return fn(*args)
-
-
 class DecoderLayer(nn.Module):
-    """One decoder layer as the three compute steps that core/pipeline.py interleaves (its contract): (1)
-    `attention` (norms, attention, router), (3) `routed_experts`, (5) `finish` (residual add); the dispatch and
-    combine all-to-alls (2) and (4) run between them in core/moe.py. `state` is [hidden x_BSH, aux_2E, *more]
-    (more: whatever a variant's Model.initial_state adds, passed through untouched). `rope`
-    holds (cos, sin, attention mask) of each micro-batch of the step, set by Model.set_positions (one entry: the
-    same for every micro-batch); `current_rope` picks the running one.
+    """One decoder layer. Its step order is written once, in `before_mlp` (the attention block with its residual
+    add, then the MLP's input norm), followed by the MLP: routed experts as the three compute steps that
+    core/pipeline.py interleaves (its contract): (1) `attention` (before_mlp, router), (3) `routed_experts`, (5)
+    `finish` (residual add), the dispatch and combine all-to-alls (2) and (4) running between them in core/moe.py;
+    or a dense MLP (`dense`). `state` is [hidden x_BSH, aux_2E, *more] (more: whatever a variant's
+    Model.initial_state adds, passed through untouched). `rope` holds (cos, sin, attention mask) of each
+    micro-batch of the step, set by Model.set_positions (one entry: the same for every micro-batch);
+    `current_rope` picks the running one.
 
-    recompute (RECOMPUTE): "attention" keeps only the input of each attention block (input norm, projections,
-    q/k norms, rope, attention, output projection) and recomputes the rest in backward; "layer" keeps only the
-    inputs of step (1) and of the router, or of a dense layer: in backward the dispatch all-to-all runs again
-    (core/moe.py recompute_dispatch), then step (3) (the expansion, the expert GEMMs, SwiGLU and the weighting).
-    The router (whose expert counts are statistics) and the combine run once."""
+    recompute (RECOMPUTE) wraps these same functions (`_run`): "attention" keeps only the input of each attention
+    block (input norm, projections, q/k norms, rope, attention, output projection) and recomputes the rest in
+    backward; "layer" keeps only the inputs of before_mlp and of the router, or of a dense layer: in backward the
+    dispatch all-to-all runs again (core/moe.py recompute_dispatch), then step (3) (the expansion, the expert GEMMs,
+    SwiGLU and the weighting). The router (whose expert counts are statistics) and the combine run once."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, expert_ids: list[int], ep_group, cp_group=None,
                  recompute: str = "none", placement: Placement | None = None):
@@ -305,39 +298,48 @@ class DecoderLayer(nn.Module):
         self.num_experts, self.ep_group, self.placement = cfg.num_experts, ep_group, placement
         self.rope = None
 
-    def attention(self, state):  # (1)
-        x_BSH, aux_2E, *more = state
-        h_BSH, x_TH = _run(self._attention_and_norm, x_BSH, recompute=self.recompute == "layer")
-        weights_Tk, ids_Tk, aux_2E = self.mlp.route(x_TH, aux_2E)
-        return [h_BSH, aux_2E, *more], x_TH, ids_Tk, weights_Tk
+    def _run(self, mode: str, fn, *args):
+        """fn(*args); under --recompute `mode` the tensors fn saves for backward are dropped and fn runs again in
+        backward (torch.utils.checkpoint, non-reentrant: it nests in core/pipeline.py's autograd segments, replays
+        the autocast state, and the delayed expert weight gradients capture the recomputed tensors). Nothing in fn
+        draws random numbers, so no RNG state is kept."""
+        if self.recompute == mode and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+        return fn(*args)
 
     def current_rope(self):
         """(cos, sin, mask) of the micro-batch computing now (core.pipeline.running: under the pipeline's overlap
         and in a recompute inside a backward too)."""
         return self.rope[0] if len(self.rope) == 1 else self.rope[running.micro_batch]
 
-    def _attention_block(self, x_BSH):
+    def attention_block(self, x_BSH):
         return self.self_attn(self.input_layernorm(x_BSH), *self.current_rope())
 
-    def _attention_and_norm(self, x_BSH):
-        h_BSH = x_BSH + _run(self._attention_block, x_BSH, recompute=self.recompute == "attention")
+    def before_mlp(self, x_BSH):
+        """(h_BSH: x plus the attention block, x_TH: the MLP's input, normed)."""
+        h_BSH = x_BSH + self._run("attention", self.attention_block, x_BSH)
         return h_BSH, self.post_attention_layernorm(h_BSH).flatten(0, 1)
 
-    def routed_experts(self, x_QH, row_R, counts_L, weights_R):  # (3)
-        return _run(weighted_rows, self.mlp.experts, x_QH, row_R, counts_L, weights_R,  # [R, H] x weights
-                    recompute=self.recompute == "layer")
+    def attention(self, state):  # (1)
+        x_BSH, aux_2E, *more = state
+        h_BSH, x_TH = self._run("layer", self.before_mlp, x_BSH)
+        weights_Tk, ids_Tk, aux_2E = self.mlp.route(x_TH, aux_2E)
+        return [h_BSH, aux_2E, *more], x_TH, ids_Tk, weights_Tk
 
-    def finish(self, state, out_TH):  # (5)
+    def routed_experts(self, x_QH, row_R, counts_L, weights_R):  # (3)
+        return self._run("layer", weighted_rows, self.mlp.experts, x_QH, row_R, counts_L, weights_R)  # [R, H]
+
+    def finish(self, state, x_TH, out_TH):  # (5) x_TH: step (1)'s routed tokens (a zero-computation expert's input)
         h_BSH, *more = state
         return [h_BSH + out_TH.view_as(h_BSH), *more]
 
     def dense(self, state):  # a layer without routed experts, whole
         x_BSH, *more = state
-        return [_run(self._dense, x_BSH, recompute=self.recompute == "layer"), *more]
+        return [self._run("layer", self._dense, x_BSH), *more]
 
     def _dense(self, x_BSH):
-        h_BSH = x_BSH + _run(self._attention_block, x_BSH, recompute=self.recompute == "attention")
-        return h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
+        h_BSH, x_TH = self.before_mlp(x_BSH)
+        return h_BSH + self.mlp(x_TH).view_as(h_BSH)
 
     def forward(self, state):
         """The five steps back to back (the pipeline schedule runs them interleaved instead)."""
@@ -346,7 +348,7 @@ class DecoderLayer(nn.Module):
         state, x_TH, ids_Tk, weights_Tk = self.attention(state)
         out_TH, _ = moe_forward(x_TH, ids_Tk, weights_Tk, self.num_experts, self.ep_group, self.routed_experts,
                                 self.placement, self.recompute_dispatch)
-        return self.finish(state, out_TH)
+        return self.finish(state, x_TH, out_TH)
 
 
 # ----------------------------------------------------------------------------------------------- model
