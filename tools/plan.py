@@ -308,38 +308,59 @@ def op_counts(mod_name: str, recompute: str) -> dict:
 
 
 @functools.cache
-def layer_params(mod_name: str, cfg_path: str) -> tuple[list[int], list[int], int]:
-    """(dense parameters per decoder layer, routed-expert parameters per layer, parameters outside the layers:
-    embedding, final norm, head), counted on the whole model built once on meta."""
+def layer_params(mod_name: str, cfg_path: str) -> tuple[list[int], list[int], int, int]:
+    """(dense parameters per decoder layer, routed-expert parameters per layer, the embedding's, the rest outside
+    the layers: final norm, head, ...: FSDP2's root unit), counted on the whole model built once on meta."""
     mod = importlib.import_module(mod_name)
     cfg = mod.ModelConfig.from_hf(cfg_path)
-    dense, expert, outside = [0] * cfg.num_hidden_layers, [0] * cfg.num_hidden_layers, 0
+    dense, expert, embed, root = [0] * cfg.num_hidden_layers, [0] * cfg.num_hidden_layers, 0, 0
     for name, p in meta_model(mod, cfg).named_parameters():
-        if not name.startswith("layers."):
-            outside += p.numel()
+        if name.startswith("embed_tokens."):
+            embed += p.numel()
+        elif not name.startswith("layers."):
+            root += p.numel()
         elif ".mlp.experts." in name:
             expert[int(name.split(".")[1])] += p.numel()
         else:
             dense[int(name.split(".")[1])] += p.numel()
-    return dense, expert, outside
+    return dense, expert, embed, root
 
 
 def rank_params(mod, cfg_path: str, layout: Layout, pp_rank: int) -> tuple[int, int]:
     """(dense, routed expert) parameters held by one pp rank (as core/memory.py:rank_parts builds it)."""
-    dense, expert, outside = layer_params(mod.__name__, cfg_path)
+    dense, expert, embed, root = layer_params(mod.__name__, cfg_path)
     ids = range(len(dense))
     if layout.pp > 1:
         from core.pipeline import split_layers
 
         stages = split_layers(len(dense), layout.pp, mod.flops_by_layer(mod.ModelConfig.from_hf(cfg_path), layout.seq_len))
         ids = stages[pp_rank] + stages[2 * layout.pp - 1 - pp_rank]
-    return sum(dense[i] for i in ids) + (outside if pp_rank == 0 else 0), sum(expert[i] for i in ids) // layout.ep
+    return sum(dense[i] for i in ids) + (embed + root if pp_rank == 0 else 0), sum(expert[i] for i in ids) // layout.ep
+
+
+def fsdp_exposed_s(forward_s: list[float], backward_s: list[float], gather_s: list[float], reduce_s: list[float],
+                   root_gather_s: float, root_reduce_s: float) -> float:
+    """Seconds FSDP2's collectives add to one micro-batch when units are gathered per micro-batch (pp = 1), the
+    units in forward order (embedding, each decoder layer with its experts, the head) with their compute and
+    their all-gather and reduce-scatter seconds; the root (head, final norm) is gathered at its pre-forward, first
+    of all, kept through backward and reduce-scattered in the final callback. FSDP2 gathers one unit ahead: in
+    forward the next unit's all-gather runs behind this unit's compute (the CPU issues it at the next pre-forward;
+    one host sync per MoE layer, core/moe.py's DispatchPlan, keeps it from running further ahead); in backward
+    the unit before's all-gather (core/fsdp.py's backward prefetch) and the reduce-scatter of the unit just done
+    run behind this unit's backward, the two sharing the link. Exposed: the first gathers, what exceeds the compute
+    it runs behind, and the last reduce-scatters (the embedding's, the root's), nothing after them to hide behind."""
+    n = len(forward_s)
+    exposed = root_gather_s + gather_s[0] + sum(max(0.0, gather_s[i + 1] - forward_s[i]) for i in range(n - 1))
+    for i in range(n):  # backward, the units in any order: each term is one unit's backward
+        hidden = (gather_s[i - 1] if i > 0 else 0.0) + (reduce_s[i + 1] if i + 1 < n else 0.0)
+        exposed += max(0.0, hidden - backward_s[i])
+    return exposed + reduce_s[0] + root_reduce_s
 
 
 # ------------------------------------------------------------------------------------------- the step
 
 CLASSES = ("attention", "expert GEMMs", "dense GEMMs", "other compute", "exposed all-to-all", "pipeline hand-offs",
-           "bubble", "ZeRO reduce-scatter/all-gather", "CP gather")
+           "bubble", "FSDP2 all-gather/reduce-scatter", "CP gather")
 
 
 def _zero():
@@ -478,10 +499,13 @@ def predict(mod, cfg, cfg_path: str, layout: Layout, global_batch: int, machine:
     world = layout.pp * layout.dp * layout.cp * layout.ep
     n_micro = global_batch // (layout.dp * layout.ep) // layout.micro_batch
     total = lambda part: sum(part.values())
-    if layout.pp == 1:
-        st = stage_costs(mod, cfg, cfg_path, layout, list(range(cfg.num_hidden_layers)), True, True, machine,
-                         gpus_per_node, imbalance)
-        by_class = _add(_zero(), _add(st["F"], st["B"]), n_micro)
+    if layout.pp == 1:  # the embedding, each layer, the head apart: FSDP2's units, whose compute hides its gathers
+        units = [stage_costs(mod, cfg, cfg_path, layout, ids, embed, head, machine, gpus_per_node, imbalance)
+                 for ids, embed, head in ([[], True, False], *[([i], False, False) for i in
+                                                                range(cfg.num_hidden_layers)], ([], False, True))]
+        by_class = _zero()
+        for st in units:
+            by_class = _add(by_class, _add(st["F"], st["B"]), n_micro)
     else:
         from core.pipeline import split_layers
 
@@ -535,19 +559,30 @@ def predict(mod, cfg, cfg_path: str, layout: Layout, global_batch: int, machine:
         by_class = max(busy, key=total)
         by_class["pipeline hand-offs"] = with_p2p - free
         by_class["bubble"] = free - total(by_class)
-    # FSDP2 (core/fsdp.py), over each parameter's replicas: gathered per micro-batch (pp = 1's default) two
-    # all-gathers in the compute dtype (forward, backward) and one fp32 reduce-scatter per micro-batch, once per
-    # step (pp > 1) one of each per step (one process: none). The AdamW step reads and writes 7 fp32 numbers per shard element
+    # FSDP2 (core/fsdp.py) over each parameter's replicas (dense: dp*cp*ep ranks, routed experts: dp*cp), gathered
+    # in the compute dtype, gradients reduce-scattered in fp32. Once per step (pp > 1, --fsdp-gather step): one
+    # all-gather before the step and one reduce-scatter after its last W slot, nothing to hide them behind.
+    # Per micro-batch (pp = 1's default): each unit gathered for its forward and again for its backward, reduce-
+    # scattered after it, behind the neighbouring units' compute (fsdp_exposed_s).
     dense, expert = max((rank_params(mod, cfg_path, layout, r) for r in range(layout.pp)), key=sum)
     n_dense, n_expert = layout.dp * layout.cp * layout.ep, layout.dp * layout.cp
     span_dense, span_expert = group_span(layout, ("dp", "cp", "ep")), group_span(layout, ("dp", "cp"))
-    compute = 2 if layout.bf16 else 4
-    passes = {"reduce_scatter": (4, 1 if layout.once else n_micro),
-              "all_gather": (compute, 1 if layout.once else 2 * n_micro)}  # kind -> (bytes per element, times)
-    for kind, (nbytes, times) in passes.items():
-        by_class["ZeRO reduce-scatter/all-gather"] += times * (
-            collective_s(machine, kind, nbytes * dense, n_dense, span_dense, gpus_per_node) +
-            collective_s(machine, kind, nbytes * expert, n_expert, span_expert, gpus_per_node))
+    nbytes = {"all_gather": 2 if layout.bf16 else 4, "reduce_scatter": 4}
+    sync = lambda kind, d, e: (collective_s(machine, kind, nbytes[kind] * d, n_dense, span_dense, gpus_per_node) +
+                               collective_s(machine, kind, nbytes[kind] * e, n_expert, span_expert, gpus_per_node))
+    if layout.once:
+        by_class["FSDP2 all-gather/reduce-scatter"] += sync("all_gather", dense, expert) + \
+            sync("reduce_scatter", dense, expert)
+    else:
+        dense_L, expert_L, embed, root = layer_params(mod.__name__, cfg_path)
+        counts = [len(x) for x in Placement.parse(layout.expert_placement, cfg.num_experts, layout.ep).experts]
+        per_unit = [(embed, 0)] + [(d, e * max(counts) // cfg.num_experts) for d, e in zip(dense_L, expert_L)] + [(0, 0)]
+        compute = lambda st, key: total(st[key]) - st["a2a_" + key] - (st["a2a_refill"] if key == "B" else 0.0)
+        by_class["FSDP2 all-gather/reduce-scatter"] += n_micro * fsdp_exposed_s(
+            [compute(st, "F") for st in units], [compute(st, "B") for st in units],
+            [sync("all_gather", d, e) for d, e in per_unit], [sync("reduce_scatter", d, e) for d, e in per_unit],
+            sync("all_gather", root, 0), sync("reduce_scatter", root, 0))
+    # the AdamW step reads and writes 7 fp32 numbers per shard element
     shard = dense / n_dense + expert / n_expert
     by_class["other compute"] += 7 * 4 * shard / machine.rates["memory"]["rate"]
     step = sum(by_class.values())
@@ -569,7 +604,8 @@ def recipe_modules(recipe: str):
 
 
 def valid_layouts(train, cfg_path: str, gpus: int, seq_len: int, global_batch: int, fp8: bool, bf16: bool,
-                  micro_batches=(1, 2, 4, 8), recomputes=("none", "attention", "layer")) -> list[Layout]:
+                  micro_batches=(1, 2, 4, 8), recomputes=("none", "attention", "layer"),
+                  optimizer: str = "adamw") -> list[Layout]:
     """Every layout that the recipe's train.py `check_run` accepts on `gpus` ranks (flags, config, layout, batch
     split; no data, no memory check: the planner checks memory against the target GPU itself)."""
     divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
@@ -580,18 +616,18 @@ def valid_layouts(train, cfg_path: str, gpus: int, seq_len: int, global_batch: i
                 continue
             args = train.Args(config=cfg_path, data="", out=out, pp=pp, dp=-1, cp=cp, ep=ep, device="cpu",
                               seq_len=seq_len, global_batch=global_batch, micro_batch=mb, recompute=rc, fp8=fp8,
-                              eval_every=0, ckpt_every=0)
+                              optimizer=optimizer, eval_every=0, ckpt_every=0)
             try:
                 train.check_run(args, gpus)
             except ValueError:
                 continue
-            found.append(Layout(pp, gpus // (pp * cp * ep), cp, ep, mb, seq_len, bf16, fp8, rc))
+            found.append(Layout(pp, gpus // (pp * cp * ep), cp, ep, mb, seq_len, bf16, fp8, rc, optimizer=optimizer))
     return found
 
 
 def plan(recipe: str, gpus: int, gpus_per_node: int, gpu: str, seq_len: int, global_batch: int, fp8: bool = False,
          config: str = "", calibration: str = "", expert_load: str = "", bf16: bool = True, reserve_gib: float = 4.0,
-         micro_batches=(1, 2, 4, 8)) -> list[dict]:
+         micro_batches=(1, 2, 4, 8), optimizer: str = "adamw") -> list[dict]:
     """Every valid layout with its prediction and memory, fitting ones first, fastest first."""
     mod, train = recipe_modules(recipe)
     cfg_path = str(config or mod.real_config_path())
@@ -599,7 +635,8 @@ def plan(recipe: str, gpus: int, gpus_per_node: int, gpu: str, seq_len: int, glo
     machine = machine_for(gpu, load_calibration(calibration) if calibration else None, gpus)
     imbalance = expert_imbalance(expert_load) if expert_load else 1.0
     rows = []
-    for layout in valid_layouts(train, cfg_path, gpus, seq_len, global_batch, fp8, bf16, micro_batches):
+    for layout in valid_layouts(train, cfg_path, gpus, seq_len, global_batch, fp8, bf16, micro_batches,
+                                optimizer=optimizer):
         mem = estimate(mod, cfg, layout)["total"]
         pred = predict(mod, cfg, cfg_path, layout, global_batch, machine, gpus_per_node, imbalance)
         rows.append({"layout": layout, "memory_gib": mem / GIB, "fits": mem <= (machine.hbm_gib - reserve_gib) * GIB,
@@ -609,7 +646,8 @@ def plan(recipe: str, gpus: int, gpus_per_node: int, gpu: str, seq_len: int, glo
 
 
 LAYOUT_FLAGS = {"--pp": "pp", "--dp": "dp", "--cp": "cp", "--ep": "ep", "--micro-batch": "micro_batch",
-                "--recompute": "recompute"}
+                "--recompute": "recompute", "--fsdp-gather": "fsdp_gather"}
+WORD_FLAGS = ("--recompute", "--fsdp-gather")  # the layout flags whose value is a word, not an integer
 
 
 SWITCHES = {"--overlap": ("overlap", True), "--no-overlap": ("overlap", False),
@@ -617,12 +655,12 @@ SWITCHES = {"--overlap": ("overlap", True), "--no-overlap": ("overlap", False),
 
 
 def parse_layout(train, cfg_path: str, gpus: int, flags: str, seq_len: int, global_batch: int, fp8: bool,
-                 bf16: bool) -> tuple[Layout, dict]:
+                 bf16: bool, optimizer: str = "adamw") -> tuple[Layout, dict]:
     """The Layout that train.py flags such as '--pp 1 --ep 8 --micro-batch 4' name on `gpus` ranks (unset: pp, cp,
     ep, micro-batch 1, recompute none, dp the rest), checked by the recipe's own train.py check_run; and the
     schedule switches among them ({'overlap', 'delay_wgrad'}: train.py's --no-overlap, --no-delay-wgrad)."""
     words = shlex.split(flags)
-    values = {"pp": 1, "dp": -1, "cp": 1, "ep": 1, "micro_batch": 1, "recompute": "none"}
+    values = {"pp": 1, "dp": -1, "cp": 1, "ep": 1, "micro_batch": 1, "recompute": "none", "fsdp_gather": "auto"}
     switches = {"overlap": True, "delay_wgrad": True}
     i = 0
     while i < len(words):
@@ -638,27 +676,34 @@ def parse_layout(train, cfg_path: str, gpus: int, flags: str, seq_len: int, glob
             raise ValueError(f"--layout: {flag} needs a value, e.g. '--pp 1 --ep 8 --micro-batch 4'")
         value = words[i + 1]
         try:
-            values[LAYOUT_FLAGS[flag]] = value if flag == "--recompute" else int(value)
+            values[LAYOUT_FLAGS[flag]] = value if flag in WORD_FLAGS else int(value)
         except ValueError:
             raise ValueError(f"--layout: {flag} {value}: an integer is needed") from None
         i += 2
+    choices = {"recompute": train.Args.__annotations__["recompute"], "fsdp_gather": train.Args.__annotations__[
+        "fsdp_gather"]}  # (Literal[...] types: argparse's choices in train.py)
+    for name, kind in choices.items():
+        if values[name] not in kind.__args__:
+            raise ValueError(f"--layout: --{name.replace('_', '-')} {values[name]}: choose one of "
+                             f"{', '.join(kind.__args__)}")
     with tempfile.TemporaryDirectory() as out:
         args = train.Args(config=cfg_path, data="", out=out, device="cpu", seq_len=seq_len, global_batch=global_batch,
-                          fp8=fp8, eval_every=0, ckpt_every=0, **values, **switches)
+                          fp8=fp8, optimizer=optimizer, eval_every=0, ckpt_every=0, **values, **switches)
         train.check_run(args, gpus)  # a ValueError names what is wrong with the layout
     v = values
     dp = v["dp"] if v["dp"] > 0 else gpus // (v["pp"] * v["cp"] * v["ep"])
-    return Layout(v["pp"], dp, v["cp"], v["ep"], v["micro_batch"], seq_len, bf16, fp8, v["recompute"]), switches
+    return Layout(v["pp"], dp, v["cp"], v["ep"], v["micro_batch"], seq_len, bf16, fp8, v["recompute"],
+                  optimizer=optimizer, fsdp_gather=v["fsdp_gather"]), switches
 
 
 def plan_layout(recipe: str, gpus: int, gpus_per_node: int, gpu: str, flags: str, seq_len: int, global_batch: int,
                 fp8: bool = False, config: str = "", calibration: str = "", bf16: bool = True,
-                reserve_gib: float = 4.0) -> dict:
+                reserve_gib: float = 4.0, optimizer: str = "adamw") -> dict:
     """One named layout's prediction and memory (a plan() row)."""
     mod, train = recipe_modules(recipe)
     cfg_path = str(config or mod.real_config_path())
     cfg = mod.ModelConfig.from_hf(cfg_path)
-    layout, switches = parse_layout(train, cfg_path, gpus, flags, seq_len, global_batch, fp8, bf16)
+    layout, switches = parse_layout(train, cfg_path, gpus, flags, seq_len, global_batch, fp8, bf16, optimizer)
     machine = machine_for(gpu, load_calibration(calibration) if calibration else None, gpus)
     mem = estimate(mod, cfg, layout)["total"]
     return {"layout": layout, "memory_gib": mem / GIB, "fits": mem <= (machine.hbm_gib - reserve_gib) * GIB,
@@ -714,7 +759,8 @@ def print_published(table: list[dict]) -> None:
     for t in table:
         run, L = t["run"], t["row"]["layout"]
         ours = f"pp{L.pp} dp{L.dp} cp{L.cp} ep{L.ep} mb{L.micro_batch}" + (" fp8" if L.fp8 else "") + \
-            ("" if run["ours"].get("overlap", True) else " no-overlap")
+            ("" if run["ours"].get("overlap", True) else " no-overlap") + \
+            (" gathered per step" if L.pp == 1 and L.once else "")
         print(f"| {run['id']} | {run['gpus']} x {run['gpu'].upper()} | {ours} | {t['published']:,} | "
               f"{t['predicted']:,.0f} | {t['ratio']:.2f}{' (outlier)' if run.get('outlier') else ''} | "
               f"{t['row']['bottleneck']} | {'yes' if t['fits'] else 'no'} | "
