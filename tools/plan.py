@@ -68,6 +68,8 @@ from pathlib import Path
 import torch
 
 from core.memory import GIB, Layout, activation_calibration, estimate, meta_model, saved_per_token_layer
+from core.muon import newton_schulz_flops
+from core.pipeline import split_layers
 from core.placement import Placement
 from core.reliability import run_main
 from recipes import recipe_names
@@ -326,15 +328,37 @@ def layer_params(mod_name: str, cfg_path: str) -> tuple[list[int], list[int], in
     return dense, expert, embed, root
 
 
+@functools.cache
+def muon_layer_costs(mod_name: str, cfg_path: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]], tuple]:
+    """Per decoder layer (dense, routed experts) and outside the layers: (Newton-Schulz FLOPs, elements) of the
+    matrices --optimizer muon orthogonalises (the recipe's `muon_matrices`, core/muon.py:newton_schulz_flops)."""
+    mod = importlib.import_module(mod_name)
+    cfg = mod.ModelConfig.from_hf(cfg_path)
+    model = meta_model(mod, cfg)
+    dense, expert, outside = [(0, 0)] * cfg.num_hidden_layers, [(0, 0)] * cfg.num_hidden_layers, (0, 0)
+    for name, p in model.named_parameters():
+        for v_SAB, _ in model.muon_matrices(name, p).values():
+            cost = (v_SAB.shape[0] * newton_schulz_flops(*v_SAB.shape[1:]), v_SAB.numel())
+            if not name.startswith("layers."):
+                outside = tuple(map(sum, zip(outside, cost)))
+                continue
+            table, i = expert if ".mlp.experts." in name else dense, int(name.split(".")[1])
+            table[i] = tuple(map(sum, zip(table[i], cost)))
+    return dense, expert, outside
+
+
+def stage_ids(mod, cfg, layout: Layout, pp_rank: int) -> list[int]:
+    """The decoder layers of one pp rank: its two DualPipeV stages (all of them at pp = 1)."""
+    if layout.pp == 1:
+        return list(range(cfg.num_hidden_layers))
+    stages = split_layers(cfg.num_hidden_layers, layout.pp, mod.flops_by_layer(cfg, layout.seq_len))
+    return stages[pp_rank] + stages[2 * layout.pp - 1 - pp_rank]
+
+
 def rank_params(mod, cfg_path: str, layout: Layout, pp_rank: int) -> tuple[int, int]:
     """(dense, routed expert) parameters held by one pp rank (as core/memory.py:rank_parts builds it)."""
     dense, expert, embed, root = layer_params(mod.__name__, cfg_path)
-    ids = range(len(dense))
-    if layout.pp > 1:
-        from core.pipeline import split_layers
-
-        stages = split_layers(len(dense), layout.pp, mod.flops_by_layer(mod.ModelConfig.from_hf(cfg_path), layout.seq_len))
-        ids = stages[pp_rank] + stages[2 * layout.pp - 1 - pp_rank]
+    ids = stage_ids(mod, mod.ModelConfig.from_hf(cfg_path), layout, pp_rank)
     return sum(dense[i] for i in ids) + (embed + root if pp_rank == 0 else 0), sum(expert[i] for i in ids) // layout.ep
 
 
@@ -507,8 +531,6 @@ def predict(mod, cfg, cfg_path: str, layout: Layout, global_batch: int, machine:
         for st in units:
             by_class = _add(by_class, _add(st["F"], st["B"]), n_micro)
     else:
-        from core.pipeline import split_layers
-
         stage_layers = split_layers(cfg.num_hidden_layers, layout.pp, mod.flops_by_layer(cfg, layout.seq_len))
         stages = [stage_costs(mod, cfg, cfg_path, layout, ids, s == 0, s == 2 * layout.pp - 1, machine,
                               gpus_per_node, imbalance) for s, ids in enumerate(stage_layers)]
@@ -583,6 +605,22 @@ def predict(mod, cfg, cfg_path: str, layout: Layout, global_batch: int, machine:
             [sync("all_gather", d, e) for d, e in per_unit], [sync("reduce_scatter", d, e) for d, e in per_unit],
             sync("all_gather", root, 0), sync("reduce_scatter", root, 0))
     # the AdamW step reads and writes 7 fp32 numbers per shard element
+    if layout.optimizer == "muon":  # + Newton-Schulz of the matrices this rank owns (FLOP-balanced over the shard
+        # group, in bf16 on a GPU: at the GEMM rate) and their rows moved to the owners and back (two fp32 all-to-alls)
+        flops, elems, share = 0.0, (0.0, 0.0), max(len(x) for x in Placement.parse(
+            layout.expert_placement, cfg.num_experts, layout.ep).experts) / cfg.num_experts  # the busiest ep rank's
+        muon_dense, muon_expert, muon_outside = muon_layer_costs(mod.__name__, cfg_path)
+        for r in range(layout.pp):
+            ids = stage_ids(mod, cfg, layout, r)
+            f_d, e_d = map(sum, zip(*[muon_dense[i] for i in ids], muon_outside if r == 0 else (0, 0)))
+            f_e, e_e = (sum(x) * share for x in zip((0, 0), *[muon_expert[i] for i in ids]))
+            if f_d / n_dense + f_e / n_expert > flops:
+                flops, elems = f_d / n_dense + f_e / n_expert, (e_d, e_e)
+        if flops:
+            by_class["other compute"] += flops / machine.rates["gemm"]["rate"]
+            by_class["FSDP2 all-gather/reduce-scatter"] += 2 * (
+                collective_s(machine, "all_to_all", 4 * elems[0] / n_dense, n_dense, span_dense, gpus_per_node) +
+                collective_s(machine, "all_to_all", 4 * elems[1] / n_expert, n_expert, span_expert, gpus_per_node))
     shard = dense / n_dense + expert / n_expert
     by_class["other compute"] += 7 * 4 * shard / machine.rates["memory"]["rate"]
     step = sum(by_class.values())
@@ -637,10 +675,10 @@ def plan(recipe: str, gpus: int, gpus_per_node: int, gpu: str, seq_len: int, glo
     rows = []
     for layout in valid_layouts(train, cfg_path, gpus, seq_len, global_batch, fp8, bf16, micro_batches,
                                 optimizer=optimizer):
-        mem = estimate(mod, cfg, layout)["total"]
+        mem = estimate(mod, cfg, layout)
         pred = predict(mod, cfg, cfg_path, layout, global_batch, machine, gpus_per_node, imbalance)
-        rows.append({"layout": layout, "memory_gib": mem / GIB, "fits": mem <= (machine.hbm_gib - reserve_gib) * GIB,
-                     **pred})
+        rows.append({"layout": layout, "memory_gib": mem["total"] / GIB, "memory": mem,
+                     "fits": mem["total"] <= (machine.hbm_gib - reserve_gib) * GIB, **pred})
     rows.sort(key=lambda row: (not row["fits"], -row["tokens_per_s_gpu"]))
     return rows
 
@@ -705,8 +743,9 @@ def plan_layout(recipe: str, gpus: int, gpus_per_node: int, gpu: str, flags: str
     cfg = mod.ModelConfig.from_hf(cfg_path)
     layout, switches = parse_layout(train, cfg_path, gpus, flags, seq_len, global_batch, fp8, bf16, optimizer)
     machine = machine_for(gpu, load_calibration(calibration) if calibration else None, gpus)
-    mem = estimate(mod, cfg, layout)["total"]
-    return {"layout": layout, "memory_gib": mem / GIB, "fits": mem <= (machine.hbm_gib - reserve_gib) * GIB,
+    mem = estimate(mod, cfg, layout)
+    return {"layout": layout, "memory_gib": mem["total"] / GIB, "memory": mem,
+            "fits": mem["total"] <= (machine.hbm_gib - reserve_gib) * GIB,
             **predict(mod, cfg, cfg_path, layout, global_batch, machine, gpus_per_node, **switches)}
 
 
@@ -744,11 +783,8 @@ def published_table(path: str | Path = PUBLISHED_RUNS) -> list[dict]:
         row = plan_layout(run["recipe"], run["gpus"], run["gpus_per_node"], run["gpu"], flags, run["seq_len"],
                           ours["global_batch"], ours["fp8"], run_config(run))
         published = run["published"]["tokens_per_s_gpu"]
-        mod, _ = recipe_modules(run["recipe"])
-        cfg, hbm = mod.ModelConfig.from_hf(run_config(run)), GPUS[gpu_key(run["gpu"])].hbm_gib
-        fits = estimate(mod, cfg, row["layout"])["total"] <= (hbm - 4.0) * GIB
         out.append({"run": run, "published": published, "predicted": row["tokens_per_s_gpu"],
-                    "ratio": row["tokens_per_s_gpu"] / published, "row": row, "fits": fits})
+                    "ratio": row["tokens_per_s_gpu"] / published, "row": row, "fits": row["fits"]})
     return out
 
 
@@ -780,6 +816,8 @@ def print_plan(rows: list[dict], machine_name: str, top: int) -> None:
         print("no layout fits: use more GPUs, a bigger GPU, a shorter --seq-len or --fp8")
         return
     best = fitting[0]
+    print(f"memory of the best, GiB per GPU (core/memory.py, pp rank {best['memory']['pp_rank']}): " + ", ".join(
+        f"{name} {nbytes / GIB:.1f}" for name, nbytes in best["memory"].items() if name != "pp_rank"))
     print(f"breakdown of the best ({best['layout']}), ms per step:")
     for name, seconds in best["by_class"].items():
         print(f"  {name:<32} {seconds * 1e3:>10.1f}  {100 * seconds / best['step_s']:5.1f}%")
@@ -814,7 +852,7 @@ def launch_layout(recipe: str, gpus: int, gpus_per_node: int, gpu: str, train_ar
     config = args.hf_checkpoint or args.config
     rows = plan(recipe, gpus, gpus_per_node, gpu_key(gpu), args.seq_len, args.global_batch, args.fp8, config,
                 calibration, bf16=args.dtype != "fp32",
-                micro_batches=(args.micro_batch,) if has("--micro-batch") else (1, 2, 4, 8))
+                micro_batches=(args.micro_batch,) if has("--micro-batch") else (1, 2, 4, 8), optimizer=args.optimizer)
     rows = [r for r in rows if r["fits"] and (not has("--recompute") or r["layout"].recompute == args.recompute)]
     machine = machine_for(gpu_key(gpu), load_calibration(calibration) if calibration else None, gpus)
     if not rows:
@@ -852,6 +890,8 @@ def main(argv=None):
     p.add_argument("--global-batch", type=int, default=0, help="sequences per optimizer step (required)")
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--fp32", action="store_true", help="fp32 compute (train.py's CPU default) instead of bf16")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw", help="train.py's --optimizer: muon "
+                   "keeps one fp32 momentum for the weight matrices on their owners (memory) and orthogonalises them")
     p.add_argument("--config", default="", help="HF config.json (default: the recipe's released config.json)")
     p.add_argument("--calibration", default="", help="JSON from tools/calibrate.py or tools/gpu_check.py")
     p.add_argument("--expert-load", default="", help="a run's metrics.jsonl: its measured expert-load imbalance")
@@ -874,7 +914,7 @@ def main(argv=None):
         raise ValueError(f"--gpus {a.gpus} and --gpus-per-node {a.gpus_per_node} must be >= 1")
     if a.layout:
         row = plan_layout(a.recipe, a.gpus, a.gpus_per_node, gpu_key(a.gpu), a.layout, a.seq_len, a.global_batch,
-                          a.fp8, a.config, a.calibration, bf16=not a.fp32)
+                          a.fp8, a.config, a.calibration, bf16=not a.fp32, optimizer=a.optimizer)
         machine = machine_for(gpu_key(a.gpu), load_calibration(a.calibration) if a.calibration else None, a.gpus)
         print(f"{a.recipe} on {a.gpus} x {machine.name} ({a.gpus_per_node} per node), {a.global_batch} x {a.seq_len} "
               f"tokens per step{', FP8' if a.fp8 else ''}, layout {row['layout']}: {row['tokens_per_s_gpu']:,.0f} "
@@ -885,7 +925,7 @@ def main(argv=None):
         return row
     micro = tuple(int(x) for x in a.micro_batches.split(","))
     rows = plan(a.recipe, a.gpus, a.gpus_per_node, gpu_key(a.gpu), a.seq_len, a.global_batch, a.fp8, a.config,
-                a.calibration, a.expert_load, bf16=not a.fp32, micro_batches=micro)
+                a.calibration, a.expert_load, bf16=not a.fp32, micro_batches=micro, optimizer=a.optimizer)
     machine = machine_for(gpu_key(a.gpu), load_calibration(a.calibration) if a.calibration else None, a.gpus)
     print(f"{a.recipe} on {a.gpus} x {machine.name} ({a.gpus_per_node} per node), {a.global_batch} x {a.seq_len} "
           f"tokens per step{', FP8' if a.fp8 else ''}; MFU vs {machine.peak_flops / 1e12:,.0f} TFLOP/s")
