@@ -421,8 +421,8 @@ def test_published_runs_are_predicted_within_one_and_a_half_times():
 
 def test_layout_flag_predicts_exactly_that_layout(tmp_path):
     """--layout names one layout in train.py's flags: the prediction is predict() of exactly that Layout (unset
-    flags 1, dp the rest, --no-overlap reaching the schedule), and an invalid layout is refused by train.py's
-    own checks in one `error:` line with exit code 2."""
+    flags 1, dp the rest, --no-overlap reaching the schedule, --fsdp-gather step the FSDP2 model), and an invalid
+    layout is refused by train.py's own checks (or a word flag's choices) in one `error:` line with exit code 2."""
     mod = importlib.import_module("recipes.deepseek_v2_lite.model")
     cfg_path = str(mod.real_config_path())
     cfg = mod.ModelConfig.from_hf(cfg_path)
@@ -431,17 +431,52 @@ def test_layout_flag_predicts_exactly_that_layout(tmp_path):
     for flags, layout, overlap in (("--pp 2 --ep 4 --micro-batch 2", Layout(2, 1, 1, 4, 2, 2048), True),
                                    ("--pp 2 --ep 4 --micro-batch 2 --no-overlap", Layout(2, 1, 1, 4, 2, 2048), False),
                                    ("--ep 2 --recompute attention", Layout(1, 4, 1, 2, 1, 2048, recompute="attention"),
-                                    True)):
+                                    True),
+                                   ("--ep 2 --fsdp-gather step", Layout(1, 4, 1, 2, 1, 2048, fsdp_gather="step"), True)):
         row = plan.main([*base, "--layout", flags])
         assert row["layout"] == layout, flags
         expected = plan.predict(mod, cfg, cfg_path, layout, 64, machine, 8, overlap=overlap)
         assert row["step_s"] == pytest.approx(expected["step_s"], rel=1e-12), flags
     assert plan.main([*base, "--layout", "--pp 2 --ep 4 --micro-batch 2 --no-overlap"])["step_s"] > \
         plan.main([*base, "--layout", "--pp 2 --ep 4 --micro-batch 2"])["step_s"]  # all-to-all exposed
-    for bad, message in (("--ep 3", "divisible"), ("--tp 2", "not a layout flag"), ("--pp", "needs a value")):
+    once, per_micro_batch = (plan.main([*base, "--layout", f"--ep 2 {g}"])["by_class"]["FSDP2 all-gather/reduce-scatter"]
+                              for g in ("--fsdp-gather step", ""))
+    assert once != per_micro_batch  # the flag reaches the FSDP2 model
+    for bad, message in (("--ep 3", "divisible"), ("--tp 2", "not a layout flag"), ("--pp", "needs a value"),
+                         ("--fsdp-gather often", "choose one of")):
         with pytest.raises(ValueError, match=message):
             plan.main([*base, "--layout", bad])
     r = subprocess.run([sys.executable, "-m", "tools.plan", *base, "--layout", "--pp 3"], cwd=ROOT,
                        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert r.stderr.startswith("error: "), r.stderr
+
+
+def test_muon_step_adds_its_newton_schulz_at_the_gemm_rate():
+    """--optimizer muon: the predicted step of tiny Qwen3 at dp2 exceeds AdamW's, in 'other compute', by the
+    Newton-Schulz FLOPs of every matrix the recipe's muon_matrices names (counted by torch.utils.flop_counter on
+    core/muon.py:newton_schulz itself, run on each matrix) over the 2 owners, at the GEMM rate; and its memory is
+    core/memory.py's estimate with Muon (the momentum on the owners instead of Adam's two moments)."""
+    from core.memory import estimate
+    from core.muon import newton_schulz
+
+    mod = importlib.import_module("recipes.qwen3_30b_a3b.model")
+    cfg_path = str(mod.tiny_config_path())
+    cfg = mod.ModelConfig.from_hf(cfg_path)
+    model = mod.Model(cfg)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        for name, p in model.named_parameters():
+            for v_SAB, _ in model.muon_matrices(name, p.detach()).values():
+                newton_schulz(v_SAB, torch.float32)
+    machine = plan.machine_for("h100", None, 2)
+    rows = {opt: plan.plan_layout("qwen3_30b_a3b", 2, 8, "h100", "--dp 2", 256, 8, config=cfg_path, optimizer=opt)
+            for opt in ("adamw", "muon")}
+    added = rows["muon"]["by_class"]["other compute"] - rows["adamw"]["by_class"]["other compute"]
+    # the counter counts every matmul of newton_schulz; the sum of a few float products: 1e-9 relative
+    assert added == pytest.approx(counter.get_total_flops() / 2 / machine.rates["gemm"]["rate"], rel=1e-9)
+    assert rows["muon"]["by_class"]["FSDP2 all-gather/reduce-scatter"] > \
+        rows["adamw"]["by_class"]["FSDP2 all-gather/reduce-scatter"]  # + the rows to the owners and back
+    layout = rows["muon"]["layout"]
+    assert layout.optimizer == "muon" and rows["muon"]["memory"]["total"] == estimate(mod, cfg, layout)["total"]
+    assert rows["muon"]["memory"]["optimizer"] < rows["adamw"]["memory"]["optimizer"]

@@ -8,7 +8,8 @@ and bottleneck, best first.
 Layouts: every (pp, dp, cp, ep) with pp*dp*cp*ep = --gpus, micro-batch and recompute choice that the recipe's
 own train.py accepts (its `check_run`: ep divides the experts, 2*pp stages get layers, >= 2*pp micro-batches,
 the sequence divides by 2*cp, the batch splits) and whose core/memory.py estimate fits the GPU.
---layout "--pp 1 --ep 8 --micro-batch 4" predicts only that layout (train.py's flags, checked by its check_run).
+--layout "--pp 1 --ep 8 --micro-batch 4" predicts only that layout (train.py's flags, checked by its check_run;
+--fsdp-gather step among them at pp = 1). --optimizer muon plans train.py's Muon (memory and its step).
 Published runs at their own layouts: tools/published_runs.json, `python -m tools.plan_check --published`.
 
 Step time (per rank, one optimizer step), a roofline per operation class with measured rates (a calibration, or
@@ -42,9 +43,14 @@ on a GPU without one the datasheet x the published efficiencies of GPU_EFFICIENC
   pipeline   the action order of core/pipeline.py's DualPipeV (tools/pipeline_timeline.py:schedule_order, a dry
              run of the engine itself) replayed with these durations per stage and a p2p hand-off time between
              ranks (tools/pipeline_timeline.py:simulate); the bubble is span - busy of the rank reported.
-  ZeRO       FSDP2's collectives over each parameter's replicas (dense: dp*cp*ep, routed experts: dp*cp;
-             core/fsdp.py): at pp = 1 per micro-batch two all-gathers of the weights (compute dtype) and one fp32
-             reduce-scatter of the gradients, at pp > 1 one of each per step; plus the AdamW step on the shard.
+  FSDP2      the collectives over each parameter's replicas (dense: dp*cp*ep, routed experts: dp*cp;
+             core/fsdp.py), weights gathered in the compute dtype, gradients reduce-scattered in fp32. Gathered once
+             per step (pp > 1, --fsdp-gather step): one all-gather before the step and one reduce-scatter after it,
+             exposed. Gathered per micro-batch (pp = 1's default): each unit twice (forward, backward) and reduced
+             once per micro-batch, one unit ahead behind the compute of the unit before (fsdp_exposed_s): exposed
+             are the first gathers, the last reduce-scatters and what exceeds the compute it runs behind. Plus the
+             optimizer step on the shard (AdamW; --optimizer muon: Newton-Schulz of the owned matrices at the
+             GEMM rate and the two all-to-alls that bring their rows to the owners and back).
 Collective time = t0 + bytes * (n-1)/n / bandwidth, with the bandwidth of where the group lands: ranks are
 row-major over (pp, dp, cp, ep), so a group stays inside a node while its span of ranks <= GPUs per node (NVLink),
 else it crosses the network (per-GPU NIC).
