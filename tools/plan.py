@@ -48,7 +48,8 @@ on a GPU without one the datasheet x the published efficiencies of GPU_EFFICIENC
              per step (pp > 1, --fsdp-gather step): one all-gather before the step and one reduce-scatter after it,
              exposed. Gathered per micro-batch (pp = 1's default): each unit twice (forward, backward) and reduced
              once per micro-batch, one unit ahead behind the compute of the unit before (fsdp_exposed_s): exposed
-             are the first gathers, the last reduce-scatters and what exceeds the compute it runs behind. Plus the
+             are the first gathers, the last reduce-scatters and what exceeds the compute it runs behind (a CPU:
+             all of them, gloo computing on the cores that compute). Plus the
              optimizer step on the shard (AdamW; --optimizer muon: Newton-Schulz of the owned matrices at the
              GEMM rate and the two all-to-alls that bring their rows to the owners and back).
 Collective time = t0 + bytes * (n-1)/n / bandwidth, with the bandwidth of where the group lands: ranks are
@@ -591,7 +592,7 @@ def predict(mod, cfg, cfg_path: str, layout: Layout, global_batch: int, machine:
     # in the compute dtype, gradients reduce-scattered in fp32. Once per step (pp > 1, --fsdp-gather step): one
     # all-gather before the step and one reduce-scatter after its last W slot, nothing to hide them behind.
     # Per micro-batch (pp = 1's default): each unit gathered for its forward and again for its backward, reduce-
-    # scattered after it, behind the neighbouring units' compute (fsdp_exposed_s).
+    # scattered after it, behind the neighbouring units' compute on a GPU (fsdp_exposed_s).
     dense, expert = max((rank_params(mod, cfg_path, layout, r) for r in range(layout.pp)), key=sum)
     n_dense, n_expert = layout.dp * layout.cp * layout.ep, layout.dp * layout.cp
     span_dense, span_expert = group_span(layout, ("dp", "cp", "ep")), group_span(layout, ("dp", "cp"))
@@ -605,7 +606,9 @@ def predict(mod, cfg, cfg_path: str, layout: Layout, global_batch: int, machine:
         dense_L, expert_L, embed, root = layer_params(mod.__name__, cfg_path)
         counts = [len(x) for x in Placement.parse(layout.expert_placement, cfg.num_experts, layout.ep).experts]
         per_unit = [(embed, 0)] + [(d, e * max(counts) // cfg.num_experts) for d, e in zip(dense_L, expert_L)] + [(0, 0)]
-        compute = lambda st, key: total(st[key]) - st["a2a_" + key] - (st["a2a_refill"] if key == "B" else 0.0)
+        # a CPU rank runs gloo's collectives on the core that computes (one per rank): nothing hides them
+        compute = lambda st, key: 0.0 if not machine.async_launch else \
+            total(st[key]) - st["a2a_" + key] - (st["a2a_refill"] if key == "B" else 0.0)
         by_class["FSDP2 all-gather/reduce-scatter"] += n_micro * fsdp_exposed_s(
             [compute(st, "F") for st in units], [compute(st, "B") for st in units],
             [sync("all_gather", d, e) for d, e in per_unit], [sync("reduce_scatter", d, e) for d, e in per_unit],
