@@ -49,9 +49,9 @@ on a GPU without one the datasheet x the published efficiencies of GPU_EFFICIENC
              exposed. Gathered per micro-batch (pp = 1's default): each unit twice (forward, backward) and reduced
              once per micro-batch, one unit ahead behind the compute of the unit before (fsdp_exposed_s): exposed
              are the first gathers, the last reduce-scatters and what exceeds the compute it runs behind (a CPU:
-             all of them, gloo computing on the cores that compute). Plus the
-             optimizer step on the shard (AdamW; --optimizer muon: Newton-Schulz of the owned matrices at the
-             GEMM rate and the two all-to-alls that bring their rows to the owners and back).
+             all of them, gloo computing on the cores that compute). Plus the optimizer step on the shard (AdamW;
+             --optimizer muon: Newton-Schulz of the owned matrices at the GEMM rate and the two all-to-alls that
+             bring their rows to the owners and back).
 Collective time = t0 + bytes * (n-1)/n / bandwidth, with the bandwidth of where the group lands: ranks are
 row-major over (pp, dp, cp, ep), so a group stays inside a node while its span of ranks <= GPUs per node (NVLink),
 else it crosses the network (per-GPU NIC).
@@ -69,6 +69,7 @@ import shlex
 import statistics
 import sys
 import tempfile
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -613,7 +614,6 @@ def predict(mod, cfg, cfg_path: str, layout: Layout, global_batch: int, machine:
             [compute(st, "F") for st in units], [compute(st, "B") for st in units],
             [sync("all_gather", d, e) for d, e in per_unit], [sync("reduce_scatter", d, e) for d, e in per_unit],
             sync("all_gather", root, 0), sync("reduce_scatter", root, 0))
-    # the AdamW step reads and writes 7 fp32 numbers per shard element
     if layout.optimizer == "muon":  # + Newton-Schulz of the matrices this rank owns (FLOP-balanced over the shard
         # group, in bf16 on a GPU: at the GEMM rate) and their rows moved to the owners and back (two fp32 all-to-alls)
         flops, elems, share = 0.0, (0.0, 0.0), max(len(x) for x in Placement.parse(
@@ -630,7 +630,7 @@ def predict(mod, cfg, cfg_path: str, layout: Layout, global_batch: int, machine:
             by_class["FSDP2 all-gather/reduce-scatter"] += 2 * (
                 collective_s(machine, "all_to_all", 4 * elems[0] / n_dense, n_dense, span_dense, gpus_per_node) +
                 collective_s(machine, "all_to_all", 4 * elems[1] / n_expert, n_expert, span_expert, gpus_per_node))
-    shard = dense / n_dense + expert / n_expert
+    shard = dense / n_dense + expert / n_expert  # the AdamW step reads and writes 7 fp32 numbers per shard element
     by_class["other compute"] += 7 * 4 * shard / machine.rates["memory"]["rate"]
     step = sum(by_class.values())
     tokens_per_s_gpu = global_batch * layout.seq_len / step / world
@@ -727,12 +727,10 @@ def parse_layout(train, cfg_path: str, gpus: int, flags: str, seq_len: int, glob
         except ValueError:
             raise ValueError(f"--layout: {flag} {value}: an integer is needed") from None
         i += 2
-    choices = {"recompute": train.Args.__annotations__["recompute"], "fsdp_gather": train.Args.__annotations__[
-        "fsdp_gather"]}  # (Literal[...] types: argparse's choices in train.py)
-    for name, kind in choices.items():
-        if values[name] not in kind.__args__:
-            raise ValueError(f"--layout: --{name.replace('_', '-')} {values[name]}: choose one of "
-                             f"{', '.join(kind.__args__)}")
+    for name in ("recompute", "fsdp_gather"):
+        allowed = typing.get_args(train.Args.__annotations__[name])  # train.py's Literal: its argparse choices
+        if values[name] not in allowed:
+            raise ValueError(f"--layout: --{name.replace('_', '-')} {values[name]}: choose one of {', '.join(allowed)}")
     with tempfile.TemporaryDirectory() as out:
         args = train.Args(config=cfg_path, data="", out=out, device="cpu", seq_len=seq_len, global_batch=global_batch,
                           fp8=fp8, optimizer=optimizer, eval_every=0, ckpt_every=0, **values, **switches)
