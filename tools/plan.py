@@ -8,7 +8,8 @@ and bottleneck, best first.
 Layouts: every (pp, dp, cp, ep) with pp*dp*cp*ep = --gpus, micro-batch and recompute choice that the recipe's
 own train.py accepts (its `check_run`: ep divides the experts, 2*pp stages get layers, >= 2*pp micro-batches,
 the sequence divides by 2*cp, the batch splits) and whose core/memory.py estimate fits the GPU.
---layout "--pp 1 --ep 8 --micro-batch 4" predicts only that layout (train.py's flags, checked by its check_run).
+--layout "--pp 1 --ep 8 --micro-batch 4" predicts only that layout (train.py's flags, checked by its check_run;
+--fsdp-gather step among them at pp = 1). --optimizer muon plans train.py's Muon (memory and its step).
 Published runs at their own layouts: tools/published_runs.json, `python -m tools.plan_check --published`.
 
 Step time (per rank, one optimizer step), a roofline per operation class with measured rates (a calibration, or
@@ -42,9 +43,15 @@ on a GPU without one the datasheet x the published efficiencies of GPU_EFFICIENC
   pipeline   the action order of core/pipeline.py's DualPipeV (tools/pipeline_timeline.py:schedule_order, a dry
              run of the engine itself) replayed with these durations per stage and a p2p hand-off time between
              ranks (tools/pipeline_timeline.py:simulate); the bubble is span - busy of the rank reported.
-  ZeRO       FSDP2's collectives over each parameter's replicas (dense: dp*cp*ep, routed experts: dp*cp;
-             core/fsdp.py): at pp = 1 per micro-batch two all-gathers of the weights (compute dtype) and one fp32
-             reduce-scatter of the gradients, at pp > 1 one of each per step; plus the AdamW step on the shard.
+  FSDP2      the collectives over each parameter's replicas (dense: dp*cp*ep, routed experts: dp*cp;
+             core/fsdp.py), weights gathered in the compute dtype, gradients reduce-scattered in fp32. Gathered once
+             per step (pp > 1, --fsdp-gather step): one all-gather before the step and one reduce-scatter after it,
+             exposed. Gathered per micro-batch (pp = 1's default): each unit twice (forward, backward) and reduced
+             once per micro-batch, one unit ahead behind the compute of the unit before (fsdp_exposed_s): exposed
+             are the first gathers, the last reduce-scatters and what exceeds the compute it runs behind (a CPU:
+             all of them, gloo computing on the cores that compute). Plus the optimizer step on the shard (AdamW;
+             --optimizer muon: Newton-Schulz of the owned matrices at the GEMM rate and the two all-to-alls that
+             bring their rows to the owners and back).
 Collective time = t0 + bytes * (n-1)/n / bandwidth, with the bandwidth of where the group lands: ranks are
 row-major over (pp, dp, cp, ep), so a group stays inside a node while its span of ranks <= GPUs per node (NVLink),
 else it crosses the network (per-GPU NIC).
@@ -62,12 +69,15 @@ import shlex
 import statistics
 import sys
 import tempfile
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from core.memory import GIB, Layout, activation_calibration, estimate, meta_model, saved_per_token_layer
+from core.muon import newton_schulz_flops
+from core.pipeline import split_layers
 from core.placement import Placement
 from core.reliability import run_main
 from recipes import recipe_names
@@ -308,38 +318,81 @@ def op_counts(mod_name: str, recompute: str) -> dict:
 
 
 @functools.cache
-def layer_params(mod_name: str, cfg_path: str) -> tuple[list[int], list[int], int]:
-    """(dense parameters per decoder layer, routed-expert parameters per layer, parameters outside the layers:
-    embedding, final norm, head), counted on the whole model built once on meta."""
+def layer_params(mod_name: str, cfg_path: str) -> tuple[list[int], list[int], int, int]:
+    """(dense parameters per decoder layer, routed-expert parameters per layer, the embedding's, the rest outside
+    the layers: final norm, head, ...: FSDP2's root unit), counted on the whole model built once on meta."""
     mod = importlib.import_module(mod_name)
     cfg = mod.ModelConfig.from_hf(cfg_path)
-    dense, expert, outside = [0] * cfg.num_hidden_layers, [0] * cfg.num_hidden_layers, 0
+    dense, expert, embed, root = [0] * cfg.num_hidden_layers, [0] * cfg.num_hidden_layers, 0, 0
     for name, p in meta_model(mod, cfg).named_parameters():
-        if not name.startswith("layers."):
-            outside += p.numel()
+        if name.startswith("embed_tokens."):
+            embed += p.numel()
+        elif not name.startswith("layers."):
+            root += p.numel()
         elif ".mlp.experts." in name:
             expert[int(name.split(".")[1])] += p.numel()
         else:
             dense[int(name.split(".")[1])] += p.numel()
+    return dense, expert, embed, root
+
+
+@functools.cache
+def muon_layer_costs(mod_name: str, cfg_path: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]], tuple]:
+    """Per decoder layer (dense, routed experts) and outside the layers: (Newton-Schulz FLOPs, elements) of the
+    matrices --optimizer muon orthogonalises (the recipe's `muon_matrices`, core/muon.py:newton_schulz_flops)."""
+    mod = importlib.import_module(mod_name)
+    cfg = mod.ModelConfig.from_hf(cfg_path)
+    model = meta_model(mod, cfg)
+    dense, expert, outside = [(0, 0)] * cfg.num_hidden_layers, [(0, 0)] * cfg.num_hidden_layers, (0, 0)
+    for name, p in model.named_parameters():
+        for v_SAB, _ in model.muon_matrices(name, p).values():
+            cost = (v_SAB.shape[0] * newton_schulz_flops(*v_SAB.shape[1:]), v_SAB.numel())
+            if not name.startswith("layers."):
+                outside = tuple(map(sum, zip(outside, cost)))
+                continue
+            table, i = expert if ".mlp.experts." in name else dense, int(name.split(".")[1])
+            table[i] = tuple(map(sum, zip(table[i], cost)))
     return dense, expert, outside
+
+
+def stage_ids(mod, cfg, layout: Layout, pp_rank: int) -> list[int]:
+    """The decoder layers of one pp rank: its two DualPipeV stages (all of them at pp = 1)."""
+    if layout.pp == 1:
+        return list(range(cfg.num_hidden_layers))
+    stages = split_layers(cfg.num_hidden_layers, layout.pp, mod.flops_by_layer(cfg, layout.seq_len))
+    return stages[pp_rank] + stages[2 * layout.pp - 1 - pp_rank]
 
 
 def rank_params(mod, cfg_path: str, layout: Layout, pp_rank: int) -> tuple[int, int]:
     """(dense, routed expert) parameters held by one pp rank (as core/memory.py:rank_parts builds it)."""
-    dense, expert, outside = layer_params(mod.__name__, cfg_path)
-    ids = range(len(dense))
-    if layout.pp > 1:
-        from core.pipeline import split_layers
+    dense, expert, embed, root = layer_params(mod.__name__, cfg_path)
+    ids = stage_ids(mod, mod.ModelConfig.from_hf(cfg_path), layout, pp_rank)
+    return sum(dense[i] for i in ids) + (embed + root if pp_rank == 0 else 0), sum(expert[i] for i in ids) // layout.ep
 
-        stages = split_layers(len(dense), layout.pp, mod.flops_by_layer(mod.ModelConfig.from_hf(cfg_path), layout.seq_len))
-        ids = stages[pp_rank] + stages[2 * layout.pp - 1 - pp_rank]
-    return sum(dense[i] for i in ids) + (outside if pp_rank == 0 else 0), sum(expert[i] for i in ids) // layout.ep
+
+def fsdp_exposed_s(forward_s: list[float], backward_s: list[float], gather_s: list[float], reduce_s: list[float],
+                   root_gather_s: float, root_reduce_s: float) -> float:
+    """Seconds FSDP2's collectives add to one micro-batch when units are gathered per micro-batch (pp = 1), the
+    units in forward order (embedding, each decoder layer with its experts, the head) with their compute and
+    their all-gather and reduce-scatter seconds; the root (head, final norm) is gathered at its pre-forward, first
+    of all, kept through backward and reduce-scattered in the final callback. FSDP2 gathers one unit ahead: in
+    forward the next unit's all-gather runs behind this unit's compute (the CPU issues it at the next pre-forward;
+    one host sync per MoE layer, core/moe.py's DispatchPlan, keeps it from running further ahead); in backward
+    the unit before's all-gather (core/fsdp.py's backward prefetch) and the reduce-scatter of the unit just done
+    run behind this unit's backward, the two sharing the link. Exposed: the first gathers, what exceeds the compute
+    it runs behind, and the last reduce-scatters (the embedding's, the root's), nothing after them to hide behind."""
+    n = len(forward_s)
+    exposed = root_gather_s + gather_s[0] + sum(max(0.0, gather_s[i + 1] - forward_s[i]) for i in range(n - 1))
+    for i in range(n):  # backward, the units in any order: each term is one unit's backward
+        hidden = (gather_s[i - 1] if i > 0 else 0.0) + (reduce_s[i + 1] if i + 1 < n else 0.0)
+        exposed += max(0.0, hidden - backward_s[i])
+    return exposed + reduce_s[0] + root_reduce_s
 
 
 # ------------------------------------------------------------------------------------------- the step
 
 CLASSES = ("attention", "expert GEMMs", "dense GEMMs", "other compute", "exposed all-to-all", "pipeline hand-offs",
-           "bubble", "ZeRO reduce-scatter/all-gather", "CP gather")
+           "bubble", "FSDP2 all-gather/reduce-scatter", "CP gather")
 
 
 def _zero():
@@ -478,13 +531,14 @@ def predict(mod, cfg, cfg_path: str, layout: Layout, global_batch: int, machine:
     world = layout.pp * layout.dp * layout.cp * layout.ep
     n_micro = global_batch // (layout.dp * layout.ep) // layout.micro_batch
     total = lambda part: sum(part.values())
-    if layout.pp == 1:
-        st = stage_costs(mod, cfg, cfg_path, layout, list(range(cfg.num_hidden_layers)), True, True, machine,
-                         gpus_per_node, imbalance)
-        by_class = _add(_zero(), _add(st["F"], st["B"]), n_micro)
+    if layout.pp == 1:  # the embedding, each layer, the head apart: FSDP2's units, whose compute hides its gathers
+        units = [stage_costs(mod, cfg, cfg_path, layout, ids, embed, head, machine, gpus_per_node, imbalance)
+                 for ids, embed, head in ([[], True, False], *[([i], False, False) for i in
+                                                                range(cfg.num_hidden_layers)], ([], False, True))]
+        by_class = _zero()
+        for st in units:
+            by_class = _add(by_class, _add(st["F"], st["B"]), n_micro)
     else:
-        from core.pipeline import split_layers
-
         stage_layers = split_layers(cfg.num_hidden_layers, layout.pp, mod.flops_by_layer(cfg, layout.seq_len))
         stages = [stage_costs(mod, cfg, cfg_path, layout, ids, s == 0, s == 2 * layout.pp - 1, machine,
                               gpus_per_node, imbalance) for s, ids in enumerate(stage_layers)]
@@ -535,20 +589,48 @@ def predict(mod, cfg, cfg_path: str, layout: Layout, global_batch: int, machine:
         by_class = max(busy, key=total)
         by_class["pipeline hand-offs"] = with_p2p - free
         by_class["bubble"] = free - total(by_class)
-    # FSDP2 (core/fsdp.py), over each parameter's replicas: gathered per micro-batch (pp = 1's default) two
-    # all-gathers in the compute dtype (forward, backward) and one fp32 reduce-scatter per micro-batch, once per
-    # step (pp > 1) one of each per step (one process: none). The AdamW step reads and writes 7 fp32 numbers per shard element
+    # FSDP2 (core/fsdp.py) over each parameter's replicas (dense: dp*cp*ep ranks, routed experts: dp*cp), gathered
+    # in the compute dtype, gradients reduce-scattered in fp32. Once per step (pp > 1, --fsdp-gather step): one
+    # all-gather before the step and one reduce-scatter after its last W slot, nothing to hide them behind.
+    # Per micro-batch (pp = 1's default): each unit gathered for its forward and again for its backward, reduce-
+    # scattered after it, behind the neighbouring units' compute on a GPU (fsdp_exposed_s).
     dense, expert = max((rank_params(mod, cfg_path, layout, r) for r in range(layout.pp)), key=sum)
     n_dense, n_expert = layout.dp * layout.cp * layout.ep, layout.dp * layout.cp
     span_dense, span_expert = group_span(layout, ("dp", "cp", "ep")), group_span(layout, ("dp", "cp"))
-    compute = 2 if layout.bf16 else 4
-    passes = {"reduce_scatter": (4, 1 if layout.once else n_micro),
-              "all_gather": (compute, 1 if layout.once else 2 * n_micro)}  # kind -> (bytes per element, times)
-    for kind, (nbytes, times) in passes.items():
-        by_class["ZeRO reduce-scatter/all-gather"] += times * (
-            collective_s(machine, kind, nbytes * dense, n_dense, span_dense, gpus_per_node) +
-            collective_s(machine, kind, nbytes * expert, n_expert, span_expert, gpus_per_node))
-    shard = dense / n_dense + expert / n_expert
+    nbytes = {"all_gather": 2 if layout.bf16 else 4, "reduce_scatter": 4}
+    sync = lambda kind, d, e: (collective_s(machine, kind, nbytes[kind] * d, n_dense, span_dense, gpus_per_node) +
+                               collective_s(machine, kind, nbytes[kind] * e, n_expert, span_expert, gpus_per_node))
+    if layout.once:
+        by_class["FSDP2 all-gather/reduce-scatter"] += sync("all_gather", dense, expert) + \
+            sync("reduce_scatter", dense, expert)
+    else:
+        dense_L, expert_L, embed, root = layer_params(mod.__name__, cfg_path)
+        counts = [len(x) for x in Placement.parse(layout.expert_placement, cfg.num_experts, layout.ep).experts]
+        per_unit = [(embed, 0)] + [(d, e * max(counts) // cfg.num_experts) for d, e in zip(dense_L, expert_L)] + [(0, 0)]
+        # a CPU rank runs gloo's collectives on the core that computes (one per rank): nothing hides them
+        compute = lambda st, key: 0.0 if not machine.async_launch else \
+            total(st[key]) - st["a2a_" + key] - (st["a2a_refill"] if key == "B" else 0.0)
+        by_class["FSDP2 all-gather/reduce-scatter"] += n_micro * fsdp_exposed_s(
+            [compute(st, "F") for st in units], [compute(st, "B") for st in units],
+            [sync("all_gather", d, e) for d, e in per_unit], [sync("reduce_scatter", d, e) for d, e in per_unit],
+            sync("all_gather", root, 0), sync("reduce_scatter", root, 0))
+    if layout.optimizer == "muon":  # + Newton-Schulz of the matrices this rank owns (FLOP-balanced over the shard
+        # group, in bf16 on a GPU: at the GEMM rate) and their rows moved to the owners and back (two fp32 all-to-alls)
+        flops, elems, share = 0.0, (0.0, 0.0), max(len(x) for x in Placement.parse(
+            layout.expert_placement, cfg.num_experts, layout.ep).experts) / cfg.num_experts  # the busiest ep rank's
+        muon_dense, muon_expert, muon_outside = muon_layer_costs(mod.__name__, cfg_path)
+        for r in range(layout.pp):
+            ids = stage_ids(mod, cfg, layout, r)
+            f_d, e_d = map(sum, zip(*[muon_dense[i] for i in ids], muon_outside if r == 0 else (0, 0)))
+            f_e, e_e = (sum(x) * share for x in zip((0, 0), *[muon_expert[i] for i in ids]))
+            if f_d / n_dense + f_e / n_expert > flops:
+                flops, elems = f_d / n_dense + f_e / n_expert, (e_d, e_e)
+        if flops:
+            by_class["other compute"] += flops / machine.rates["gemm"]["rate"]
+            by_class["FSDP2 all-gather/reduce-scatter"] += 2 * (
+                collective_s(machine, "all_to_all", 4 * elems[0] / n_dense, n_dense, span_dense, gpus_per_node) +
+                collective_s(machine, "all_to_all", 4 * elems[1] / n_expert, n_expert, span_expert, gpus_per_node))
+    shard = dense / n_dense + expert / n_expert  # the AdamW step reads and writes 7 fp32 numbers per shard element
     by_class["other compute"] += 7 * 4 * shard / machine.rates["memory"]["rate"]
     step = sum(by_class.values())
     tokens_per_s_gpu = global_batch * layout.seq_len / step / world
@@ -569,7 +651,8 @@ def recipe_modules(recipe: str):
 
 
 def valid_layouts(train, cfg_path: str, gpus: int, seq_len: int, global_batch: int, fp8: bool, bf16: bool,
-                  micro_batches=(1, 2, 4, 8), recomputes=("none", "attention", "layer")) -> list[Layout]:
+                  micro_batches=(1, 2, 4, 8), recomputes=("none", "attention", "layer"),
+                  optimizer: str = "adamw") -> list[Layout]:
     """Every layout that the recipe's train.py `check_run` accepts on `gpus` ranks (flags, config, layout, batch
     split; no data, no memory check: the planner checks memory against the target GPU itself)."""
     divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
@@ -580,18 +663,18 @@ def valid_layouts(train, cfg_path: str, gpus: int, seq_len: int, global_batch: i
                 continue
             args = train.Args(config=cfg_path, data="", out=out, pp=pp, dp=-1, cp=cp, ep=ep, device="cpu",
                               seq_len=seq_len, global_batch=global_batch, micro_batch=mb, recompute=rc, fp8=fp8,
-                              eval_every=0, ckpt_every=0)
+                              optimizer=optimizer, eval_every=0, ckpt_every=0)
             try:
                 train.check_run(args, gpus)
             except ValueError:
                 continue
-            found.append(Layout(pp, gpus // (pp * cp * ep), cp, ep, mb, seq_len, bf16, fp8, rc))
+            found.append(Layout(pp, gpus // (pp * cp * ep), cp, ep, mb, seq_len, bf16, fp8, rc, optimizer=optimizer))
     return found
 
 
 def plan(recipe: str, gpus: int, gpus_per_node: int, gpu: str, seq_len: int, global_batch: int, fp8: bool = False,
          config: str = "", calibration: str = "", expert_load: str = "", bf16: bool = True, reserve_gib: float = 4.0,
-         micro_batches=(1, 2, 4, 8)) -> list[dict]:
+         micro_batches=(1, 2, 4, 8), optimizer: str = "adamw") -> list[dict]:
     """Every valid layout with its prediction and memory, fitting ones first, fastest first."""
     mod, train = recipe_modules(recipe)
     cfg_path = str(config or mod.real_config_path())
@@ -599,17 +682,19 @@ def plan(recipe: str, gpus: int, gpus_per_node: int, gpu: str, seq_len: int, glo
     machine = machine_for(gpu, load_calibration(calibration) if calibration else None, gpus)
     imbalance = expert_imbalance(expert_load) if expert_load else 1.0
     rows = []
-    for layout in valid_layouts(train, cfg_path, gpus, seq_len, global_batch, fp8, bf16, micro_batches):
-        mem = estimate(mod, cfg, layout)["total"]
+    for layout in valid_layouts(train, cfg_path, gpus, seq_len, global_batch, fp8, bf16, micro_batches,
+                                optimizer=optimizer):
+        mem = estimate(mod, cfg, layout)
         pred = predict(mod, cfg, cfg_path, layout, global_batch, machine, gpus_per_node, imbalance)
-        rows.append({"layout": layout, "memory_gib": mem / GIB, "fits": mem <= (machine.hbm_gib - reserve_gib) * GIB,
-                     **pred})
+        rows.append({"layout": layout, "memory_gib": mem["total"] / GIB, "memory": mem,
+                     "fits": mem["total"] <= (machine.hbm_gib - reserve_gib) * GIB, **pred})
     rows.sort(key=lambda row: (not row["fits"], -row["tokens_per_s_gpu"]))
     return rows
 
 
 LAYOUT_FLAGS = {"--pp": "pp", "--dp": "dp", "--cp": "cp", "--ep": "ep", "--micro-batch": "micro_batch",
-                "--recompute": "recompute"}
+                "--recompute": "recompute", "--fsdp-gather": "fsdp_gather"}
+WORD_FLAGS = ("--recompute", "--fsdp-gather")  # the layout flags whose value is a word, not an integer
 
 
 SWITCHES = {"--overlap": ("overlap", True), "--no-overlap": ("overlap", False),
@@ -617,12 +702,12 @@ SWITCHES = {"--overlap": ("overlap", True), "--no-overlap": ("overlap", False),
 
 
 def parse_layout(train, cfg_path: str, gpus: int, flags: str, seq_len: int, global_batch: int, fp8: bool,
-                 bf16: bool) -> tuple[Layout, dict]:
+                 bf16: bool, optimizer: str = "adamw") -> tuple[Layout, dict]:
     """The Layout that train.py flags such as '--pp 1 --ep 8 --micro-batch 4' name on `gpus` ranks (unset: pp, cp,
     ep, micro-batch 1, recompute none, dp the rest), checked by the recipe's own train.py check_run; and the
     schedule switches among them ({'overlap', 'delay_wgrad'}: train.py's --no-overlap, --no-delay-wgrad)."""
     words = shlex.split(flags)
-    values = {"pp": 1, "dp": -1, "cp": 1, "ep": 1, "micro_batch": 1, "recompute": "none"}
+    values = {"pp": 1, "dp": -1, "cp": 1, "ep": 1, "micro_batch": 1, "recompute": "none", "fsdp_gather": "auto"}
     switches = {"overlap": True, "delay_wgrad": True}
     i = 0
     while i < len(words):
@@ -638,30 +723,36 @@ def parse_layout(train, cfg_path: str, gpus: int, flags: str, seq_len: int, glob
             raise ValueError(f"--layout: {flag} needs a value, e.g. '--pp 1 --ep 8 --micro-batch 4'")
         value = words[i + 1]
         try:
-            values[LAYOUT_FLAGS[flag]] = value if flag == "--recompute" else int(value)
+            values[LAYOUT_FLAGS[flag]] = value if flag in WORD_FLAGS else int(value)
         except ValueError:
             raise ValueError(f"--layout: {flag} {value}: an integer is needed") from None
         i += 2
+    for name in ("recompute", "fsdp_gather"):
+        allowed = typing.get_args(train.Args.__annotations__[name])  # train.py's Literal: its argparse choices
+        if values[name] not in allowed:
+            raise ValueError(f"--layout: --{name.replace('_', '-')} {values[name]}: choose one of {', '.join(allowed)}")
     with tempfile.TemporaryDirectory() as out:
         args = train.Args(config=cfg_path, data="", out=out, device="cpu", seq_len=seq_len, global_batch=global_batch,
-                          fp8=fp8, eval_every=0, ckpt_every=0, **values, **switches)
+                          fp8=fp8, optimizer=optimizer, eval_every=0, ckpt_every=0, **values, **switches)
         train.check_run(args, gpus)  # a ValueError names what is wrong with the layout
     v = values
     dp = v["dp"] if v["dp"] > 0 else gpus // (v["pp"] * v["cp"] * v["ep"])
-    return Layout(v["pp"], dp, v["cp"], v["ep"], v["micro_batch"], seq_len, bf16, fp8, v["recompute"]), switches
+    return Layout(v["pp"], dp, v["cp"], v["ep"], v["micro_batch"], seq_len, bf16, fp8, v["recompute"],
+                  optimizer=optimizer, fsdp_gather=v["fsdp_gather"]), switches
 
 
 def plan_layout(recipe: str, gpus: int, gpus_per_node: int, gpu: str, flags: str, seq_len: int, global_batch: int,
                 fp8: bool = False, config: str = "", calibration: str = "", bf16: bool = True,
-                reserve_gib: float = 4.0) -> dict:
+                reserve_gib: float = 4.0, optimizer: str = "adamw") -> dict:
     """One named layout's prediction and memory (a plan() row)."""
     mod, train = recipe_modules(recipe)
     cfg_path = str(config or mod.real_config_path())
     cfg = mod.ModelConfig.from_hf(cfg_path)
-    layout, switches = parse_layout(train, cfg_path, gpus, flags, seq_len, global_batch, fp8, bf16)
+    layout, switches = parse_layout(train, cfg_path, gpus, flags, seq_len, global_batch, fp8, bf16, optimizer)
     machine = machine_for(gpu, load_calibration(calibration) if calibration else None, gpus)
-    mem = estimate(mod, cfg, layout)["total"]
-    return {"layout": layout, "memory_gib": mem / GIB, "fits": mem <= (machine.hbm_gib - reserve_gib) * GIB,
+    mem = estimate(mod, cfg, layout)
+    return {"layout": layout, "memory_gib": mem["total"] / GIB, "memory": mem,
+            "fits": mem["total"] <= (machine.hbm_gib - reserve_gib) * GIB,
             **predict(mod, cfg, cfg_path, layout, global_batch, machine, gpus_per_node, **switches)}
 
 
@@ -699,11 +790,8 @@ def published_table(path: str | Path = PUBLISHED_RUNS) -> list[dict]:
         row = plan_layout(run["recipe"], run["gpus"], run["gpus_per_node"], run["gpu"], flags, run["seq_len"],
                           ours["global_batch"], ours["fp8"], run_config(run))
         published = run["published"]["tokens_per_s_gpu"]
-        mod, _ = recipe_modules(run["recipe"])
-        cfg, hbm = mod.ModelConfig.from_hf(run_config(run)), GPUS[gpu_key(run["gpu"])].hbm_gib
-        fits = estimate(mod, cfg, row["layout"])["total"] <= (hbm - 4.0) * GIB
         out.append({"run": run, "published": published, "predicted": row["tokens_per_s_gpu"],
-                    "ratio": row["tokens_per_s_gpu"] / published, "row": row, "fits": fits})
+                    "ratio": row["tokens_per_s_gpu"] / published, "row": row, "fits": row["fits"]})
     return out
 
 
@@ -714,7 +802,8 @@ def print_published(table: list[dict]) -> None:
     for t in table:
         run, L = t["run"], t["row"]["layout"]
         ours = f"pp{L.pp} dp{L.dp} cp{L.cp} ep{L.ep} mb{L.micro_batch}" + (" fp8" if L.fp8 else "") + \
-            ("" if run["ours"].get("overlap", True) else " no-overlap")
+            ("" if run["ours"].get("overlap", True) else " no-overlap") + \
+            (" gathered per step" if L.pp == 1 and L.once else "")
         print(f"| {run['id']} | {run['gpus']} x {run['gpu'].upper()} | {ours} | {t['published']:,} | "
               f"{t['predicted']:,.0f} | {t['ratio']:.2f}{' (outlier)' if run.get('outlier') else ''} | "
               f"{t['row']['bottleneck']} | {'yes' if t['fits'] else 'no'} | "
@@ -734,6 +823,8 @@ def print_plan(rows: list[dict], machine_name: str, top: int) -> None:
         print("no layout fits: use more GPUs, a bigger GPU, a shorter --seq-len or --fp8")
         return
     best = fitting[0]
+    print(f"memory of the best, GiB per GPU (core/memory.py, pp rank {best['memory']['pp_rank']}): " + ", ".join(
+        f"{name} {nbytes / GIB:.1f}" for name, nbytes in best["memory"].items() if name != "pp_rank"))
     print(f"breakdown of the best ({best['layout']}), ms per step:")
     for name, seconds in best["by_class"].items():
         print(f"  {name:<32} {seconds * 1e3:>10.1f}  {100 * seconds / best['step_s']:5.1f}%")
@@ -768,7 +859,7 @@ def launch_layout(recipe: str, gpus: int, gpus_per_node: int, gpu: str, train_ar
     config = args.hf_checkpoint or args.config
     rows = plan(recipe, gpus, gpus_per_node, gpu_key(gpu), args.seq_len, args.global_batch, args.fp8, config,
                 calibration, bf16=args.dtype != "fp32",
-                micro_batches=(args.micro_batch,) if has("--micro-batch") else (1, 2, 4, 8))
+                micro_batches=(args.micro_batch,) if has("--micro-batch") else (1, 2, 4, 8), optimizer=args.optimizer)
     rows = [r for r in rows if r["fits"] and (not has("--recompute") or r["layout"].recompute == args.recompute)]
     machine = machine_for(gpu_key(gpu), load_calibration(calibration) if calibration else None, gpus)
     if not rows:
@@ -806,6 +897,8 @@ def main(argv=None):
     p.add_argument("--global-batch", type=int, default=0, help="sequences per optimizer step (required)")
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--fp32", action="store_true", help="fp32 compute (train.py's CPU default) instead of bf16")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw", help="train.py's --optimizer: muon "
+                   "keeps one fp32 momentum for the weight matrices on their owners (memory) and orthogonalises them")
     p.add_argument("--config", default="", help="HF config.json (default: the recipe's released config.json)")
     p.add_argument("--calibration", default="", help="JSON from tools/calibrate.py or tools/gpu_check.py")
     p.add_argument("--expert-load", default="", help="a run's metrics.jsonl: its measured expert-load imbalance")
@@ -828,7 +921,7 @@ def main(argv=None):
         raise ValueError(f"--gpus {a.gpus} and --gpus-per-node {a.gpus_per_node} must be >= 1")
     if a.layout:
         row = plan_layout(a.recipe, a.gpus, a.gpus_per_node, gpu_key(a.gpu), a.layout, a.seq_len, a.global_batch,
-                          a.fp8, a.config, a.calibration, bf16=not a.fp32)
+                          a.fp8, a.config, a.calibration, bf16=not a.fp32, optimizer=a.optimizer)
         machine = machine_for(gpu_key(a.gpu), load_calibration(a.calibration) if a.calibration else None, a.gpus)
         print(f"{a.recipe} on {a.gpus} x {machine.name} ({a.gpus_per_node} per node), {a.global_batch} x {a.seq_len} "
               f"tokens per step{', FP8' if a.fp8 else ''}, layout {row['layout']}: {row['tokens_per_s_gpu']:,.0f} "
@@ -839,7 +932,7 @@ def main(argv=None):
         return row
     micro = tuple(int(x) for x in a.micro_batches.split(","))
     rows = plan(a.recipe, a.gpus, a.gpus_per_node, gpu_key(a.gpu), a.seq_len, a.global_batch, a.fp8, a.config,
-                a.calibration, a.expert_load, bf16=not a.fp32, micro_batches=micro)
+                a.calibration, a.expert_load, bf16=not a.fp32, micro_batches=micro, optimizer=a.optimizer)
     machine = machine_for(gpu_key(a.gpu), load_calibration(a.calibration) if a.calibration else None, a.gpus)
     print(f"{a.recipe} on {a.gpus} x {machine.name} ({a.gpus_per_node} per node), {a.global_batch} x {a.seq_len} "
           f"tokens per step{', FP8' if a.fp8 else ''}; MFU vs {machine.peak_flops / 1e12:,.0f} TFLOP/s")

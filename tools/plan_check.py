@@ -81,7 +81,7 @@ def median_calibration(cals: list[dict], world: int) -> dict:
 def pipeline_bubble(pred: dict) -> float:
     """The planner's bubble share of the pipeline part (span) of the step, comparable to timeline_stats."""
     b = pred["by_class"]
-    span = pred["step_s"] - b["ZeRO reduce-scatter/all-gather"]
+    span = pred["step_s"] - b["FSDP2 all-gather/reduce-scatter"]
     return b["bubble"] / span if span > 0 else 0.0
 
 
