@@ -1,7 +1,7 @@
 """The data-parallel engine: FSDP2 (`fully_shard`) shards fp32 weights, gradients and optimizer state over each
 parameter's replicas in every run of more than one rank; one process trains the same optimizer on plain tensors.
 
-Units (`shard_model`): each module of routed experts (`*.mlp.experts`) over (dp, cp); each decoder layer's other
+Units (`shard_model`): each module of routed experts (Model.parameter_rules: expert_ids) over (dp, cp); each decoder layer's other
 parameters, the embedding, and the root (final norm, head, any other layer), each over (dp, cp, ep). A parameter is a DTensor,
 Shard(0): ceil(d0 / n) rows, so an expert tensor [L, H, J] splits by whole experts. Weights are gathered in bf16
 (on the bf16 path), gradients reduce-scattered in fp32 and summed (divide factor 1: losses are pre-divided by the
@@ -35,6 +35,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
+from core.training import parameter_rules
+
 
 def shard_model(model: torch.nn.Module, mesh, bf16: bool, once: bool) -> list[FSDPModule]:
     """fully_shard the model's units in place over core.mesh.Mesh `mesh` (world > 1), gathered once per step or
@@ -43,8 +45,13 @@ def shard_model(model: torch.nn.Module, mesh, bf16: bool, once: bool) -> list[FS
     expert_mesh = mesh.device_mesh["dp", "cp"]._flatten("dp_cp")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     shard = lambda module, mesh: fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=per_micro_batch)
-    experts = [shard(module, expert_mesh) for name, module in model.named_modules()
-               if name.endswith(".mlp.experts")]  # (an MTP layer's too)
+    rules = parameter_rules(model)
+    owners = {n.rsplit(".", 1)[0] for n, rule in rules.items() if rule.expert_ids is not None}  # (an MTP layer's too)
+    for owner in owners:
+        if dense := [n for n, rule in rules.items() if n.startswith(owner + ".") and rule.expert_ids is None]:
+            raise ValueError(f"{owner} holds routed experts and dense {dense[0]}: FSDP2 shards a module over one "
+                             f"mesh, so move the routed-expert parameters into a module of their own")
+    experts = [shard(module, expert_mesh) for name, module in model.named_modules() if name in owners]
     # the embedding is its own unit: FSDP2 keeps the root's gathered through the whole step
     chain = [shard(module, dense_mesh) for module in ([model.embed_tokens] if model.embed_tokens is not None else [])
              + list(model.layers.values()) + [model]]  # in forward order, the root last
@@ -147,8 +154,8 @@ class FSDPAdamW:
         self.buffers = [n for n in model.state_dict() if n not in self.params]  # persistent (expert biases)
         with torch.no_grad():  # views of FSDP2's sharded storage (or of the parameter)
             self.local = {n: p.to_local() if isinstance(p, DTensor) else p.detach() for n, p in self.params.items()}
-        self.expert_ids = {n: model.get_submodule(n.rsplit(".", 1)[0]).expert_ids
-                           for n in self.params if ".mlp.experts." in n}
+        self.expert_ids = {n: rule.expert_ids for n, rule in parameter_rules(model).items()
+                           if rule.expert_ids is not None}
         self.adamw = [n for n in self.params if n not in set(skip)]
         on_gpu = next(iter(self.local.values())).device.type == "cuda"
         groups = [{"params": [self.local[n] for n in self.adamw if self.params[n].ndim >= 2], "weight_decay": weight_decay},

@@ -19,6 +19,7 @@ from core.fsdp import FSDPAdamW, shard_model
 from core.mesh import build_mesh, destroy_mesh
 from core.muon import MuonAdamW
 from core.pipeline import DualPipeV, Running, split_layers
+from core.training import parameter_rules
 from recipes import recipe_names
 from tests.conftest import TINY_TRAIN_CONFIG
 from tests.multiproc import run_ranks
@@ -70,7 +71,7 @@ def optimizer_bytes(model, mesh, optimizer: str) -> tuple[int, int]:
     units = shard_model(model, mesh, bf16=False, once=False) if mesh is not None and mesh.world > 1 else None
     if optimizer == "adamw":
         return FSDPAdamW(model, units, 1e-3, 0.1, (0.9, 0.95), 1e-8).state_bytes()[0], 0
-    opt = MuonAdamW(model, units, model.muon_matrices, 1e-3, 0.1, (0.9, 0.95), 1e-8)
+    opt = MuonAdamW(model, units, 1e-3, 0.1, (0.9, 0.95), 1e-8)
     momentum = sum(4 * m.momentum_kAB.numel() for m in opt.owned)
     return opt.state_bytes()[0] - momentum, momentum
 
@@ -84,12 +85,12 @@ def test_params_and_optimizer_exact_one_process(recipe):
     mod, cfg = tiny(recipe)
     model = mod.Model(cfg)
     layout = memory.Layout(pp=2, ep=2, bf16=False)
-    stages = split_layers(cfg.num_hidden_layers, 2)
+    stages, rules = split_layers(cfg.num_hidden_layers, 2), parameter_rules(model)
     for pp_rank, layers in enumerate((stages[0] + stages[3], stages[1] + stages[2])):
         local = shard = 0  # elements of this rank's part, and of its FSDP2 shards (dense rows over the 2 ep ranks)
         for name, p in model.named_parameters():
             held = int(name.split(".")[1]) in layers if name.startswith("layers.") else pp_rank == 0
-            expert = ".mlp.experts." in name
+            expert = rules[name].expert_ids is not None  # (the model's declaration: Model.parameter_rules)
             local += held * p.numel() // (2 if expert else 1)
             shard += held * (p.numel() // 2 if expert else -(-p.shape[0] // 2) * (p.numel() // p.shape[0]))
         got = memory.param_bytes(memory.meta_model(mod, cfg, **memory.rank_parts(cfg, layout, pp_rank)), layout)
