@@ -12,7 +12,8 @@ import torch
 
 from core import fp8, memory
 from core.moe import grouped_mm_ref
-from tests.recipe_checks import load_recipe, recipe_names, write_config
+from recipes import recipe_names
+from tests.recipe_checks import load_recipe, write_config
 from tests.test_train import LAYOUT_TOLERANCE, layout_errors, rel_err, worst_error
 
 TOL = 1e-5  # fp32 accumulation over K <= 96 terms; FP8 vs fp32 differs by ~3e-2
