@@ -1,11 +1,7 @@
-"""The data-parallel engine: FSDP2 (`fully_shard`) shards fp32 weights, gradients and optimizer state over each
-parameter's replicas in every run of more than one rank; one process trains the same optimizer on plain tensors.
-
-Units (`shard_model`): each module of routed experts (Model.parameter_rules: expert_ids) over (dp, cp); each decoder layer's other
-parameters, the embedding, and the root (final norm, head, any other layer), each over (dp, cp, ep). A parameter is a DTensor,
-Shard(0): ceil(d0 / n) rows, so an expert tensor [L, H, J] splits by whole experts. Weights are gathered in bf16
-(on the bf16 path), gradients reduce-scattered in fp32 and summed (divide factor 1: losses are pre-divided by the
-global label count).
+"""The data-parallel engine (AGENTS.md's design, FSDP2). Units (`shard_model`): each module of routed experts
+(Model.parameter_rules' expert_ids) over (dp, cp); each decoder layer's rest, the embedding and the root over (dp, cp,
+ep). Shard(0): ceil(d0 / n) rows, so [L, H, J] experts split by whole experts; gradients reduce-scattered in fp32 and
+summed (losses are pre-divided by the global label count).
 
 When shards are gathered and gradients reduced, in a step of n_micro micro-batches (train.py --fsdp-gather):
   per micro-batch (pp = 1's default)  FSDP2's own hooks: a unit is gathered before its forward, freed after it,
@@ -22,10 +18,8 @@ When shards are gathered and gradients reduced, in a step of n_micro micro-batch
            Micro-batches sum in fp32 on the bf16 path: a hook on each gathered parameter moves every gradient it
            receives into FSDP2's fp32 accumulator (`_in_fp32`).
 
-Optimizer (`FSDPAdamW`): torch's AdamW on the local shards (views of FSDP2's storage); the gradient norm sums every
-rank's shards, each element once; core/muon.py's MuonAdamW adds Muon for the weight matrices. Checkpoints: dense
-tensors as DTensors of the parameter's shape, routed experts one entry per global expert (`name[e]`), so they
-reshard to any layout and placement; flat Adam moments of older checkpoints load through core/checkpoint.py.
+`FSDPAdamW`: torch's AdamW on the local shards (views of FSDP2's storage), checkpoints as AGENTS.md's design says
+(flat Adam moments of older checkpoints: core/checkpoint.py).
 """
 
 import math

@@ -3,28 +3,26 @@ Model-agnostic (functions take the recipe's model module and a config); `check_t
 `python -m tools.estimate_memory` prints the table.
 
 Components of the most loaded pipeline rank (every pp rank is built; the largest total is reported):
-  weights      fp32 master parameters of the recipe's Model built on `meta` for this rank's part (its two
-               DualPipeV stages, the ep rank holding the most experts, embedding and head on pp rank 0), sharded
-               by FSDP2 (core/fsdp.py) when the world has more than one rank: ceil(d0 / n) rows of each parameter
-               on the first rank of its shard group (dense over dp*cp*ep, routed experts over dp*cp)
+  weights      fp32, of the recipe's Model built on `meta` for this rank's part (its two DualPipeV stages, the ep
+               rank holding the most experts), FSDP2's shards at world > 1 (the first rank's: ceil(d0 / n) rows; routed
+               experts, Model.parameter_rules' expert_ids, over dp*cp, the rest over dp*cp*ep)
   gradients    fp32, as the weights
   optimizer    AdamW's two fp32 moments of the same elements; with --optimizer muon, for Muon's matrices their
                fp32 momentum on the ranks that own them (core/muon.py; the most any rank owns: `muon_bytes`)
   weight cache one process: bf16 casts of the routed experts and LM head (core/weight_cache.py); fp8: the two FP8
                operands of every weight the recipe's enable_fp8 converts instead, with their scales (fp8_operand_bytes)
   activations  bytes held for backward after a forward (saved_bytes: tiny config, CPU) per token of a dense and an
-               MoE layer (+ per routed choice, received row) and per token and vocab entry of the head, scaled by
-               the slots a token fills (ModelConfig.slots_per_token), tokens, hidden_size / tiny's, 1/2 for bf16; pp > 1: as a DualPipeV stage holds them, for the
-               chunks of pp rank r's peak (core/pipeline.py), each with the state it handed to another rank
-  comm buffers MoE all-to-all rows (sent and received, tokens * slots_per_token * hidden); gathered per micro-batch: the two
-               largest FSDP2 units gathered and the largest unit's gradient before its reduce-scatter (compute dtype
+               MoE layer (+ per slot filled, ModelConfig.slots_per_token, and per received row) and per token and
+               vocab entry of the head, scaled by tokens, hidden_size / tiny's, 1/2 for bf16; pp > 1: the chunks of pp
+               rank r's peak as a DualPipeV stage holds them (core/pipeline.py), with the states they handed on
+  comm buffers MoE all-to-all rows (sent and received, tokens * slots_per_token * hidden); gathered per micro-batch:
+               the two largest FSDP2 units and the largest unit's gradient before its reduce-scatter (compute dtype
                + fp32); once per step: the largest unit's fp32 reduce-scatter input; Muon: its largest bucket's rows
 Gathered once per step (pp > 1, or --fsdp-gather step) the weight cache is the gathered stage (compute dtype) plus
 its FP8 operands, and the gradients add the unsharded ones, summed in fp32; gathered per micro-batch, the comm buffers
 add the largest weight's FP8 operands (made per use, none kept). Plus a reserve for the CUDA context and
 fragmentation. Weights, gradients, optimizer and weight cache are exact (tested against a built model, the optimizers
 on gloo ranks, FSDP2, the cache); activations exact on tiny configs, first-order on full ones (scaled by hidden size).
-Routed experts are the parameters whose Model.parameter_rules has expert_ids; the head is `lm_head`.
 """
 
 import itertools
@@ -167,7 +165,8 @@ def activation_calibration(mod, recompute: str, pipeline: bool = False, batch: i
     key = (mod.__name__, recompute, pipeline)
     if key not in _CALIBRATION:
         tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
-        seq, k, slots = tiny.calibration_seq_len, getattr(tiny, "num_experts_per_tok", 0), getattr(tiny, "slots_per_token", 0)
+        k, slots = getattr(tiny, "num_experts_per_tok", 0), getattr(tiny, "slots_per_token", 0)
+        seq = tiny.calibration_seq_len
         tokens = batch * seq
         moe_ids = [i for i in range(tiny.num_hidden_layers) if tiny.is_moe_layer(i)]
         dense_ids = [i for i in range(tiny.num_hidden_layers) if i not in moe_ids]
@@ -220,7 +219,7 @@ def saved_per_token_layer(mod, cfg, layout: Layout, pipeline: bool = False, moe:
 
 
 def fsdp_unit(name: str, expert: bool) -> str:
-    """The FSDP2 unit (core/fsdp.py:shard_model) of a parameter: its routed experts' module, a layer, embedding, root."""
+    """A parameter's FSDP2 unit (core/fsdp.py:shard_model): its routed experts' module, a layer, embedding, root."""
     parts = name.split(".")
     if expert:
         return name.rsplit(".", 1)[0]

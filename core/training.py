@@ -162,10 +162,8 @@ class StepDone:
 
 @dataclasses.dataclass
 class LossTerm:
-    """One named term of the training objective (Model.loss_terms). The step's objective is the sum over the terms
-    of weight x (the term's sums over every rank and micro-batch) / (its denominator over the global batch), so
-    every layout trains the same objective as one process (train.py counts the denominators before the first
-    backward). A term's sum on a rank is TrainOutput.terms[name] (pp: PipelineStage.post's terms)."""
+    """One named term of the training objective (Model.loss_terms): the step's objective sums weight x (its global
+    sum) / (its global denominator, counted before the first backward), so every layout trains one process's."""
 
     weight: float  # its coefficient; train.py --loss-weight NAME=W overrides it
     per: str | None  # the denominator: "tokens" (labels != -100), "micro_batches" (n_micro x dp x ep), the name
@@ -218,7 +216,8 @@ class ParamRule:
     # checkpointed per id, counted as experts by core/memory.py; their module holds nothing else); None: dense
     muon: dict  # the matrices --optimizer muon orthogonalises: {kind: ([S, A, B] view of the tensor, ids of the S
     # matrices or None)}, whole dim-0 rows each (core/muon.py); {}: AdamW trains it
-    init: typing.Callable  # init(tensor, generator) fills it in place (a routed expert's row at a time): normal, constant
+    init: typing.Callable  # init(tensor, generator) fills it in place (a routed expert's row at a time): normal(std),
+    # constant(value) or a function of your own
 
 
 def normal(std: float):

@@ -28,7 +28,7 @@ the step: train.py's three calls) with FSDPAdamW and with MuonAdamW (on FSDP2's 
 gradients of the recipe's model (--size tiny: its config_tiny.json; wide: its config.json with --layers layers,
 default 2), the two taking turns --rounds times; under torchrun --dp/--ep set the layout. --newton-schulz-share
 counts (no run) the Newton-Schulz FLOPs of one Muon step of each released model (recipes/*/config.json, every matrix
-Model.parameter_rules' muon names) against its training step's at launch.sh's GPU defaults on one 8-GPU node: 64 sequences
+of Model.parameter_rules' muon) against its training step's at launch.sh's GPU defaults on one 8-GPU node: 64 sequences
 of 4,096 tokens (flops_per_token).
 
 --train-ab A B runs train.py under torchrun (--nproc ranks, the layout flags after the others) with flag set A, then

@@ -24,7 +24,9 @@ the router `Router`, `MoE.route`; expert kinds `ModelConfig.num_choices` (the ro
 follows it); the running micro-batch `DecoderLayer.current_rope` (core.pipeline.running); loss terms
 `Model.loss_terms` (name -> weight, denominator) and their sums `Model.loss_sums`; per-token inputs made from whole
 sequences `Model.prepare_batch`; optional flags `Model.features`; statistics `Model.take_stats`; after each step
-`Model.after_step`; the shared checks' config `check_setup` (end of file).
+`Model.after_step`; each parameter's group, Muon matrices and init
+`Model.parameter_rules`; slots a token fills `ModelConfig.slots_per_token`; the shared checks' config
+`check_setup` (end of file).
 """
 
 import json
@@ -415,7 +417,7 @@ class Model(nn.Module):
     # optional training features this model has; train.py's check_run refuses a flag asking for another (one
     # error: line before any rank starts) and tests/recipe_checks.py skips its checks: expert_bias
     # (--expert-bias-rate, after_step), aux_loss (--aux-loss-coef), recompute (--recompute), fp8 (--fp8), muon
-    # (--optimizer muon: muon_matrices), document_mask (--document-mask). A variant whose features depend on the
+    # (--optimizer muon: parameter_rules), document_mask (--document-mask). A variant whose features depend on the
     # config makes this a property of self.cfg (train.py and the checks ask a model built on the meta device)
     features = frozenset({"expert_bias", "aux_loss", "recompute", "fp8", "muon", "document_mask"})
 
