@@ -7,6 +7,7 @@ line) on every recipe."""
 import dataclasses
 import runpy
 import sys
+import types
 import weakref
 from unittest import mock
 
@@ -187,6 +188,23 @@ def test_variable_slots_reach_the_estimate_and_flops():
     layout = memory.Layout(micro_batch=4, seq_len=128, bf16=False)
     assert memory.estimate(mod, cfg, layout)["comm_buffers"] == 4 * 4 * 128 * 1.5 * cfg.hidden_size * 4
     assert_activations_estimated(mod, cfg, ("none",), seed=2)
+
+
+def test_calibration_runs_at_the_length_the_model_declares(monkeypatch):
+    """ModelConfig.calibration_seq_len (64 by default) is the sequence length of every calibration run: a model whose
+    feature acts only on longer sequences declares more (here 96), and the saved bytes are measured at it."""
+    qwen3 = recipe_module("qwen3_30b_a3b")
+
+    class LongerConfig(qwen3.ModelConfig):
+        calibration_seq_len = 96
+
+    mod = types.ModuleType("calibrated_at_96")
+    mod.__dict__.update({k: v for k, v in vars(qwen3).items() if not k.startswith("__")}, ModelConfig=LongerConfig)
+    lengths, measure = [], memory.saved_bytes
+    recorded = lambda model, ids_BS, *stage: lengths.append(ids_BS.shape[1]) or measure(model, ids_BS, *stage)
+    monkeypatch.setattr(memory, "saved_bytes", recorded)
+    memory.activation_calibration(mod, "none")
+    assert lengths and set(lengths) == {96}, lengths
 
 
 @pytest.mark.parametrize("recipe", recipe_names() + ["variable_k"])
