@@ -35,16 +35,16 @@ from core.training import parameter_rules
 def shard_model(model: torch.nn.Module, mesh, bf16: bool, once: bool) -> list[FSDPModule]:
     """fully_shard the model's units in place over core.mesh.Mesh `mesh` (world > 1), gathered once per step or
     per micro-batch (module docstring); returns them, root last."""
-    per_micro_batch, dense_mesh = not once, mesh.replica_mesh()  # (dp, cp, ep) flattened
-    expert_mesh = mesh.device_mesh["dp", "cp"]._flatten("dp_cp")
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
-    shard = lambda module, mesh: fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=per_micro_batch)
     rules = parameter_rules(model)
     owners = {n.rsplit(".", 1)[0] for n, rule in rules.items() if rule.expert_ids is not None}  # (an MTP layer's too)
     for owner in owners:
         if dense := [n for n, rule in rules.items() if n.startswith(owner + ".") and rule.expert_ids is None]:
             raise ValueError(f"{owner} holds routed experts and dense {dense[0]}: FSDP2 shards a module over one "
                              f"mesh, so move the routed-expert parameters into a module of their own")
+    per_micro_batch, dense_mesh = not once, mesh.replica_mesh()  # (dp, cp, ep) flattened
+    expert_mesh = mesh.device_mesh["dp", "cp"]._flatten("dp_cp")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    shard = lambda module, mesh: fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=per_micro_batch)
     experts = [shard(module, expert_mesh) for name, module in model.named_modules() if name in owners]
     # the embedding is its own unit: FSDP2 keeps the root's gathered through the whole step
     chain = [shard(module, dense_mesh) for module in ([model.embed_tokens] if model.embed_tokens is not None else [])

@@ -282,3 +282,24 @@ def test_muon_refuses_column_splits():
         raise AssertionError("a column split was accepted")
     model.split = lambda name, t: {"top": (t[:3].unsqueeze(0), None), "bottom": (t[3:].unsqueeze(0), None)}
     assert len(muon.MuonAdamW(model, None, 1e-3, 0.1, (0.9, 0.95), 1e-8).owned) == 2  # a row split: accepted
+
+
+def test_routed_experts_beside_dense_parameters_are_refused():
+    """A module FSDP2 would have to shard over two meshes (a parameter declared routed next to a dense one) is
+    refused before any collective, in one line naming both and what to do."""
+    class Mixed(torch.nn.Module):  # mlp.weight declared a routed-expert tensor (2 experts), mlp.bias dense
+        def __init__(self):
+            super().__init__()
+            self.mlp = torch.nn.Linear(3, 2)
+
+        def parameter_rules(self, name, t):
+            return ParamRule([0, 1] if name == "mlp.weight" else None, {}, normal(0.02))
+
+    model = Mixed()
+    try:
+        fsdp.shard_model(model, None, bf16=False, once=False)
+    except ValueError as e:
+        assert "\n" not in str(e) and "mlp holds routed experts and dense mlp.bias" in str(e), e
+        assert "into a module of their own" in str(e)
+    else:
+        raise AssertionError("a module mixing routed-expert and dense parameters was sharded")
