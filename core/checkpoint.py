@@ -1,10 +1,8 @@
-"""Distributed training checkpoints with torch.distributed.checkpoint (DCP): <dir>/step_00000100/ holds one (model,
-optimizer, scheduler, data position, each rank's RNG, step), written as step_00000100.tmp/ (maybe in the background) and
-renamed once every rank is done: a crash leaves no partial step_* folder (a leftover .tmp is overwritten). Loading first
-checks every shard (check_files); `--resume auto` falls back past a damaged newest checkpoint with a warning line, an
-explicit --resume folder fails in one line. An empty --resume means auto after a torchrun restart, else it refuses a
-folder already holding checkpoints. DTensors of global shape (`FSDPAdamW.checkpoint_state`) let DCP reshard to any
-layout. Loading unpickles only DCP metadata classes, torch.Size and dtypes, values via torch.load(weights_only=True).
+"""Training checkpoints with torch.distributed.checkpoint (DCP): step_00000100/ holds model, optimizer, scheduler,
+data position, each rank's RNG and step, written as step_00000100.tmp/ (maybe in the background) and renamed once every
+rank is done. Loading checks every shard first (check_files); `--resume auto` falls back past a damaged newest one
+with a warning, an explicit folder fails in one line; an empty --resume means auto after a torchrun restart, else it
+refuses a folder holding checkpoints. Loading unpickles only DCP metadata classes, torch.Size and dtypes.
 """
 
 import io

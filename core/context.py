@@ -1,11 +1,8 @@
-"""How a sequence is split and gathered over context parallelism (cp), model-agnostic: cp rank r of a group keeps
-chunks r and 2*cp-1-r of the sequence's 2*cp (`split_for_cp`, global positions `cp_positions`), so every rank holds
-one early chunk (few visible keys under the causal mask) and one late one (many): equal work. A layer that needs
-the whole sequence all-gathers it in global order (`gather_sequence`): K and V side by side (`gather_kv`, one
-collective per layer), or MLA's latent + rope key (576 numbers per token for DeepSeek-V2-Lite instead of 5120),
-expanded on every rank; backward reduce-scatters each rank's chunks' gradients. cp = 1 skips the collective.
-Every cp rank reads the whole sequence before splitting it, so document ids (`doc_ids_from_eos`) and document
-starts (`document_starts`) cost no communication. Which attention kernel runs is core/attention.py's question.
+"""How a sequence is split and gathered over context parallelism (cp), model-agnostic (AGENTS.md's design): chunks
+r and 2*cp-1-r to cp rank r (`split_for_cp`, global positions `cp_positions`). A layer that needs the whole sequence
+all-gathers it in global order (`gather_sequence`; K and V side by side: `gather_kv`, one collective per layer),
+backward reduce-scatters each rank's chunks' gradients; cp = 1 skips the collective. Every cp rank reads the whole
+sequence before splitting it, so document ids and starts (`doc_ids_from_eos`, `document_starts`) cost nothing.
 
 Legend: B batch, S local sequence (this rank's tokens, = K / cp), K whole sequence, G key/value heads, D head dim
 of k, E head dim of v.

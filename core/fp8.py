@@ -16,10 +16,9 @@ reduction dim, weights in 128x128 blocks (one quantisation serves forward and dg
 transpose's), the wgrad in FP8 too, both operands in 1x128 tiles along the tokens; last tiles / blocks may be partial.
 `block_scaled_mm`: F.scaled_mm with BlockWise1x128 / BlockWise128x128 scales on CUDA (one GEMM per expert), else fp32.
 
-Weight operands (`weight_operand`, cached by core/weight_cache.py): quantised from the weight in the compute dtype at
-its first use after an update, reused by every micro-batch. Under FSDP2 that is the gathered copy (bf16 on the bf16
-path, as one process casts: every layout quantises the same values), at pp > 1 gathered and cached for the step, at
-pp = 1 freed after each forward and backward: each use quantises (a pass beside FSDP2's all-gather) and keeps nothing.
+Weight operands (`weight_operand`, cached by core/weight_cache.py): quantised from the weight in the compute dtype
+(under FSDP2 the gathered copy, as one process casts) at its first use after an update; kept for the step, or made
+per use at pp = 1 under FSDP2 (freed after each forward and backward).
 The GEMMs are torch custom ops, opaque to torch.compile: the lookup runs at run time, also inside a compiled graph.
 """
 

@@ -1,11 +1,7 @@
-"""The data-parallel engine: FSDP2 (`fully_shard`) shards fp32 weights, gradients and optimizer state over each
-parameter's replicas in every run of more than one rank; one process trains the same optimizer on plain tensors.
-
-Units (`shard_model`): each module of routed experts (`*.mlp.experts`) over (dp, cp); each decoder layer's other
-parameters, the embedding, and the root (final norm, head, any other layer), each over (dp, cp, ep). A parameter is a DTensor,
-Shard(0): ceil(d0 / n) rows, so an expert tensor [L, H, J] splits by whole experts. Weights are gathered in bf16
-(on the bf16 path), gradients reduce-scattered in fp32 and summed (divide factor 1: losses are pre-divided by the
-global label count).
+"""The data-parallel engine (AGENTS.md's design, FSDP2). Units (`shard_model`): each module of routed experts
+(Model.parameter_rules' expert_ids) over (dp, cp); each decoder layer's rest, the embedding and the root over (dp, cp,
+ep). Shard(0): ceil(d0 / n) rows, so [L, H, J] experts split by whole experts; gradients reduce-scattered in fp32 and
+summed (losses are pre-divided by the global label count).
 
 When shards are gathered and gradients reduced, in a step of n_micro micro-batches (train.py --fsdp-gather):
   per micro-batch (pp = 1's default)  FSDP2's own hooks: a unit is gathered before its forward, freed after it,
@@ -22,10 +18,8 @@ When shards are gathered and gradients reduced, in a step of n_micro micro-batch
            Micro-batches sum in fp32 on the bf16 path: a hook on each gathered parameter moves every gradient it
            receives into FSDP2's fp32 accumulator (`_in_fp32`).
 
-Optimizer (`FSDPAdamW`): torch's AdamW on the local shards (views of FSDP2's storage); the gradient norm sums every
-rank's shards, each element once; core/muon.py's MuonAdamW adds Muon for the weight matrices. Checkpoints: dense
-tensors as DTensors of the parameter's shape, routed experts one entry per global expert (`name[e]`), so they
-reshard to any layout and placement; flat Adam moments of older checkpoints load through core/checkpoint.py.
+`FSDPAdamW`: torch's AdamW on the local shards (views of FSDP2's storage), checkpoints as AGENTS.md's design says
+(flat Adam moments of older checkpoints: core/checkpoint.py).
 """
 
 import math
@@ -35,16 +29,23 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
+from core.training import parameter_rules
+
 
 def shard_model(model: torch.nn.Module, mesh, bf16: bool, once: bool) -> list[FSDPModule]:
     """fully_shard the model's units in place over core.mesh.Mesh `mesh` (world > 1), gathered once per step or
     per micro-batch (module docstring); returns them, root last."""
+    rules = parameter_rules(model)
+    owners = {n.rsplit(".", 1)[0] for n, rule in rules.items() if rule.expert_ids is not None}  # (an MTP layer's too)
+    for owner in owners:
+        if dense := [n for n, rule in rules.items() if n.startswith(owner + ".") and rule.expert_ids is None]:
+            raise ValueError(f"{owner} holds routed experts and dense {dense[0]}: FSDP2 shards a module over one "
+                             f"mesh, so move the routed-expert parameters into a module of their own")
     per_micro_batch, dense_mesh = not once, mesh.replica_mesh()  # (dp, cp, ep) flattened
     expert_mesh = mesh.device_mesh["dp", "cp"]._flatten("dp_cp")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     shard = lambda module, mesh: fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=per_micro_batch)
-    experts = [shard(module, expert_mesh) for name, module in model.named_modules()
-               if name.endswith(".mlp.experts")]  # (an MTP layer's too)
+    experts = [shard(module, expert_mesh) for name, module in model.named_modules() if name in owners]
     # the embedding is its own unit: FSDP2 keeps the root's gathered through the whole step
     chain = [shard(module, dense_mesh) for module in ([model.embed_tokens] if model.embed_tokens is not None else [])
              + list(model.layers.values()) + [model]]  # in forward order, the root last
@@ -147,8 +148,8 @@ class FSDPAdamW:
         self.buffers = [n for n in model.state_dict() if n not in self.params]  # persistent (expert biases)
         with torch.no_grad():  # views of FSDP2's sharded storage (or of the parameter)
             self.local = {n: p.to_local() if isinstance(p, DTensor) else p.detach() for n, p in self.params.items()}
-        self.expert_ids = {n: model.get_submodule(n.rsplit(".", 1)[0]).expert_ids
-                           for n in self.params if ".mlp.experts." in n}
+        self.expert_ids = {n: rule.expert_ids for n, rule in parameter_rules(model).items()
+                           if rule.expert_ids is not None}
         self.adamw = [n for n in self.params if n not in set(skip)]
         on_gpu = next(iter(self.local.values())).device.type == "cuda"
         groups = [{"params": [self.local[n] for n in self.adamw if self.params[n].ndim >= 2], "weight_decay": weight_decay},

@@ -1,11 +1,9 @@
 """Hugging Face safetensors folders: read only the tensors a (partial) model needs, write a loadable folder.
 
-A checkpoint is either one `model.safetensors` or shards listed by `model.safetensors.index.json`. Reading goes
-tensor by tensor through `safe_open`, so a pipeline stage or an expert shard never materialises the rest of the
-checkpoint. Each recipe's load/save functions map its own parameter names onto these readers and writers; nothing
-here knows about a model. Released checkpoints may store matrices in MXFP4 (OCP microscaling FP4: GPT-OSS experts);
-`dequantize_mxfp4` decodes that storage format. FP8 e4m3 matrices with a `*_scale_inv` per block (DeepSeek-V3, Kimi
-K2) are dequantised by the reader itself (`dequantize_fp8_blocks`), so every recipe loads them.
+One `model.safetensors` or shards listed by `model.safetensors.index.json`, read tensor by tensor through
+`safe_open` (a pipeline stage or an expert shard never materialises the rest); nothing here knows about a model.
+MXFP4 matrices (OCP microscaling FP4: GPT-OSS experts) decode by `dequantize_mxfp4`; FP8 e4m3 ones with a
+`*_scale_inv` per block (DeepSeek-V3, Kimi K2) are dequantised by the reader itself (`dequantize_fp8_blocks`).
 """
 
 import json

@@ -3,28 +3,26 @@ Model-agnostic (functions take the recipe's model module and a config); `check_t
 `python -m tools.estimate_memory` prints the table.
 
 Components of the most loaded pipeline rank (every pp rank is built; the largest total is reported):
-  weights      fp32 master parameters of the recipe's Model built on `meta` for this rank's part (its two
-               DualPipeV stages, the ep rank holding the most experts, embedding and head on pp rank 0), sharded
-               by FSDP2 (core/fsdp.py) when the world has more than one rank: ceil(d0 / n) rows of each parameter
-               on the first rank of its shard group (dense over dp*cp*ep, routed experts over dp*cp)
+  weights      fp32, of the recipe's Model built on `meta` for this rank's part (its two DualPipeV stages, the ep
+               rank holding the most experts), FSDP2's shards at world > 1 (the first rank's: ceil(d0 / n) rows; routed
+               experts, Model.parameter_rules' expert_ids, over dp*cp, the rest over dp*cp*ep)
   gradients    fp32, as the weights
   optimizer    AdamW's two fp32 moments of the same elements; with --optimizer muon, for Muon's matrices their
                fp32 momentum on the ranks that own them (core/muon.py; the most any rank owns: `muon_bytes`)
   weight cache one process: bf16 casts of the routed experts and LM head (core/weight_cache.py); fp8: the two FP8
                operands of every weight the recipe's enable_fp8 converts instead, with their scales (fp8_operand_bytes)
   activations  bytes held for backward after a forward (saved_bytes: tiny config, CPU) per token of a dense and an
-               MoE layer (+ per routed choice, received row) and per token and vocab entry of the head, scaled by
-               top-k, tokens, hidden_size / tiny's, 1/2 for bf16; pp > 1: as a DualPipeV stage holds them, for the
-               chunks of pp rank r's peak (core/pipeline.py), each with the state it handed to another rank
-  comm buffers MoE all-to-all rows (sent and received, tokens * top-k * hidden); gathered per micro-batch: the two
-               largest FSDP2 units gathered and the largest unit's gradient before its reduce-scatter (compute dtype
+               MoE layer (+ per slot filled, ModelConfig.slots_per_token, and per received row) and per token and
+               vocab entry of the head, scaled by tokens, hidden_size / tiny's, 1/2 for bf16; pp > 1: the chunks of pp
+               rank r's peak as a DualPipeV stage holds them (core/pipeline.py), with the states they handed on
+  comm buffers MoE all-to-all rows (sent and received, tokens * slots_per_token * hidden); gathered per micro-batch:
+               the two largest FSDP2 units and the largest unit's gradient before its reduce-scatter (compute dtype
                + fp32); once per step: the largest unit's fp32 reduce-scatter input; Muon: its largest bucket's rows
 Gathered once per step (pp > 1, or --fsdp-gather step) the weight cache is the gathered stage (compute dtype) plus
 its FP8 operands, and the gradients add the unsharded ones, summed in fp32; gathered per micro-batch, the comm buffers
 add the largest weight's FP8 operands (made per use, none kept). Plus a reserve for the CUDA context and
 fragmentation. Weights, gradients, optimizer and weight cache are exact (tested against a built model, the optimizers
 on gloo ranks, FSDP2, the cache); activations exact on tiny configs, first-order on full ones (scaled by hidden size).
-Parameter names follow the recipes' convention: routed experts under `.mlp.experts.`, the head is `lm_head`.
 """
 
 import itertools
@@ -39,6 +37,7 @@ from core.fp8 import BLOCK, FP8Linear
 from core.muon import assign_owners, matrix_rows, newton_schulz_flops
 from core.pipeline import _forward_steps, _Tape, split_layers  # (saved_bytes runs a stage as the engine does)
 from core.placement import Placement
+from core.training import parameter_rules
 
 GIB = 2**30
 BUCKET_BYTES = 256 << 20  # core/muon.py:MuonAdamW's default bucket_bytes
@@ -123,7 +122,7 @@ def saved_bytes(model, input_ids_BS, stage_cls=None) -> tuple[int, int]:
     """Bytes a forward (fp32, CPU) leaves held for backward, each storage once (by identity: freed ones' addresses are
     reused) at its size when it ends, weights excluded: what autograd still holds of what forward_train saved, or of
     the model run as one DualPipeV stage (stage_cls: the recipe's PipelineStage) plus what its tape holds; and of them,
-    the bytes of received dispatch rows (core/moe.py: [Q, H + k], or [Q, H] views)."""
+    the bytes of received dispatch rows (core/moe.py: [Q, H + k], k the router's id columns, or [Q, H] views)."""
     saved, tensors = weakref.WeakSet(), []
 
     def pack(t):
@@ -157,15 +156,18 @@ def saved_bytes(model, input_ids_BS, stage_cls=None) -> tuple[int, int]:
 _CALIBRATION = {}
 
 
-def activation_calibration(mod, recompute: str, pipeline: bool = False, batch: int = 2, seq: int = 64) -> tuple:
-    """(tiny config, saved bytes per token of a dense decoder layer, of an MoE layer (at k = 0; per routed choice,
-    from a run at twice the tiny k; per row received by the experts' rank, one per token in one process), per token
-    and vocab entry of the head), on CPU in fp32 (the model minus one without layers gives the layers, the dense
-    ones alone the dense ones; seq 64: whole linear-attention chunks); pipeline: as a DualPipeV stage holds them."""
+def activation_calibration(mod, recompute: str, pipeline: bool = False, batch: int = 2) -> tuple:
+    """(tiny config, saved bytes per token of a dense decoder layer, of an MoE layer (at 0 slots; per slot filled,
+    from a run at twice the tiny num_experts_per_tok; per row received by the experts' rank, one per token in one
+    process), per token and vocab entry of the head), on CPU in fp32 (the model minus one without layers gives the
+    layers, the dense ones alone the dense ones), at the tiny config's calibration_seq_len tokens per sequence (64:
+    whole linear-attention chunks; longer where a feature acts only then); pipeline: as a DualPipeV stage holds them."""
     key = (mod.__name__, recompute, pipeline)
     if key not in _CALIBRATION:
         tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
-        tokens, k = batch * seq, getattr(tiny, "num_experts_per_tok", 0)
+        k, slots = getattr(tiny, "num_experts_per_tok", 0), getattr(tiny, "slots_per_token", 0)
+        seq = tiny.calibration_seq_len
+        tokens = batch * seq
         moe_ids = [i for i in range(tiny.num_hidden_layers) if tiny.is_moe_layer(i)]
         dense_ids = [i for i in range(tiny.num_hidden_layers) if i not in moe_ids]
         measure = lambda cfg, layers=None: saved_bytes(mod.Model(cfg, layers=layers, recompute=recompute), ids,
@@ -179,38 +181,48 @@ def activation_calibration(mod, recompute: str, pipeline: bool = False, batch: i
             moe, per_choice = full - head - dense - received, 0.0
             if k:
                 try:
-                    more, more_received = measure(replace(tiny, num_experts_per_tok=2 * k))
-                    per_choice = (more - more_received - head - dense - moe) / (k * tokens * len(moe_ids))
+                    more_cfg = replace(tiny, num_experts_per_tok=2 * k)
+                    more, more_received = measure(more_cfg)
+                    per_choice = (more - more_received - head - dense - moe) / \
+                        ((more_cfg.slots_per_token - slots) * tokens * len(moe_ids))
                 except (ValueError, RuntimeError):  # 2k choices not allowed (expert groups, too few experts)
                     pass
-        per_moe = moe / (tokens * max(len(moe_ids), 1)) - per_choice * k
-        per_dense = dense / (tokens * len(dense_ids)) if dense_ids else per_moe  # none in tiny: an MoE layer at k = 0
+        per_moe = moe / (tokens * max(len(moe_ids), 1)) - per_choice * slots
+        per_dense = dense / (tokens * len(dense_ids)) if dense_ids else per_moe  # none in tiny: an MoE layer at 0 slots
         _CALIBRATION[key] = (tiny, per_dense, (per_moe, per_choice, received / (tokens * max(len(moe_ids), 1))),
                              head / (tokens * tiny.vocab_size))
     return _CALIBRATION[key]
 
 
+def rank_hit_chance(num_experts: int, slots: float, local: int) -> float:
+    """The chance that a token's experts (`slots` distinct of E, uniform; a mean: floor and ceil mixed to give it)
+    include one of a rank's `local` experts: 1 - C(E - L, k) / C(E, k)."""
+    k, frac = int(slots), slots - int(slots)
+    miss = lambda k: math.comb(num_experts - local, k) / math.comb(num_experts, k)
+    return 1 - (1 - frac) * miss(k) - (frac * miss(k + 1) if frac else 0)
+
+
 def received_rows_per_token(cfg, layout: Layout) -> float:
     """Rows the most loaded ep rank receives per token of its own (deduplicated dispatch, core/moe.py) under uniform
-    routing: each of the ep ranks' tokens once if any of its k experts is among this rank's L of E."""
-    E, k = cfg.num_experts, getattr(cfg, "num_experts_per_tok", 0)
+    routing: each of the ep ranks' tokens once if any of its experts is among this rank's L of E."""
+    E, slots = cfg.num_experts, getattr(cfg, "slots_per_token", 0)
     L = max(len(e) for e in Placement.parse(layout.expert_placement, E, layout.ep).experts)
-    return layout.ep * (1 - math.comb(E - L, k) / math.comb(E, k)) if k else 1.0
+    return layout.ep * rank_hit_chance(E, slots, L) if slots else 1.0
 
 
 def saved_per_token_layer(mod, cfg, layout: Layout, pipeline: bool = False, moe: bool = True) -> float:
     """fp32 bytes autograd keeps (pipeline: a DualPipeV stage holds) per token in an MoE decoder layer, for cfg's
-    top-k and the rows this layout's most loaded ep rank receives, or in a dense one, at the tiny config's width."""
+    slots per token and the rows this layout's most loaded ep rank receives, or in a dense one, at tiny's width."""
     _, per_dense, (per_moe, per_choice, per_row), _ = activation_calibration(mod, layout.recompute, pipeline)
-    k = getattr(cfg, "num_experts_per_tok", 0)
-    return per_moe + per_choice * k + per_row * received_rows_per_token(cfg, layout) if moe else per_dense
+    slots = getattr(cfg, "slots_per_token", 0)
+    return per_moe + per_choice * slots + per_row * received_rows_per_token(cfg, layout) if moe else per_dense
 
 
-def fsdp_unit(name: str) -> str:
-    """The FSDP2 unit (core/fsdp.py:shard_model) of a parameter: a layer's experts or rest, embedding, root."""
+def fsdp_unit(name: str, expert: bool) -> str:
+    """A parameter's FSDP2 unit (core/fsdp.py:shard_model): its routed experts' module, a layer, embedding, root."""
     parts = name.split(".")
-    if ".mlp.experts." in name:
-        return name.split(".mlp.experts.")[0] + ".experts"
+    if expert:
+        return name.rsplit(".", 1)[0]
     return parts[0] if parts[0] == "embed_tokens" else "root" if parts[0] != "layers" else f"layers.{parts[1]}"
 
 
@@ -224,9 +236,9 @@ def muon_bytes(model, layout: Layout) -> tuple[list[int], int]:
     ep, n_expert = layout.ep, layout.dp * layout.cp
     counts = [len(e) for e in Placement.parse(layout.expert_placement, model.cfg.num_experts, ep).experts]
     flops, held, spanning = [0] * (n_expert * ep), [0] * (n_expert * ep), []
-    for name, p in model.named_parameters():
-        expert, row = ".mlp.experts." in name, p.numel() // p.shape[0] if p.ndim else 1
-        for kind, (v_SAB, _) in model.muon_matrices(name, p).items():
+    for (name, p), rule in zip(model.named_parameters(), parameter_rules(model).values()):
+        expert, row = rule.expert_ids is not None, p.numel() // p.shape[0] if p.ndim else 1
+        for kind, (v_SAB, _) in rule.muon.items():
             cost, numel = newton_schulz_flops(*v_SAB.shape[1:]), v_SAB.shape[1] * v_SAB.shape[2]
             for s in range(v_SAB.shape[0]):
                 first, last = matrix_rows(name, kind, v_SAB, s, row)
@@ -261,14 +273,14 @@ def fsdp_bytes(model, layout: Layout) -> dict:
     n_dense, n_expert = layout.dp * layout.cp * layout.ep, layout.dp * layout.cp
     compute = 2 if layout.bf16 else 4  # bytes of a gathered weight (MixedPrecisionPolicy param_dtype)
     shards = adam = cache = unsharded_grads = fp8_per_use = 0
-    muon = {n for n, p in model.named_parameters() if layout.optimizer == "muon" and model.muon_matrices(n, p)}
-    units, fp8 = {}, fp8_weights(model) if layout.fp8 else set()
+    rules, units, fp8 = parameter_rules(model), {}, fp8_weights(model) if layout.fp8 else set()
+    muon = {n for n, rule in rules.items() if layout.optimizer == "muon" and rule.muon}
     for name, p in model.named_parameters():
-        expert = ".mlp.experts." in name
+        expert = rules[name].expert_ids is not None
         rows = p.shape[0] if p.ndim else 1
         shard = math.ceil(rows / (n_expert if expert else n_dense)) * (p.numel() // rows)
         shards, adam = shards + shard, adam + (0 if name in muon else shard)
-        units[fsdp_unit(name)] = units.get(fsdp_unit(name), 0) + p.numel()
+        units[fsdp_unit(name, expert)] = units.get(fsdp_unit(name, expert), 0) + p.numel()
         if layout.once:  # gathered once per step, its FP8 operands made once per step
             cache += compute * p.numel() + (fp8_operand_bytes(p.shape, layout.fp8_recipe) if name in fp8 else 0)
             unsharded_grads += 4 * p.numel()  # summed in fp32 (each bf16 gradient moves there as it arrives)
@@ -287,11 +299,11 @@ def param_bytes(model, layout: Layout) -> dict:
     if layout.fsdp:
         return fsdp_bytes(model, layout)
     weights = adam = cache = 0
-    fp8 = fp8_weights(model) if layout.fp8 else set()
+    fp8, rules = fp8_weights(model) if layout.fp8 else set(), parameter_rules(model)
     for name, p in model.named_parameters():  # one process: every tensor whole, plain
-        expert = ".mlp.experts." in name
+        expert = rules[name].expert_ids is not None
         weights += 4 * p.numel()
-        muon = layout.optimizer == "muon" and model.muon_matrices(name, p)
+        muon = layout.optimizer == "muon" and rules[name].muon
         adam += (4 if muon else 8) * p.numel()
         if name in fp8:
             cache += fp8_operand_bytes(p.shape, layout.fp8_recipe)
@@ -346,8 +358,8 @@ def estimate(mod, cfg, layout: Layout, pp_rank: int | None = None) -> dict:
         else:
             out["activations"] = int(chunk(layer_ids, head))
         moe_layers = sum(cfg.is_moe_layer(i) for i in layer_ids)
-        rows = tokens * cfg.num_experts_per_tok * cfg.hidden_size * act_bytes if moe_layers else 0
-        out["comm_buffers"] = 4 * rows + fsdp_buffers  # dispatch + combine, send + recv; FSDP2's units in flight
+        rows = tokens * cfg.slots_per_token * cfg.hidden_size * act_bytes if moe_layers else 0
+        out["comm_buffers"] = int(4 * rows) + fsdp_buffers  # dispatch + combine, send + recv; FSDP2's units in flight
         out["total"] = sum(out.values())
         out["pp_rank"] = pp_rank
         if best is None or out["total"] > best["total"]:

@@ -1,9 +1,5 @@
-"""The 4-D device mesh (pp, dp, cp, ep), built from torchrun's environment.
-
-world = pp * dp * cp * ep. Backend nccl on GPU, gloo on CPU. World size 1 builds no process group: every group is
-then None, which the helpers read as "nothing to reduce". Rank order is row-major over (pp, dp, cp, ep): ep
-innermost so that the expert all-to-all stays inside a node, pp outermost so that only pipeline neighbours talk
-across nodes.
+"""The 4-D device mesh (pp, dp, cp, ep), built from torchrun's environment (rank order, world size 1: AGENTS.md's
+design); nccl on GPU, gloo on CPU. A group of None means "nothing to reduce".
 """
 
 import math

@@ -8,9 +8,10 @@ Muon (Moonlight's variant: torch.optim.Muon, adjust_lr_fn="match_rms_adamw") upd
     O <- NS5(U / ||U||_F)                           5 quintic Newton-Schulz steps (3.4445, -4.7750, 2.0315): ~U V^T
     W <- W (1 - lr wd) - lr 0.2 sqrt(max(A, B)) O   decoupled weight decay; the update's RMS matched to AdamW's
 
-so one learning rate and schedule serve both groups. The model splits tensors into matrices (`split(name, t)`, each
-recipe's `Model.muon_matrices`: transformers' layout, so [L, H, 2I] experts are 2L matrices). Newton-Schulz runs in bf16
-on GPU (as Moonlight and torch), in fp32 on CPU (matching torch.optim.Muon to rounding); weights and momentum stay fp32.
+so one learning rate and schedule serve both groups. The model splits tensors into matrices (`ParamRule.muon` of
+each recipe's `Model.parameter_rules`: transformers' layout, so [L, H, 2I] experts are 2L matrices). Newton-Schulz runs
+in bf16 on GPU (as Moonlight and torch), in fp32 on CPU (matching torch.optim.Muon to rounding); weights and momentum
+stay fp32.
 
 Distribution. Newton-Schulz needs whole matrices, and FSDP2 holds each parameter as whole dim-0 rows, ceil(d0 / n)
 per rank of its shard group. Where a matrix lies follows from its [S, A, B] view of a meta tensor of the parameter's
@@ -22,11 +23,8 @@ shape: matrix s covers the flat elements from offset + s stride0 on, hence a ran
     the matrices each rank already owns in its rows; the same on every rank). Per bucket one all-to-all hands each
     owner the gradient rows of its matrices, a second returns the update rows to every holder.
   - Any other matrix (part of several rows, e.g. a column split of a 2-D weight) is refused at construction.
-Each owner keeps its matrices' momentum and orthogonalises all it owns of one shape as one batched stack. The
-gradients are the clipped local shards, so the norm counts each element once.
-
-Checkpoints: FSDPAdamW's, plus every matrix's momentum whole, written by its owner under
-`muon_momentum.<parameter name>[.<kind>][.expert<global id>]`, which any other layout's owners read.
+Each owner keeps its matrices' momentum and orthogonalises all it owns of one shape as one batched stack. Checkpoints:
+FSDPAdamW's, plus each matrix's momentum under `muon_momentum.<parameter name>[.<kind>][.expert<global id>]`.
 
 Tensor names: S matrices stacked (the experts of one parameter, or 1), k of them in one entry, A x B a matrix.
 """
@@ -38,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from core.fsdp import FSDPAdamW, local_rows
+from core.training import parameter_rules
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -83,8 +82,8 @@ def matrix_rows(name: str, kind: str, view_SAB: torch.Tensor, s: int, row: int) 
     first, last = start // row, (end - 1) // row + 1
     if last - first > 1 and (start % row or end % row or math.prod(view_SAB.shape[1:]) != end - start):
         raise ValueError(f"--optimizer muon: matrix {s} ({kind or 'whole'}) of {name} {tuple(view_SAB.shape[1:])} covers "
-                         f"part of several dim-0 rows, which FSDP2 shards whole; declare it in Model.muon_matrices as "
-                         f"whole rows (store the weight transposed, or split a fused weight along dim 0)")
+                         f"part of several dim-0 rows, which FSDP2 shards whole; declare it in Model.parameter_rules "
+                         f"as whole rows (store the weight transposed, or split a fused weight along dim 0)")
     return first, last
 
 
@@ -142,12 +141,12 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
 class MuonAdamW(FSDPAdamW):
     """Muon on `split`'s matrices, FSDPAdamW (same calls) on the rest; one lr, scheduled via `self.optimizer`."""
 
-    def __init__(self, model, units, split, lr: float, weight_decay: float, betas, eps: float, momentum: float = 0.95,
+    def __init__(self, model, units, lr: float, weight_decay: float, betas, eps: float, momentum: float = 0.95,
                  norm_group=None, once: bool = False, ns_dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20):
-        """split(name, t) -> {kind: ([S, A, B] view of t, the S matrices' global expert ids or None)}, {} for an AdamW
-        parameter (t: a meta tensor of the parameter's shape). ns_dtype: default bf16 on GPU, fp32 on CPU."""
+        """Muon on each parameter's ParamRule.muon matrices (views of a meta tensor of its shape). ns_dtype: default
+        bf16 on GPU, fp32 on CPU."""
         params = dict(model.named_parameters())
-        self.views = {n: v for n, p in params.items() if (v := split(n, torch.empty(p.shape, device="meta")))}
+        self.views = {n: rule.muon for n, rule in parameter_rules(model).items() if rule.muon}
         super().__init__(model, units, lr, weight_decay, betas, eps, norm_group, once, skip=self.views)
         self.momentum, self.weight_decay, self.buckets = momentum, weight_decay, []
         self.device = device = next(iter(self.local.values())).device

@@ -1,6 +1,6 @@
 """What every train.py needs around the model: flags from a dataclass (--help shows each field's comment), the lr
-schedule, the check of the flags a model may not support (check_features), the objective's loss terms (LossTerm)
-and what the model is told after each step (StepDone)."""
+schedule, the check of the flags a model may not support (check_features), the objective's loss terms (LossTerm),
+what the model is told after each step (StepDone) and what it declares of each parameter (ParamRule)."""
 
 import argparse
 import ast
@@ -12,6 +12,7 @@ import pathlib
 import textwrap
 import tokenize
 import typing
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -161,10 +162,8 @@ class StepDone:
 
 @dataclasses.dataclass
 class LossTerm:
-    """One named term of the training objective (Model.loss_terms). The step's objective is the sum over the terms
-    of weight x (the term's sums over every rank and micro-batch) / (its denominator over the global batch), so
-    every layout trains the same objective as one process (train.py counts the denominators before the first
-    backward). A term's sum on a rank is TrainOutput.terms[name] (pp: PipelineStage.post's terms)."""
+    """One named term of the training objective (Model.loss_terms): the step's objective sums weight x (its global
+    sum) / (its global denominator, counted before the first backward), so every layout trains one process's."""
 
     weight: float  # its coefficient; train.py --loss-weight NAME=W overrides it
     per: str | None  # the denominator: "tokens" (labels != -100), "micro_batches" (n_micro x dp x ep), the name
@@ -207,3 +206,51 @@ def loss_denominators(terms: dict[str, LossTerm], labels_BS, extras: list[dict],
 def objective(sums: dict, terms: dict[str, LossTerm], denominators: dict):
     """One micro-batch's share of the step's objective: sum of weight x sum / denominator over the terms."""
     return sum(t.weight * sums[name] / denominators[name] for name, t in terms.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamRule:
+    """What a model declares of one parameter (Model.parameter_rules); core reads it, never the parameter's name."""
+
+    expert_ids: list[int] | None  # routed experts: the global id of each dim-0 row (sharded and reduced over dp x cp,
+    # checkpointed per id, counted as experts by core/memory.py; their module holds nothing else); None: dense
+    muon: dict  # the matrices --optimizer muon orthogonalises: {kind: ([S, A, B] view of the tensor, ids of the S
+    # matrices or None)}, whole dim-0 rows each (core/muon.py); {}: AdamW trains it
+    init: typing.Callable  # init(tensor, generator) fills it in place (a routed expert's row at a time): normal(std),
+    # constant(value) or a function of your own
+
+
+def normal(std: float):
+    return lambda t, gen: t.normal_(0.0, std, generator=gen)
+
+
+def constant(value: float):
+    return lambda t, gen: t.fill_(value)
+
+
+def default_rule(model, name: str, t: torch.Tensor, std: float) -> ParamRule:
+    """The rules the recipes' names imply: routed experts under `.mlp.experts.` (ids: their module's expert_ids), a
+    3-D one a matrix per expert; Muon for other 2-D weights but the embedding, LM head and router (`mlp.gate`); norm
+    weights ones, biases zeros, the rest Normal(0, std)."""
+    ids = model.get_submodule(name.rsplit(".", 1)[0]).expert_ids if ".mlp.experts." in name else None
+    adamw = name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight"))
+    muon = ({"": (t, ids)} if t.ndim == 3 else {}) if ids is not None else \
+        {"": (t.unsqueeze(0), None)} if t.ndim == 2 and not adamw else {}
+    init = constant(1.0) if name.endswith("norm.weight") else constant(0.0) if name.endswith(".bias") else normal(std)
+    return ParamRule(ids, muon, init)
+
+
+def parameter_rules(model) -> dict[str, ParamRule]:
+    """Every parameter's rule, declared on a meta tensor of its shape (a sharded one's too: views stay whole)."""
+    return {n: model.parameter_rules(n, torch.empty(p.shape, device="meta")) for n, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def init_parameters(model, seed: int) -> None:
+    """Each parameter by its rule's init, from a generator seeded by `seed` and its name (a routed expert's row: with
+    its global id), so a partial model (pipeline stage, any expert placement) gets its part of the full model's."""
+    for name, p in model.named_parameters():
+        rule = None if p.is_meta else model.parameter_rules(name, p)
+        for j, block in enumerate([] if rule is None else p if rule.expert_ids is not None else [p]):
+            key = name if rule.expert_ids is None else f"{name}.{rule.expert_ids[j]}"
+            rule.init(block, torch.Generator(p.device).manual_seed(seed ^ zlib.crc32(key.encode())))

@@ -43,7 +43,7 @@ from core.data import TokenLoader, positions_in_documents, write_shards
 from core.hf_io import CheckpointReader
 from core.mesh import build_mesh
 from core.pipeline import split_layers
-from core.training import declared, objective, parse_args
+from core.training import declared, objective, parameter_rules, parse_args
 from tests.multiproc import TIMEOUT_S, start_ranks
 from tests.test_train import (
     LAYOUT_TOLERANCE,
@@ -532,11 +532,12 @@ def model_grads_worker(config_path, cp: int, ep: int, seq_len: int, recipe: str,
         with torch.no_grad():
             found = {**{label(n): outs[r].terms[n].detach() for n in terms}, "expert load": loads[r],
                      "logits (whole sequences)": m(ids[2 * r:2 * r + 2])}
-        for name, p in m.named_parameters():
-            experts = ".mlp.experts." in name
+        for name, p in m.named_parameters():  # a routed expert's (Model.parameter_rules): this ep rank's rows
+            experts = routed[name]
             found["grad " + name] = p.grad[held_experts(cfg.num_experts, ep, mesh.coord("ep"))] if experts else p.grad
         return found
 
+    routed = {n: rule.expert_ids is not None for n, rule in parameter_rules(full).items()}
     ref64 = one_process(copy.deepcopy(full).double())
     ref = one_process(full)
     positions_BS = cp_positions(seq_len, cp_rank, cp)[None].expand(2, -1)
@@ -558,7 +559,7 @@ def model_grads_worker(config_path, cp: int, ep: int, seq_len: int, recipe: str,
         got["logits (whole sequences)"] = model(ids[2 * r:2 * r + 2])
     for name, p in model.named_parameters():
         grad = p.grad.clone()  # summed over the ranks replicating it: (cp) for experts, (cp, ep) for the rest
-        dist.all_reduce(grad, group=mesh.group("dp", "cp") if ".mlp.experts." in name else mesh.group("dp", "cp", "ep"))
+        dist.all_reduce(grad, group=mesh.group("dp", "cp") if routed[name] else mesh.group("dp", "cp", "ep"))
         got["grad " + name] = grad
     return {k: (rel_err(got[k], ref[k]), rel_err(ref[k], ref64[k])) for k in got}
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from core import fp8, fsdp, memory, muon
+from core.training import ParamRule, normal
 from tests.multiproc import one_thread, start_ranks
 from tests.recipe_checks import write_counting_data
 from tests.test_fp8 import FP8_STEPS, fp8_layout_errors
@@ -266,15 +267,39 @@ def test_four_ranks_equal_one_process(tiny_train_setup, tmp_path):
 def test_muon_refuses_column_splits():
     """A Muon matrix covering part of several dim-0 rows (a column split of a 2-D weight), which FSDP2 cannot hand
     one owner whole, is refused at construction in one line naming the parameter and what to declare."""
-    model = torch.nn.Linear(8, 6)
-    split = lambda name, t: {"left": (t[:, :4].unsqueeze(0), None)} if name == "weight" else {}
+    class Declared(torch.nn.Linear):  # a model whose parameter_rules gives weight these Muon matrices
+        def parameter_rules(self, name, t):
+            return ParamRule(None, self.split(name, t) if name == "weight" else {}, normal(0.02))
+
+    model = Declared(8, 6)
+    model.split = lambda name, t: {"left": (t[:, :4].unsqueeze(0), None)}
     try:
-        muon.MuonAdamW(model, None, split, 1e-3, 0.1, (0.9, 0.95), 1e-8)
+        muon.MuonAdamW(model, None, 1e-3, 0.1, (0.9, 0.95), 1e-8)
     except ValueError as e:
         assert "\n" not in str(e) and "matrix 0 (left) of weight (6, 4) covers part of several dim-0 rows" in str(e)
         assert "store the weight transposed, or split a fused weight along dim 0" in str(e)
     else:
         raise AssertionError("a column split was accepted")
-    rows = lambda name, t: {"top": (t[:3].unsqueeze(0), None), "bottom": (t[3:].unsqueeze(0), None)} \
-        if name == "weight" else {}
-    assert len(muon.MuonAdamW(model, None, rows, 1e-3, 0.1, (0.9, 0.95), 1e-8).owned) == 2  # a row split: accepted
+    model.split = lambda name, t: {"top": (t[:3].unsqueeze(0), None), "bottom": (t[3:].unsqueeze(0), None)}
+    assert len(muon.MuonAdamW(model, None, 1e-3, 0.1, (0.9, 0.95), 1e-8).owned) == 2  # a row split: accepted
+
+
+def test_routed_experts_beside_dense_parameters_are_refused():
+    """A module FSDP2 would have to shard over two meshes (a parameter declared routed next to a dense one) is
+    refused before any collective, in one line naming both and what to do."""
+    class Mixed(torch.nn.Module):  # mlp.weight declared a routed-expert tensor (2 experts), mlp.bias dense
+        def __init__(self):
+            super().__init__()
+            self.mlp = torch.nn.Linear(3, 2)
+
+        def parameter_rules(self, name, t):
+            return ParamRule([0, 1] if name == "mlp.weight" else None, {}, normal(0.02))
+
+    model = Mixed()
+    try:
+        fsdp.shard_model(model, None, bf16=False, once=False)
+    except ValueError as e:
+        assert "\n" not in str(e) and "mlp holds routed experts and dense mlp.bias" in str(e), e
+        assert "into a module of their own" in str(e)
+    else:
+        raise AssertionError("a module mixing routed-expert and dense parameters was sharded")

@@ -2,6 +2,7 @@
 the matrices of the transformers checkpoint layout; parallel layouts (on FSDP2's shards) equal one process (every
 layout for Qwen3: tests/test_fsdp.py); resume is exact and a checkpoint written at one (dp, ep) loads at another."""
 
+import dataclasses
 import inspect
 import math
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 import torch.optim._muon as torch_muon
 
 from core.muon import MuonAdamW, newton_schulz
+from core.training import parameter_rules
 from recipes import recipe_names
 from tests.multiproc import run_ranks
 from tests.recipe_checks import PLACED, check_args, layout_errors, layouts_worker, load_recipe, write_config
@@ -43,11 +45,12 @@ def is_muon_matrix(hf_name: str, t: torch.Tensor) -> bool:
     return not hf_name.endswith(("mlp.gate.weight", "mlp.router.weight", "shared_expert_gate.weight", "conv1d.weight"))
 
 
-def hf_matrices(recipe, model, tensors: dict) -> dict[str, torch.Tensor]:
+def hf_matrices(recipe, model, tensors: dict, adamw: tuple = ()) -> dict[str, torch.Tensor]:
     """The Muon matrices of transformers' checkpoint layout, as views of `tensors` (one per parameter of model, e.g.
     the gradients), through the recipe's export (hf_state_dict, checked against transformers by the parity tests).
     GPT-OSS keeps each layer's experts as one [E, H, 2I] tensor with gate and up interleaved (transformers'
-    GptOssExperts: gate = [..., ::2], up = [..., 1::2]): one matrix per expert and half."""
+    GptOssExperts: gate = [..., ::2], up = [..., 1::2]): one matrix per expert and half. adamw: name endings a model
+    declares AdamW's (Model.parameter_rules) beyond Moonlight's split."""
     params = dict(model.named_parameters())
     saved = {n: p.data for n, p in params.items()}
     try:
@@ -59,7 +62,7 @@ def hf_matrices(recipe, model, tensors: dict) -> dict[str, torch.Tensor]:
             p.data = saved[n]
     out = {}
     for name, t in hf.items():
-        if not is_muon_matrix(name, t):
+        if not is_muon_matrix(name, t) or name.endswith(adamw):
             continue
         if t.ndim == 2:
             out[name] = t
@@ -80,21 +83,29 @@ def momentum_like_params(opt: MuonAdamW, model) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_against_torch(name: str, workdir: Path, steps: int = 4) -> dict[str, tuple[float, str]]:
+def run_against_torch(name: str, workdir: Path, steps: int = 4, adamw: tuple = ()) -> dict[str, tuple[float, str]]:
     """`steps` steps of MuonAdamW (one process) and of torch.optim.Muon(adjust_lr_fn="match_rms_adamw", Newton-Schulz
     in fp32) + torch.optim.AdamW on copies, both fed the gradients of MuonAdamW's model at each step, clipped by
     torch.nn.utils.clip_grad_norm_ on the reference side, with a changing learning rate. Returns the worst relative
-    errors of the weight changes, the momentum and the grad norm."""
+    errors of the weight changes, the momentum and the grad norm. adamw: name endings the model declares AdamW's
+    (its Model.parameter_rules overridden to say so), AdamW's on the reference side too."""
     recipe = load_recipe(name)
+
+    class Declared(recipe.model.Model):
+        def parameter_rules(self, name, t):
+            rule = super().parameter_rules(name, t)
+            return dataclasses.replace(rule, muon={}) if name.endswith(adamw) else rule
+
     torch.manual_seed(0)
-    model = recipe.model.Model(recipe.model.ModelConfig.from_hf(write_config(workdir / "config.json", recipe.config)))
+    model = Declared(recipe.model.ModelConfig.from_hf(write_config(workdir / "config.json", recipe.config)))
     params = dict(model.named_parameters())
-    opt = MuonAdamW(model, None, model.muon_matrices, LR, WD, BETAS, EPS)
+    opt = MuonAdamW(model, None, LR, WD, BETAS, EPS)
     start = {n: p.detach().clone() for n, p in params.items()}
-    ref_matrices = {k: v.clone().requires_grad_() for k, v in hf_matrices(recipe, model, start).items()}
-    muon_names = {n for n in params if model.muon_matrices(n, params[n])}
-    ref_other = {n: start[n].clone().requires_grad_() for n in params if n not in muon_names}
-    assert len(ref_matrices) == sum(v.shape[0] for n in muon_names for v, _ in model.muon_matrices(n, params[n]).values())
+    matrices = lambda tensors: hf_matrices(recipe, model, tensors, adamw)
+    ref_matrices = {k: v.clone().requires_grad_() for k, v in matrices(start).items()}
+    rules = parameter_rules(model)
+    ref_other = {n: start[n].clone().requires_grad_() for n in params if not rules[n].muon}
+    assert len(ref_matrices) == sum(v.shape[0] for rule in rules.values() for v, _ in rule.muon.values())
     ref_muon = torch.optim.Muon(list(ref_matrices.values()), lr=LR, weight_decay=WD, adjust_lr_fn="match_rms_adamw")
     ref_adamw = torch.optim.AdamW([{"params": [t for t in ref_other.values() if t.ndim >= 2], "weight_decay": WD},
                                    {"params": [t for t in ref_other.values() if t.ndim < 2], "weight_decay": 0.0}],
@@ -112,7 +123,7 @@ def run_against_torch(name: str, workdir: Path, steps: int = 4) -> dict[str, tup
             # every term the model trains (DeepSeek-V3's MTP term reaches parameters the others do not)
             (sum(t / ids.numel() for n, t in out.terms.items() if n != "aux") + 0.01 * out.aux_loss).backward()
             grads = {n: p.grad.clone() for n, p in params.items()}
-            for k, g in hf_matrices(recipe, model, grads).items():
+            for k, g in matrices(grads).items():
                 ref_matrices[k].grad = g.clone()
             for n, t in ref_other.items():
                 t.grad = grads[n].clone()
@@ -133,22 +144,25 @@ def run_against_torch(name: str, workdir: Path, steps: int = 4) -> dict[str, tup
                 opt.reinit_(dense, slice(2, 5))
                 reset = {n: torch.zeros_like(p) for n, p in params.items()}  # 1 where reset (float: hf_matrices
                 reset[expert][1], reset[dense][2:5] = 1, 1  # swaps it into the parameters)
-                now = hf_matrices(recipe, model, {n: p.detach() for n, p in params.items()})
-                for k, mask in hf_matrices(recipe, model, reset).items():
+                for n, t in ref_other.items():  # a part AdamW trains (declared so): its moments zeroed there
+                    for moments in (ref_adamw.state[t]["exp_avg"], ref_adamw.state[t]["exp_avg_sq"]):
+                        moments[reset[n].bool()] = 0
+                now = matrices({n: p.detach() for n, p in params.items()})
+                for k, mask in matrices(reset).items():
                     mask = mask.bool()
                     ref_muon.state[ref_matrices[k]]["momentum_buffer"][mask] = 0
                     ref_matrices[k].data[mask] = now[k][mask]
     finally:
         torch_muon._zeropower_via_newtonschulz = original_ns
     now = {n: p.detach() for n, p in params.items()}
-    mine = hf_matrices(recipe, model, {n: now[n] - start[n] for n in params})
-    ref_start = hf_matrices(recipe, model, start)
+    mine = matrices({n: now[n] - start[n] for n in params})
+    ref_start = matrices(start)
     errors = {"muon weight change": worst_error((rel_err(mine[k], t.detach() - ref_start[k]), k)
                                                 for k, t in ref_matrices.items()),
               "adamw weight change": worst_error((rel_err(now[n] - start[n], t.detach() - start[n]), n)
                                                  for n, t in ref_other.items()),
               "grad norm": (max(norm_errors), "")}
-    momentum = hf_matrices(recipe, model, momentum_like_params(opt, model))
+    momentum = matrices(momentum_like_params(opt, model))
     errors["momentum"] = worst_error((rel_err(momentum[k], ref_muon.state[t]["momentum_buffer"]), k)
                                      for k, t in ref_matrices.items())
     return errors
@@ -163,6 +177,16 @@ def test_one_process_equals_torch_muon_and_adamw(name, tmp_path):
     5 steps: 485 x 6e-8 ~ 3e-5 (measured 1e-6 to 4e-6). The planted bugs (no RMS scaling, gate and up orthogonalised
     together) moved the weights by O(1)."""
     errors = run_against_torch(name, tmp_path)
+    bounds = {"momentum": 1e-6, "grad norm": 1e-6, "adamw weight change": 1e-5, "muon weight change": 3e-5}
+    failed = {what: errors[what] for what, bound in bounds.items() if not errors[what][0] <= bound}
+    assert not failed, f"differ from torch.optim.Muon + AdamW (error, where): {failed}"
+
+
+def test_a_matrix_declared_adamw_is_stepped_by_adamw(tmp_path):
+    """A copy that declares a 2-D weight AdamW's (here every o_proj, by overriding Model.parameter_rules) gets it
+    stepped by AdamW and the rest unchanged: torch.optim.AdamW on o_proj, torch.optim.Muon on the other matrices.
+    Bounds as above; a Muon step of o_proj differs from AdamW's by O(1)."""
+    errors = run_against_torch("qwen3_30b_a3b", tmp_path, adamw=("o_proj.weight",))
     bounds = {"momentum": 1e-6, "grad norm": 1e-6, "adamw weight change": 1e-5, "muon weight change": 3e-5}
     failed = {what: errors[what] for what, bound in bounds.items() if not errors[what][0] <= bound}
     assert not failed, f"differ from torch.optim.Muon + AdamW (error, where): {failed}"

@@ -8,7 +8,9 @@ and sharded 2 ways over dp, with last shards short or empty), for 6 steps with a
 weights and part of a dense matrix keeps its weights, both with their Adam moments reset (FSDPAdamW.reinit_ on one
 side, the same writes into torch's full tensors on the other), so the checkpoint carries the reset state. Two
 experts are idle: one gets a gradient on one dp rank only, one on none, and one parameter gets none on any rank;
-they step with g = 0 where it is missing, as torch's AdamW with a zero gradient.
+they step with g = 0 where it is missing, as torch's AdamW with a zero gradient. The expert tensor's name holds no
+`experts` (`layers.0.mlp.routed.w`): the model declares it routed (Plain.parameter_rules), and that declaration alone
+shards it over dp, reduces and clips it as an expert and checkpoints it per global expert id.
 
 Both sides get the same gradients: the reference model's full-batch gradient, scaled so that the global norm
 alternates below and above the clipping limit, and handed to the replicas as random parts that sum to it (each
@@ -17,6 +19,7 @@ reduce-scatter sums them exactly in any order and the only differences left are 
 roundings."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,14 +30,14 @@ from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LambdaLR, Li
 from core.checkpoint import load_checkpoint, save_checkpoint
 from core.fsdp import FSDPAdamW, local_rows, shard_model
 from core.mesh import build_mesh, destroy_mesh
-from core.training import lr_factor
+from core.training import ParamRule, default_rule, lr_factor
 from tests.multiproc import run_ranks
 
 E, STEPS, SAVE_AT, WARMUP, MIN_RATIO, DECAY_FRACTION = 6, 6, 3, 2, 0.1, 0.5
 LR, WD, BETAS, EPS, MAX_NORM = 1e-2, 0.1, (0.9, 0.95), 1e-8, 1.0
 NORMS = [0.5, 3.0, 0.8, 2.0, 0.3, 5.0]  # global gradient norm of each step: below and above MAX_NORM in turn
 GRID = 2.0**-18
-EXPERTS = "layers.0.mlp.experts.w"
+EXPERTS = "layers.0.mlp.routed.w"  # a routed expert by declaration, not by name
 NO_DECAY = {"layers.0.fc1.bias", "layers.0.norm.weight", "layers.0.norm.bias", "fc2.bias"}  # norms and biases
 # Reset after step SAVE_AT. At ep=2 an ep rank holds 3 experts [3, 10, 5], rows [0, 2) and [2, 3) over dp=2: expert 1
 # (local 1 of ep rank 0) lies inside dp rank 0's shard. fc1.weight [10, 6] rows 2:5 over 4 ranks of 3 rows: rank 0
@@ -58,12 +61,12 @@ class Layer(nn.Module):
     def __init__(self, w_LHN: torch.Tensor, expert_ids: list[int]):
         super().__init__()
         self.fc1, self.norm, self.mlp = nn.Linear(6, 10), nn.LayerNorm(10), nn.Module()
-        self.mlp.experts = Experts(w_LHN, expert_ids)
+        self.mlp.routed = Experts(w_LHN, expert_ids)
         self.unused = nn.Parameter(torch.randn(2, 10))  # no gradient on any rank: it steps with g = 0
 
     def forward(self, parts: dict):
         own = [(n, p) for n, p in self.named_parameters() if not n.startswith(("mlp.", "unused"))]
-        return sum((p * parts[f"layers.0.{n}"]).sum() for n, p in own) + self.mlp.experts(parts[EXPERTS])
+        return sum((p * parts[f"layers.0.{n}"]).sum() for n, p in own) + self.mlp.routed(parts[EXPERTS])
 
 
 class Plain(nn.Module):
@@ -80,7 +83,12 @@ class Plain(nn.Module):
     def forward(self, x):
         layer = self.layers["0"]
         h = layer.norm(F.gelu(layer.fc1(x)))
-        return self.fc2(torch.tanh(torch.einsum("bh,ehn->bn", h, layer.mlp.experts.w)))
+        return self.fc2(torch.tanh(torch.einsum("bh,ehn->bn", h, layer.mlp.routed.w)))
+
+    def parameter_rules(self, name: str, t: torch.Tensor) -> ParamRule:
+        """The names' default (core/training.py:default_rule), but for the routed experts named `routed`."""
+        rule = default_rule(self, name, t, std=0.3)
+        return replace(rule, expert_ids=self.layers["0"].mlp.routed.expert_ids) if name == EXPERTS else rule
 
     def forward_train(self, parts: dict):
         return self.layers["0"](parts) + sum((p * parts[f"fc2.{n}"]).sum() for n, p in self.fc2.named_parameters())
@@ -208,8 +216,9 @@ def optimizer_worker(ckpt_dir: str, schedule: str):
             opt.reinit_(name, rows, None)
             overlaps.append(overlap(opt, name, rows.start, rows.stop))
             # ... then checkpoint, and continue with new objects built from another seed
-            save_checkpoint(ckpt_dir, step + 1, opt.checkpoint_state(model), {"scheduler": sched.state_dict()},
-                            mesh.rank)
+            state = opt.checkpoint_state(model)
+            saved_experts = sorted(k for k in state["model"] if k.startswith(EXPERTS))  # name[global id] per row
+            save_checkpoint(ckpt_dir, step + 1, state, {"scheduler": sched.state_dict()}, mesh.rank)
             model, opt, sched = build(seed=1)
             extra = load_checkpoint(f"{ckpt_dir}/step_{step + 1:08d}", opt.checkpoint_state(model),
                                     {"scheduler": sched.state_dict()}, mesh.rank)
@@ -217,13 +226,16 @@ def optimizer_worker(ckpt_dir: str, schedule: str):
             sched.load_state_dict(extra["scheduler"])
             state_after_load = state_errors(opt)
             weight_errors.append(weight_error(opt))  # the new expert came back from the checkpoint
-    result = steps, weight_errors, state_after_load, state_errors(opt), overlaps
+    result = steps, weight_errors, state_after_load, state_errors(opt), saved_experts, overlaps
     destroy_mesh()
     return result
 
 
 def check(results):
-    for steps, weight_errors, state_after_load, state_at_end, _ in results:
+    # every global expert on exactly one rank (its ep rank's, the dp shard holding its row), under its id: the
+    # declared expert tensor is checkpointed per expert
+    assert sorted(k for r in results for k in r[4]) == sorted(f"{EXPERTS}[{e}]" for e in range(E))
+    for steps, weight_errors, state_after_load, state_at_end, *_ in results:
         for lr, ref_lr, norm, ref_norm in steps:
             assert lr == pytest.approx(ref_lr, rel=1e-12)
             assert norm == pytest.approx(ref_norm, rel=1e-6)
@@ -274,4 +286,4 @@ def test_reinit_rejects_bad_arguments():
         with pytest.raises(ValueError, match=message):
             opt.reinit_(*args)
     opt.reinit_(EXPERTS, -1, torch.ones(10, 5))
-    assert bool((model.layers["0"].mlp.experts.w[E - 1] == 1).all()) and not opt.optimizer.state
+    assert bool((model.layers["0"].mlp.routed.w[E - 1] == 1).all()) and not opt.optimizer.state

@@ -96,14 +96,17 @@ def test_sliding_window_keys_match_a_brute_force_count():
 
 
 @pytest.mark.parametrize("E,k,ep", [(8, 2, 2), (8, 2, 4), (128, 8, 8), (64, 6, 16), (160, 6, 8), (6, 2, 4),
-                                    (32, 4, 64)])
+                                    (32, 4, 64), (4, 1.5, 2), (64, 5.25, 8)])
 def test_expected_ranks_hit_matches_monte_carlo(E, k, ep):
     """Distinct destination ranks per token (the deduplicated dispatch's rows per token) vs a simulation: k
     distinct experts drawn uniformly for 20,000 tokens, each expert on the rank core/placement.py's even split
     gives it (E // ep each when it divides; else the first E % ep ranks one more, or one expert on each of the
-    first E ranks when ep > E)."""
+    first E ranks when ep > E). A fractional k (a variable-k router's mean slots, ModelConfig.slots_per_token):
+    the share k - floor(k) of the tokens fills ceil(k) slots, the others floor(k) (the rest empty: id -1)."""
     g = torch.Generator().manual_seed(0)
-    ids_Tk = torch.rand(20000, E, generator=g).topk(k, dim=1).indices
+    ids_Tk = torch.rand(20000, E, generator=g).topk(math.ceil(k), dim=1).indices
+    short_T = torch.arange(20000) >= (k - math.floor(k)) * 20000  # these fill floor(k) slots
+    ids_Tk[short_T, math.floor(k):] = ids_Tk[short_T, :1]  # a repeat of a kept slot: hits no other rank
     rank_E = torch.tensor(Placement.even(E, ep).rank_of)
     ranks_hit = torch.zeros(20000, ep, dtype=torch.bool).scatter_(1, rank_E[ids_Tk], True).sum(1).double()
     se = ranks_hit.std().item() / math.sqrt(len(ranks_hit))

@@ -7,6 +7,7 @@ line) on every recipe."""
 import dataclasses
 import runpy
 import sys
+import types
 import weakref
 from unittest import mock
 
@@ -19,14 +20,18 @@ from core.fsdp import FSDPAdamW, shard_model
 from core.mesh import build_mesh, destroy_mesh
 from core.muon import MuonAdamW
 from core.pipeline import DualPipeV, Running, split_layers
+from core.training import parameter_rules
 from recipes import recipe_names
 from tests.conftest import TINY_TRAIN_CONFIG
+from tests.model_variants import renamed_experts, variable_k
 from tests.multiproc import run_ranks
 from tools.estimate_memory import recipe_module
 
+VARIANTS = {"renamed_experts": renamed_experts, "variable_k": variable_k}  # tests/model_variants.py
+
 
 def tiny(recipe):
-    mod = recipe_module(recipe)
+    mod = VARIANTS[recipe]() if recipe in VARIANTS else recipe_module(recipe)
     return mod, mod.ModelConfig.from_hf(mod.tiny_config_path())
 
 
@@ -70,7 +75,7 @@ def optimizer_bytes(model, mesh, optimizer: str) -> tuple[int, int]:
     units = shard_model(model, mesh, bf16=False, once=False) if mesh is not None and mesh.world > 1 else None
     if optimizer == "adamw":
         return FSDPAdamW(model, units, 1e-3, 0.1, (0.9, 0.95), 1e-8).state_bytes()[0], 0
-    opt = MuonAdamW(model, units, model.muon_matrices, 1e-3, 0.1, (0.9, 0.95), 1e-8)
+    opt = MuonAdamW(model, units, 1e-3, 0.1, (0.9, 0.95), 1e-8)
     momentum = sum(4 * m.momentum_kAB.numel() for m in opt.owned)
     return opt.state_bytes()[0] - momentum, momentum
 
@@ -84,12 +89,12 @@ def test_params_and_optimizer_exact_one_process(recipe):
     mod, cfg = tiny(recipe)
     model = mod.Model(cfg)
     layout = memory.Layout(pp=2, ep=2, bf16=False)
-    stages = split_layers(cfg.num_hidden_layers, 2)
+    stages, rules = split_layers(cfg.num_hidden_layers, 2), parameter_rules(model)
     for pp_rank, layers in enumerate((stages[0] + stages[3], stages[1] + stages[2])):
         local = shard = 0  # elements of this rank's part, and of its FSDP2 shards (dense rows over the 2 ep ranks)
         for name, p in model.named_parameters():
             held = int(name.split(".")[1]) in layers if name.startswith("layers.") else pp_rank == 0
-            expert = ".mlp.experts." in name
+            expert = rules[name].expert_ids is not None  # (the model's declaration: Model.parameter_rules)
             local += held * p.numel() // (2 if expert else 1)
             shard += held * (p.numel() // 2 if expert else -(-p.shape[0] // 2) * (p.numel() // p.shape[0]))
         got = memory.param_bytes(memory.meta_model(mod, cfg, **memory.rank_parts(cfg, layout, pp_rank)), layout)
@@ -105,7 +110,7 @@ def _optimizers_on_two_ranks():
     """(Adam bytes, Muon momentum bytes) held by this rank: dp2 (everything over both ranks) and ep2 (dense over
     both, experts alone), AdamW and Muon."""
     out = {}
-    for recipe in recipe_names():
+    for recipe in recipe_names() + ["renamed_experts"]:
         mod, cfg = tiny(recipe)
         for name, dims in (("dp2", dict(dp=2)), ("ep2", dict(ep=2))):
             mesh = build_mesh(**dims)
@@ -120,9 +125,11 @@ def _optimizers_on_two_ranks():
 def test_optimizer_shards_exact_on_two_ranks():
     """Adam's moments: the first rank holds the estimate's (the largest shards, ceil(d0 / 2) rows), the other at
     most that; Muon's momentum on each rank exactly what core/memory.py:muon_bytes places there (matrices inside a
-    row on its holder, 2-D weights on FLOP-balanced owners), the estimate counting the most any rank holds."""
+    row on its holder, 2-D weights on FLOP-balanced owners), the estimate counting the most any rank holds. Also for
+    routed experts named without `experts` (tests/model_variants.py: declared by Model.parameter_rules), which FSDP2
+    shards and the estimate counts as experts (over dp, not dp x ep)."""
     ranks = run_ranks(2, _optimizers_on_two_ranks)
-    for recipe in recipe_names():
+    for recipe in recipe_names() + ["renamed_experts"]:
         mod, cfg = tiny(recipe)
         for name, layout, experts in (("dp2", memory.Layout(dp=2, bf16=False), None),
                                       ("ep2", memory.Layout(ep=2, bf16=False), range(cfg.num_experts // 2))):
@@ -157,17 +164,50 @@ def test_activations_match_saved_tensors(recipe):
     assert_activations_estimated(mod, cfg, ("none", "attention", "layer"), seed=0)
 
 
-@pytest.mark.parametrize("recipe", recipe_names())
+@pytest.mark.parametrize("recipe", recipe_names() + ["variable_k"])
 def test_activations_scale_with_top_k(recipe):
     """The tiny config routing each token to twice its experts (the full configs route 3-4x the tiny k): an MoE
-    layer keeps [T*k, H] dispatched rows, which the estimate scales by k (measured 22-30% short when it did not).
-    8% as above."""
+    layer keeps [T*k, H] dispatched rows, which the estimate scales by the slots a token fills (measured 22-30%
+    short when it did not). 8% as above. variable_k: a router filling 1.5 (here 3) of its 2 (4) slots on average,
+    which ModelConfig.slots_per_token declares."""
     mod, cfg = tiny(recipe)
     cfg = dataclasses.replace(cfg, num_experts_per_tok=2 * cfg.num_experts_per_tok)
     assert_activations_estimated(mod, cfg, ("none", "layer"), seed=1)
 
 
-@pytest.mark.parametrize("recipe", recipe_names())
+def test_variable_slots_reach_the_estimate_and_flops():
+    """A router filling 1.5 of its 2 slots per token on average (tests/model_variants.py:variable_k, declared by
+    ModelConfig.slots_per_token, nothing else changed): the FLOPs count 1.5 experts per token, the all-to-all
+    buffers 1.5 rows per token (send + receive, dispatch + combine: 4 x tokens x 1.5 x H x 4 bytes in fp32), and
+    the activations held (the expert rows: 1.5 per token) match the measured bytes (8%: as above)."""
+    mod, cfg = tiny("variable_k")
+    base, base_cfg = tiny("qwen3_30b_a3b")
+    assert cfg.slots_per_token == 1.5 and base_cfg.slots_per_token == 2
+    for ours, full in zip(mod.flops_by_layer(cfg, 64), base.flops_by_layer(base_cfg, 64)):
+        assert ours == {part: flops * (0.75 if part == "experts" else 1) for part, flops in full.items()}
+    layout = memory.Layout(micro_batch=4, seq_len=128, bf16=False)
+    assert memory.estimate(mod, cfg, layout)["comm_buffers"] == 4 * 4 * 128 * 1.5 * cfg.hidden_size * 4
+    assert_activations_estimated(mod, cfg, ("none",), seed=2)
+
+
+def test_calibration_runs_at_the_length_the_model_declares(monkeypatch):
+    """ModelConfig.calibration_seq_len (64 by default) is the sequence length of every calibration run: a model whose
+    feature acts only on longer sequences declares more (here 96), and the saved bytes are measured at it."""
+    qwen3 = recipe_module("qwen3_30b_a3b")
+
+    class LongerConfig(qwen3.ModelConfig):
+        calibration_seq_len = 96
+
+    mod = types.ModuleType("calibrated_at_96")
+    mod.__dict__.update({k: v for k, v in vars(qwen3).items() if not k.startswith("__")}, ModelConfig=LongerConfig)
+    lengths, measure = [], memory.saved_bytes
+    recorded = lambda model, ids_BS, *stage: lengths.append(ids_BS.shape[1]) or measure(model, ids_BS, *stage)
+    monkeypatch.setattr(memory, "saved_bytes", recorded)
+    memory.activation_calibration(mod, "none")
+    assert lengths and set(lengths) == {96}, lengths
+
+
+@pytest.mark.parametrize("recipe", recipe_names() + ["variable_k"])
 def test_layer_recompute_keeps_no_expert_rows(recipe):
     """--recompute layer on one MoE layer (and DeepSeek-V3's MTP layer): autograd keeps none of the [T*k, H] expert
     rows (the expanded input, the unweighted outputs, torch's index_add source were kept once), and the received
@@ -179,7 +219,7 @@ def test_layer_recompute_keeps_no_expert_rows(recipe):
     layer = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
     model = mod.Model(cfg, layers=[layer], recompute="layer")
     batch, seq = 2, 64
-    rows = (batch * seq * cfg.num_experts_per_tok, cfg.hidden_size)
+    rows = (batch * seq * cfg.slots_per_token, cfg.hidden_size)  # R expanded rows: the slots the tokens fill
     weights, expanded, received = weight_storages(model), {}, {}
 
     def pack(t):

@@ -28,7 +28,7 @@ the step: train.py's three calls) with FSDPAdamW and with MuonAdamW (on FSDP2's 
 gradients of the recipe's model (--size tiny: its config_tiny.json; wide: its config.json with --layers layers,
 default 2), the two taking turns --rounds times; under torchrun --dp/--ep set the layout. --newton-schulz-share
 counts (no run) the Newton-Schulz FLOPs of one Muon step of each released model (recipes/*/config.json, every matrix
-Model.muon_matrices names) against its training step's at launch.sh's GPU defaults on one 8-GPU node: 64 sequences
+of Model.parameter_rules' muon) against its training step's at launch.sh's GPU defaults on one 8-GPU node: 64 sequences
 of 4,096 tokens (flops_per_token).
 
 --train-ab A B runs train.py under torchrun (--nproc ranks, the layout flags after the others) with flag set A, then
@@ -62,6 +62,7 @@ from core.fsdp import FSDPAdamW, shard_model
 from core.mesh import build_mesh, destroy_mesh
 from core.metrics import measure_matmul_flops, peak_flops_and_source, timed
 from core.muon import MuonAdamW, newton_schulz_flops
+from core.training import parameter_rules
 from recipes import recipe_names
 from recipes.qwen3_30b_a3b import train
 from recipes.qwen3_30b_a3b.model import ModelConfig, flops_per_token, real_config_path, tiny_config_path
@@ -256,7 +257,7 @@ def optimizer_step_times(args, layout: list[str]) -> dict:
             units = shard_model(model, mesh, bf16=False, once=False) if mesh.world > 1 else None
             adamw = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
                          norm_group=torch.distributed.group.WORLD if mesh.world > 1 else None)
-            opt = MuonAdamW(model, units, model.muon_matrices, **adamw) if kind == "muon" else \
+            opt = MuonAdamW(model, units, **adamw) if kind == "muon" else \
                 FSDPAdamW(model, units, **adamw)
 
             def optimizer_calls(opt=opt):
@@ -294,8 +295,8 @@ def newton_schulz_share(seq_len: int = 4096, sequences: int = 64) -> dict:
         cfg = mod.ModelConfig.from_hf(mod.real_config_path())
         with torch.device("meta"):
             model = mod.Model(cfg)
-        ns = sum(newton_schulz_flops(*view_SAB.shape[1:]) * view_SAB.shape[0] for n, p in model.named_parameters()
-                 for view_SAB, _ in model.muon_matrices(n, p).values())
+        ns = sum(newton_schulz_flops(*view_SAB.shape[1:]) * view_SAB.shape[0]
+                 for rule in parameter_rules(model).values() for view_SAB, _ in rule.muon.values())
         results[name] = (ns, mod.flops_per_token(cfg, seq_len) * seq_len * sequences)
         print(f"{name:<18} Newton-Schulz {ns / 1e12:8.1f} TFLOP per step, training step {results[name][1] / 1e15:8.1f} "
               f"PFLOP ({sequences} x {seq_len} tokens): {100 * ns / results[name][1]:.2f}%")

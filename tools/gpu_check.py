@@ -50,7 +50,7 @@ def layers_that_fit(gpu_bytes: float, seq_len: int, micro_batch: int) -> int:
     layer_params = attn + E * 3 * H * I + E * H
     T = seq_len * micro_batch
     # per layer, saved for backward: ~10 [T, H] fp32 (residual, norms, attention) + the expert rows in bf16
-    layer_act = 10 * T * H * 4 + T * cfg.num_experts_per_tok * (2 * H + 3 * I) * 2
+    layer_act = 10 * T * H * 4 + T * cfg.slots_per_token * (2 * H + 3 * I) * 2
     fixed = 16 * 2 * V * H + 2 * T * V * 4  # embedding + LM head; transformers' fp32 logits and their gradient
     return max(1, min(cfg.num_hidden_layers, int((0.8 * gpu_bytes - fixed) / (16 * layer_params + layer_act))))
 

@@ -75,11 +75,20 @@ from pathlib import Path
 
 import torch
 
-from core.memory import GIB, Layout, activation_calibration, estimate, meta_model, saved_per_token_layer
+from core.memory import (
+    GIB,
+    Layout,
+    activation_calibration,
+    estimate,
+    meta_model,
+    rank_hit_chance,
+    saved_per_token_layer,
+)
 from core.muon import newton_schulz_flops
 from core.pipeline import split_layers
 from core.placement import Placement
 from core.reliability import run_main
+from core.training import parameter_rules
 from recipes import recipe_names
 from tools.calibrate import OpCounter
 from tools.pipeline_timeline import schedule_order, simulate
@@ -247,17 +256,13 @@ def machine_for(gpu: str, calibration: dict | None, world: int) -> Machine:
 # ------------------------------------------------------------------------------------------ model pieces
 
 
-def expected_ranks_hit(num_experts: int, k: int, ep: int, counts: list[int] | None = None) -> float:
-    """Expected number of distinct ep ranks a token's k experts (k distinct of E, uniform) live on: the sum over
-    ranks of the chance that the rank's L_r experts hold at least one of them, 1 - C(E-L_r, k) / C(E, k). counts:
-    L_r per rank (default core/placement.py's even split: the first E % ep ranks hold one more)."""
+def expected_ranks_hit(num_experts: int, slots: float, ep: int, counts: list[int] | None = None) -> float:
+    """Expected number of distinct ep ranks a token's experts (`slots` distinct of E, uniform; a mean: see
+    core/memory.py:rank_hit_chance) live on: the sum over ranks of the chance that the rank's L_r experts hold at
+    least one of them, 1 - C(E-L_r, k) / C(E, k). counts: L_r per rank (default core/placement.py's even split: the
+    first E % ep ranks hold one more)."""
     counts = counts or [len(x) for x in Placement.even(num_experts, ep).experts]
-    return sum(rank_hit_chance(num_experts, k, L) for L in counts)
-
-
-def rank_hit_chance(num_experts: int, k: int, local: int) -> float:
-    """The chance that a token's k experts include one of a rank's `local` experts."""
-    return 1 - math.comb(num_experts - local, k) / math.comb(num_experts, k)
+    return sum(rank_hit_chance(num_experts, slots, L) for L in counts)
 
 
 def expert_imbalance(path: str) -> float:
@@ -324,12 +329,13 @@ def layer_params(mod_name: str, cfg_path: str) -> tuple[list[int], list[int], in
     mod = importlib.import_module(mod_name)
     cfg = mod.ModelConfig.from_hf(cfg_path)
     dense, expert, embed, root = [0] * cfg.num_hidden_layers, [0] * cfg.num_hidden_layers, 0, 0
-    for name, p in meta_model(mod, cfg).named_parameters():
+    model = meta_model(mod, cfg)
+    for (name, p), rule in zip(model.named_parameters(), parameter_rules(model).values()):
         if name.startswith("embed_tokens."):
             embed += p.numel()
         elif not name.startswith("layers."):
             root += p.numel()
-        elif ".mlp.experts." in name:
+        elif rule.expert_ids is not None:  # (Model.parameter_rules)
             expert[int(name.split(".")[1])] += p.numel()
         else:
             dense[int(name.split(".")[1])] += p.numel()
@@ -429,7 +435,7 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
     saved = {moe: saved_per_token_layer(mod, cfg, layout, moe=moe) * scale for moe in (False, True)}  # dense, MoE
     out = {key: _zero() for key in ("F", "B", "W")}
     a2a = {"F": 0.0, "B": 0.0, "refill": 0.0}
-    E, k, H = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
+    E, k, H = cfg.num_experts, cfg.slots_per_token, cfg.hidden_size  # k: slots a token fills, a mean
     # on CUDA core/attention.py:attention runs flex for a CPMask (cp, windows, documents) or sinks, flash SDPA for
     # plain causal attention; a recipe whose tiny-config forward is not plain SDPA is taken as flex
     flex = layout.cp > 1 or ops["explicit_attention"]

@@ -23,15 +23,15 @@ Seams (skills/add-new-architecture/SKILL.md's table, in this file's order): a co
 `DecoderLayer.finish`; the layer's step order `DecoderLayer.before_mlp` (recompute: `DecoderLayer._run`); state
 crossing pipeline stages: the `state` list of `DecoderLayer` (entries after the first two pass through every base
 layer) made by `Model.initial_state` (what crosses pp ranks follows it); the running micro-batch
-`DecoderLayer.current_rope` (core.pipeline.running); loss terms `Model.loss_terms` (name -> weight, denominator)
-and their sums `Model.loss_sums`; per-token inputs made from whole sequences `Model.prepare_batch`; optional flags
-`Model.features`; statistics `Model.take_stats`; after each step `Model.after_step`; the shared checks' config
-`check_setup` (end of file).
+`DecoderLayer.current_rope` (core.pipeline.running); loss terms `Model.loss_terms` (name -> weight, denominator) and
+their sums `Model.loss_sums`; per-token inputs made from whole sequences `Model.prepare_batch`; optional flags
+`Model.features`; statistics `Model.take_stats`; after each step `Model.after_step`; each parameter's group, Muon
+matrices and init `Model.parameter_rules`; slots a token fills `ModelConfig.slots_per_token`; the shared checks'
+config `check_setup` (end of file).
 """
 
 import json
-import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -52,7 +52,7 @@ from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bi
 from core.pipeline import running
 from core.placement import Placement
 from core.precision import compute_dtype, upcast
-from core.training import LossTerm, check_args
+from core.training import LossTerm, ParamRule, check_args, constant, default_rule, init_parameters
 from core.weight_cache import cast_weight
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -138,6 +138,16 @@ class ModelConfig:
         choices computed on the token's own rank (zero-computation experts, ids num_experts..num_choices-1)
         returns more, and hands those slots to core as -1 (core/moe.py: router contract)."""
         return self.num_experts
+
+    @property
+    def slots_per_token(self) -> float:
+        """Routed-expert slots a token fills, on average over tokens (kept ids < num_experts: core/moe.py's router
+        contract): what the memory estimate, the FLOPs, the planner and the shared checks count per token. Every
+        token fills num_experts_per_tok here; a router that keeps a variable number returns its mean."""
+        return float(self.num_experts_per_tok)
+
+    calibration_seq_len = 64  # tokens per sequence of core/memory.py's activation calibration (64: whole
+    # linear-attention chunks); a feature that acts only on longer sequences (block sparsity) asks for more
 
 
 def load_config(path) -> ModelConfig:
@@ -474,7 +484,7 @@ class Model(nn.Module):
     # optional training features this model has; train.py's check_run refuses a flag asking for another (one
     # error: line before any rank starts) and tests/recipe_checks.py skips its checks: expert_bias
     # (--expert-bias-rate, after_step), aux_loss (--aux-loss-coef), recompute (--recompute), fp8 (--fp8), muon
-    # (--optimizer muon: muon_matrices), document_mask (--document-mask). A variant whose features depend on the
+    # (--optimizer muon: parameter_rules), document_mask (--document-mask). A variant whose features depend on the
     # config makes this a property of self.cfg (train.py and the checks ask a model built on the meta device)
     features = frozenset({"expert_bias", "aux_loss", "recompute", "fp8", "muon", "document_mask"})
 
@@ -504,34 +514,15 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """Normal(0, initializer_range) for every matrix, zeros for the zero-centred norms (RMSNorm), ones for the
-        gated norms and dt_bias, log(uniform(0.01, 16)) for A_log, zeros for biases (transformers' init).
-        Each tensor (each expert of a stacked tensor) draws from a generator seeded by the default generator and
-        its name (an expert's: with its global id), so a partial model (pipeline stage, any expert placement) gets
-        exactly its part of the full model's weights. Seed the default generator the same on every rank. Every buffer starts at zero (expert_bias): a
-        buffer that needs another start value gets its rule here, since a model built on the meta device (the
-        --hf-checkpoint path) has nothing else to fill it (tests/test_recipes.py checks every buffer)."""
+        """Every parameter by its rule's init (parameter_rules; core/training.py:init_parameters: each tensor, each
+        routed expert's row, from a generator seeded by base_seed and its name, so a partial model (pipeline stage,
+        any expert placement) gets exactly its part of the full model's weights; seed the default generator the
+        same on every rank). Every buffer starts at zero (expert_bias): a buffer that needs another start value gets
+        its rule here, since a model built on the meta device (the --hf-checkpoint path) has nothing else to fill it
+        (tests/test_recipes.py checks every buffer)."""
         for buf in self.buffers():
             buf.zero_()
-        for name, p in self.named_parameters():
-            if p.is_meta:
-                continue
-            owner = self.get_submodule(name.rsplit(".", 1)[0])
-            if isinstance(owner, RMSNorm):
-                p.zero_()
-            elif isinstance(owner, GatedRMSNorm) or name.endswith("dt_bias"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            elif name.endswith("A_log"):
-                gen = torch.Generator(p.device).manual_seed(self.base_seed ^ zlib.crc32(name.encode()))
-                p.uniform_(0.01, 16.0, generator=gen).log_()
-            else:
-                ids = self.get_submodule(name.rsplit(".", 1)[0]).expert_ids if ".experts." in name else None
-                for j, block in enumerate(p if ids is not None else [p]):
-                    key = name if ids is None else f"{name}.{ids[j]}"
-                    gen = torch.Generator(p.device).manual_seed(self.base_seed ^ zlib.crc32(key.encode()))
-                    block.normal_(0.0, self.cfg.initializer_range, generator=gen)
+        init_parameters(self, self.base_seed)
 
     def set_positions(self, position_ids_BS, cp_split: bool = True, doc_ids_BK=None) -> None:
         """Rope at these positions, and the attention mask, for every layer: one micro-batch's tensors for every
@@ -681,21 +672,31 @@ class Model(nn.Module):
                 load_LE[row], mlp.load_E = mlp.load_E, None
         return load_LE
 
-    def muon_matrices(self, name: str, t: torch.Tensor) -> dict[str, tuple[torch.Tensor, list[int]]]:
-        """The weight matrices of the transformers checkpoint layout in parameter `name`, which --optimizer muon
-        orthogonalises one by one (core/muon.py): {kind: ([S, A, B] view of t, routed experts: the global id of each
-        of the S matrices, else None)}; t is the parameter or a tensor of its shape (its gradient). Routed experts: one matrix per
-        expert, gate and up apart; attention, Gated DeltaNet and shared-expert projections: one each (in_proj_qkv
-        and q_proj, query and gate, whole, as stored). {} for what AdamW trains: the embedding, the LM head, norms,
-        the router and the shared-expert gate (one row each), the conv weights ([C, 1, X]), A_log and dt_bias."""
-        if ".mlp.experts." in name:
-            ids = self.get_submodule(name.rsplit(".", 1)[0]).expert_ids
-            if name.endswith("gate_up_proj"):  # [E, H, J]: gate = [..., :I], up = [..., I:] (core/kernels/swiglu.py)
-                gate, up = t.chunk(2, dim=-1)
-                return {"gate": (gate, ids), "up": (up, ids)}
-            return {"down": (t, ids)}
-        other = name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "shared_expert_gate.weight"))
-        return {"": (t.unsqueeze(0), None)} if t.ndim == 2 and not other else {}
+    def parameter_rules(self, name: str, t: torch.Tensor) -> ParamRule:
+        """What core does with parameter `name` (t: it, or a tensor of its shape; core/training.py:ParamRule): its
+        routed experts' global ids (FSDP2 mesh, gradient sums, checkpoint entries, memory estimate), the matrices
+        --optimizer muon orthogonalises (views of t; {}: AdamW) and its init. By name (core default_rule): routed
+        experts under `.mlp.experts.`, ones for norm weights, zeros for biases, Normal(0, initializer_range) for the
+        rest; Muon for the 2-D weights but the embedding, LM head and router. A parameter of another name or rule
+        is declared here.
+        Here also: zeros for the zero-centred norms (RMSNorm), ones for the gated norms and dt_bias,
+        log(uniform(0.01, 16)) for A_log; AdamW for the shared-expert gate (one row) and the conv weights."""
+        rule = default_rule(self, name, t, self.cfg.initializer_range)
+        if rule.expert_ids is not None and name.endswith("gate_up_proj"):  # [E, H, J]: gate = [..., :I], up = [..., I:]
+            gate, up = t.chunk(2, dim=-1)  # transformers' layout: one matrix per expert, gate and up apart
+            return replace(rule, muon={"gate": (gate, rule.expert_ids), "up": (up, rule.expert_ids)})
+        if rule.expert_ids is not None and name.endswith("down_proj"):
+            return replace(rule, muon={"down": (t, rule.expert_ids)})
+        if name.endswith("shared_expert_gate.weight"):
+            rule = replace(rule, muon={})
+        owner = self.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(owner, RMSNorm):
+            return replace(rule, init=constant(0.0))
+        if isinstance(owner, GatedRMSNorm) or name.endswith("dt_bias"):
+            return replace(rule, init=constant(1.0))
+        if name.endswith("A_log"):
+            return replace(rule, init=lambda p, gen: p.uniform_(0.01, 16.0, generator=gen).log_())
+        return rule
 
 
 class PipelineStage:
@@ -744,7 +745,7 @@ def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str
         delta = 3 * chunk_gated_delta_flops_per_token(K, U, W, cp=cp)
         out.append({"attention": delta if linear else 6 * seq_len * N * D,
                     "dense": 6 * ((delta_net if linear else gated_attn) + moe_dense),
-                    "experts": 6 * cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size})
+                    "experts": 6 * cfg.slots_per_token * 3 * H * cfg.moe_intermediate_size})
     return out + [{"embedding": 0.0}, {"head": 6 * cfg.vocab_size * H}]  # first stage's, last stage's
 
 

@@ -234,7 +234,7 @@ def main(argv=None):
     # ---- optimizer (on FSDP2's shards; Muon: each matrix on one owner) and lr schedule
     adamw = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2), eps=args.adam_eps,
                  norm_group=dist.group.WORLD if mesh.world > 1 else None, once=once)
-    optimizer = MuonAdamW(model, fsdp_units, model.muon_matrices, **adamw) if args.optimizer == "muon" else \
+    optimizer = MuonAdamW(model, fsdp_units, **adamw) if args.optimizer == "muon" else \
         FSDPAdamW(model, fsdp_units, **adamw)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda s: lr_factor(s, **schedule))
 
