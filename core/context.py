@@ -4,8 +4,7 @@ all-gathers it in global order (`gather_sequence`; K and V side by side: `gather
 backward reduce-scatters each rank's chunks' gradients; cp = 1 skips the collective. Every cp rank reads the whole
 sequence before splitting it, so document ids and starts (`doc_ids_from_eos`, `document_starts`) cost nothing.
 
-Legend: B batch, S local sequence (this rank's tokens, = K / cp), K whole sequence, G key/value heads, D head dim
-of k, E head dim of v.
+Legend: B batch, S local sequence (= K / cp), K whole sequence, G key/value heads, D / E head dims of k / v.
 """
 
 import torch

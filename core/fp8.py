@@ -17,8 +17,7 @@ transpose's), the wgrad in FP8 too, both operands in 1x128 tiles along the token
 `block_scaled_mm`: F.scaled_mm with BlockWise1x128 / BlockWise128x128 scales on CUDA (one GEMM per expert), else fp32.
 
 Weight operands (`weight_operand`, cached by core/weight_cache.py): quantised from the weight in the compute dtype
-(under FSDP2 the gathered copy, as one process casts) at its first use after an update; kept for the step, or made
-per use at pp = 1 under FSDP2 (freed after each forward and backward).
+(under FSDP2 the gathered copy) at its first use after an update; kept for the step, or made per use (its `keep`).
 The GEMMs are torch custom ops, opaque to torch.compile: the lookup runs at run time, also inside a compiled graph.
 """
 

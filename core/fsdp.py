@@ -3,20 +3,12 @@
 ep). Shard(0): ceil(d0 / n) rows, so [L, H, J] experts split by whole experts; gradients reduce-scattered in fp32 and
 summed (losses are pre-divided by the global label count).
 
-When shards are gathered and gradients reduced, in a step of n_micro micro-batches (train.py --fsdp-gather):
-  per micro-batch (pp = 1's default)  FSDP2's own hooks: a unit is gathered before its forward, freed after it,
-           gathered again for its backward, and its gradient reduce-scattered (in fp32) as soon as that ends, per
-           micro-batch. Per step and parameter: n_micro x (2 bf16 all-gathers + 1 fp32 reduce-scatter); memory
-           16/n bytes + units in flight.
-  once per step (pp > 1 always: DualPipeV calls a layer's steps, not its forward, so no dense unit's hook fires,
-           and its W slots write expert weight gradients after the chunk's backward)  `gather` all-gathers the
-           rank's units before the step (reshard_after_forward False), gradients accumulate unsharded through all
-           micro-batches (F, B and W slots), and `FSDPAdamW.reduce_gradients` runs each unit's post-backward
-           (reduce-scatter, reshard) by hand at the end, as torch.distributed.pipelining.stage's
-           perform_reduce_grad does. Per step one bf16 all-gather and one fp32 reduce-scatter; memory 16/n + 2 + 4
-           bytes.
-           Micro-batches sum in fp32 on the bf16 path: a hook on each gathered parameter moves every gradient it
-           receives into FSDP2's fp32 accumulator (`_in_fp32`).
+When units are gathered (train.py --fsdp-gather; README "Data parallelism: FSDP2": traffic and bytes): per
+micro-batch, FSDP2's own hooks gather a unit around its forward and its backward and reduce-scatter its gradient;
+once per step (always at pp > 1: DualPipeV calls a layer's steps, not its forward, and its W slots write expert
+weight gradients after the chunk's backward), `gather` all-gathers every unit before the step, gradients accumulate
+unsharded (in fp32 on the bf16 path: `_in_fp32`), and `FSDPAdamW.reduce_gradients` runs each unit's post-backward
+(reduce-scatter, reshard) by hand at the end, as torch.distributed.pipelining's perform_reduce_grad does.
 
 `FSDPAdamW`: torch's AdamW on the local shards (views of FSDP2's storage), checkpoints as AGENTS.md's design says
 (flat Adam moments of older checkpoints: core/checkpoint.py).

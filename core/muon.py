@@ -8,10 +8,9 @@ Muon (Moonlight's variant: torch.optim.Muon, adjust_lr_fn="match_rms_adamw") upd
     O <- NS5(U / ||U||_F)                           5 quintic Newton-Schulz steps (3.4445, -4.7750, 2.0315): ~U V^T
     W <- W (1 - lr wd) - lr 0.2 sqrt(max(A, B)) O   decoupled weight decay; the update's RMS matched to AdamW's
 
-so one learning rate and schedule serve both groups. The model splits tensors into matrices (`ParamRule.muon` of
-each recipe's `Model.parameter_rules`: transformers' layout, so [L, H, 2I] experts are 2L matrices). Newton-Schulz runs
-in bf16 on GPU (as Moonlight and torch), in fp32 on CPU (matching torch.optim.Muon to rounding); weights and momentum
-stay fp32.
+so one learning rate and schedule serve both groups. Matrices: `ParamRule.muon` (recipes' `Model.parameter_rules`;
+transformers' layout: [L, H, 2I] experts are 2L matrices). Newton-Schulz runs in bf16 on GPU (as Moonlight and torch),
+in fp32 on CPU (torch.optim.Muon's rounding); weights and momentum stay fp32.
 
 Distribution. Newton-Schulz needs whole matrices, and FSDP2 holds each parameter as whole dim-0 rows, ceil(d0 / n)
 per rank of its shard group. Where a matrix lies follows from its [S, A, B] view of a meta tensor of the parameter's

@@ -5,9 +5,8 @@ Layout (AGENTS.md's design): pp rank r holds stage r (phase 0, down) and 2*pp-1-
 hands stage pp-1's output to stage pp locally, neighbours' transfers go by batch_isend_irecv. Chunk: a micro-batch
 on a stage.
 
-Contract with a model.py: AGENTS.md's layer protocol (stage.pre / layers / post; an MoE layer's steps (1) attention,
-(3) routed_experts, (5) finish, this file running (2) the dispatch and (4) the combine all-to-all of core/moe.py).
-`state` crosses ranks in the shapes and dtypes of `p2p_specs` (default: what stage 0's pre creates).
+Contract with a model.py: AGENTS.md's layer protocol, this file running an MoE layer's (2) dispatch and (4) combine
+all-to-alls between its steps; `state` crosses ranks in the shapes and dtypes of `p2p_specs` (default: stage 0's).
 
 Overlap: a chunk's forward is a generator that yields right after starting an all-to-all; its backward runs
 segment by segment (autograd segments cut at the all-to-alls), yielding after starting a reverse all-to-all. The

@@ -4,8 +4,7 @@ A table over a model's E routed experts, shared by every MoE layer: `rank_of[e]`
 rank r's local experts `experts[r]` are in ascending global id, `local_index[e]` is e's place there. Any table is
 allowed (any number of experts per rank, zero included, contiguous or not).
 
-    Placement.even(6, 4)            ranks [0, 0, 1, 1, 2, 3]: contiguous, as even as possible (the default;
-                                    for E divisible by ep, rank d holds [d*E/ep, (d+1)*E/ep))
+    Placement.even(6, 4)            ranks [0, 0, 1, 1, 2, 3]: contiguous, as even as possible (the default)
     Placement([0, 1, 0, 1, 1], 2)   rank 0 holds experts 0, 2 (local 0, 1); rank 1 holds 1, 3, 4
     Placement.parse("0,0,1,1,2,3", 6, 4)   the --expert-placement flag; "" is the even split
 """

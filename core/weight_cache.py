@@ -4,7 +4,7 @@ An entry is keyed by storage address, shape, dtype and kind of copy (torch.compi
 share the version counter). It is stale when the counter moved, when the weight it was made from no longer lies at that
 address (FSDP2 frees a gathered weight's storage and gathers it again, maybe elsewhere, without moving the counter;
 another weight may take the address), or after `invalidate()`, which train.py calls after each optimizer step.
-`keep` False (train.py: FSDP2 at pp = 1, whose units are gathered per use): a copy per use, none kept (kept, they
+`keep` False (train.py: FSDP2 gathering units per micro-batch): a copy per use, none kept (kept, they
 would hold every layer's copies through the step: the memory FSDP2 saves).
 """
 
