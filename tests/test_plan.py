@@ -457,7 +457,7 @@ def test_layout_flag_predicts_exactly_that_layout(tmp_path):
 
 def test_muon_step_adds_its_newton_schulz_at_the_gemm_rate():
     """--optimizer muon: the predicted step of tiny Qwen3 at dp2 exceeds AdamW's, in 'other compute', by the
-    Newton-Schulz FLOPs of every matrix the recipe's muon_matrices names (counted by torch.utils.flop_counter on
+    Newton-Schulz FLOPs of every matrix the recipe's parameter_rules name (counted by torch.utils.flop_counter on
     core/muon.py:newton_schulz itself, run on each matrix) over the 2 owners, at the GEMM rate; and its memory is
     core/memory.py's estimate with Muon (the momentum on the owners instead of Adam's two moments)."""
     from core.memory import estimate
@@ -470,7 +470,7 @@ def test_muon_step_adds_its_newton_schulz_at_the_gemm_rate():
     counter = FlopCounterMode(display=False)
     with counter:
         for name, p in model.named_parameters():
-            for v_SAB, _ in model.muon_matrices(name, p.detach()).values():
+            for v_SAB, _ in model.parameter_rules(name, p.detach()).muon.values():
                 newton_schulz(v_SAB, torch.float32)
     machine = plan.machine_for("h100", None, 2)
     rows = {opt: plan.plan_layout("qwen3_30b_a3b", 2, 8, "h100", "--dp 2", 256, 8, config=cfg_path, optimizer=opt)

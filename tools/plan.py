@@ -345,18 +345,19 @@ def layer_params(mod_name: str, cfg_path: str) -> tuple[list[int], list[int], in
 @functools.cache
 def muon_layer_costs(mod_name: str, cfg_path: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]], tuple]:
     """Per decoder layer (dense, routed experts) and outside the layers: (Newton-Schulz FLOPs, elements) of the
-    matrices --optimizer muon orthogonalises (the recipe's `muon_matrices`, core/muon.py:newton_schulz_flops)."""
+    matrices --optimizer muon orthogonalises (ParamRule.muon of the recipe's parameter_rules,
+    core/muon.py:newton_schulz_flops)."""
     mod = importlib.import_module(mod_name)
     cfg = mod.ModelConfig.from_hf(cfg_path)
     model = meta_model(mod, cfg)
     dense, expert, outside = [(0, 0)] * cfg.num_hidden_layers, [(0, 0)] * cfg.num_hidden_layers, (0, 0)
-    for name, p in model.named_parameters():
-        for v_SAB, _ in model.muon_matrices(name, p).values():
+    for name, rule in parameter_rules(model).items():
+        for v_SAB, _ in rule.muon.values():
             cost = (v_SAB.shape[0] * newton_schulz_flops(*v_SAB.shape[1:]), v_SAB.numel())
             if not name.startswith("layers."):
                 outside = tuple(map(sum, zip(outside, cost)))
                 continue
-            table, i = expert if ".mlp.experts." in name else dense, int(name.split(".")[1])
+            table, i = expert if rule.expert_ids is not None else dense, int(name.split(".")[1])
             table[i] = tuple(map(sum, zip(table[i], cost)))
     return dense, expert, outside
 
