@@ -44,6 +44,9 @@ def test_layouts_equal_one_process(recipe, tiny_train_setup, tmp_path):
     assert_all_pass(run_checks(recipe, tiny_train_setup[1], tmp_path, ["layouts"]))
 
 
+# launch.sh differs between recipes in its comments only; what is each recipe's own (pp2 x ep2 training, a
+# checkpoint, the export) runs in its shared checks, and tests/test_launch.py runs Qwen3's launch.sh and a copy's
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_copied_folder_runs_its_launch_sh(recipe, tiny_train_setup, tmp_path):
     """cp -r recipes/<recipe> recipes/my_arch: the copy's launch.sh trains its own model with the CPU defaults
@@ -82,7 +85,7 @@ def pytest_in(clone, *args):
 @pytest.mark.parametrize("base", [pytest.param(r, marks=() if r == "qwen3_30b_a3b" else pytest.mark.slow) for r in RECIPES])
 def test_a_copied_recipe_is_checked_with_no_test_file_added(base, tmp_path):
     """cp -r recipes/<base> recipes/my_arch in a scratch clone: the clone's suite collects every shared check for
-    my_arch, and my_arch's numerics and layouts pass there (its launch.sh: the test above, on the same files)."""
+    my_arch, and my_arch's numerics and layouts pass there (launch.sh: tests/test_launch.py runs a copy's)."""
     clone = clone_checkout(tmp_path / "clone")
     shutil.copytree(clone / "recipes" / base, clone / "recipes/my_arch", ignore=shutil.ignore_patterns("__pycache__"))
     collected = pytest_in(clone, "--collect-only", "tests/test_recipes.py")
