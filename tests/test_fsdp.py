@@ -23,18 +23,21 @@ from tests.recipe_checks import write_counting_data
 from tests.test_fp8 import FP8_STEPS, fp8_layout_errors
 from tests.test_train import LAYOUT_TOLERANCE, assert_matches_single, rel_err, run_train, train_args
 
-TWO_RANKS = {"dp2": {"dp": 2}, "ep2": {"ep": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2},
+# At pp = 1 gathered per micro-batch, the GPU's default (on CPU --fsdp-gather auto gathers once per step, so the
+# shared recipe checks run that): this file is where the per-micro-batch path is checked, for one recipe
+MICRO = {"fsdp_gather": "micro-batch"}
+TWO_RANKS = {"dp2": {"dp": 2, **MICRO}, "ep2": {"ep": 2, **MICRO}, "pp2": {"pp": 2}, "cp2": {"cp": 2, **MICRO},
              "dp2 gathered once": {"dp": 2, "fsdp_gather": "step"}}  # (as pp > 1 runs, at pp = 1)
 # 3 and 1 of the 4 experts per ep rank: FSDP2 pads the dp2 shards (ceil(3 / 2) = 2 rows, and 1 row and none), as
 # the estimate counts
-FOUR_RANKS = {"pp2xep2": {"pp": 2, "ep": 2}, "cp2xep2": {"cp": 2, "ep": 2},
-              "dp2xep2 placed": {"dp": 2, "ep": 2, "expert_placement": "0,1,0,0"}}
+FOUR_RANKS = {"pp2xep2": {"pp": 2, "ep": 2}, "cp2xep2": {"cp": 2, "ep": 2, **MICRO},
+              "dp2xep2 placed": {"dp": 2, "ep": 2, "expert_placement": "0,1,0,0", **MICRO}}
 # train.py flags each layout runs under (name -> flags), each compared with one process under the same flags
 VARIANTS = {"adamw": {}, "muon": {"optimizer": "muon"}}
 # --fp8 under FSDP2, its weights gathered in the compute dtype and quantised per use (pp = 1) or once per step (pp2)
 FP8 = {f"fp8 {scaling}": {"fp8": True, "fp8_recipe": scaling, "steps": FP8_STEPS} for scaling in ("rowwise", "blockwise")}
-FP8_TWO_RANKS = {"dp2": {"dp": 2}, "ep2": {"ep": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2},
-                 "ep2 placed": {"ep": 2, "expert_placement": "1,0,1,1"}}  # expert 1 alone on ep rank 0
+FP8_TWO_RANKS = {"dp2": {"dp": 2, **MICRO}, "ep2": {"ep": 2, **MICRO}, "pp2": {"pp": 2}, "cp2": {"cp": 2, **MICRO},
+                 "ep2 placed": {"ep": 2, "expert_placement": "1,0,1,1", **MICRO}}  # expert 1 alone on ep rank 0
 OLD = Path(__file__).parent / "data/zero1_checkpoints"  # written by the ZeRO-1 engine (its make.py says how)
 
 
@@ -208,12 +211,12 @@ def old_checkpoint_runs(tmp_path) -> tuple[dict, dict]:
                                                   adam_eps=1e-6, resume=OLD / name, **{**reference[name]["flags"],
                                                                                       "ep": 1, **layout})
     jobs = {f"{name} at {layout}": args(name, f"{name}_{layout}", **dims) for name in reference
-            for layout, dims in (("ep2", {"ep": 2}), ("dp2", {"dp": 2}))}
+            for layout, dims in (("ep2", {"ep": 2}), ("dp2", {"dp": 2, **MICRO}))}
     return jobs, {f"{name} in 1 process": [run_train(args(name, f"{name}_1"))] for name in reference}
 
 
 def test_two_ranks_equal_one_process(tiny_train_setup, tmp_path):
-    """dp2, ep2, pp2 (DualPipeV with its W slots, gathered once per step), cp2 and dp2 gathered once per step, AdamW
+    """dp2, ep2, cp2 gathered per micro-batch, pp2 (DualPipeV with its W slots) and dp2 gathered once per step, AdamW
     and Muon, equal one process, and each rank holds the bytes core/memory.py estimates; --fp8 row-wise and
     block-wise at dp2, ep2, pp2, cp2 and ep2 with expert 1 alone equal the same FP8 run in one process. reinit_ after step 2 at dp2
     (an expert's new weights, dense rows' state) equals it in one process. pp2 in bf16 sums its micro-batches in fp32: its gradients equal
@@ -223,9 +226,12 @@ def test_two_ranks_equal_one_process(tiny_train_setup, tmp_path):
     config, data = tiny_train_setup
     run = lambda out, **extra: train_args(config, data, tmp_path / out, steps=3 if "reinit" not in out else 4,
                                           global_batch=16, adam_eps=1e-6, **extra)
-    reinit = {f"reinit {v}": run(f"reinit_{v}", dp=2, **flags) for v, flags in VARIANTS.items()}
+    # reinit_ writes the shards and, gathered once per step, the gathered copy too: AdamW's per micro-batch, Muon's
+    # once per step (CPU's default)
+    reinit = {f"reinit {v}": run(f"reinit_{v}", dp=2, **flags, **(MICRO if v == "adamw" else {}))
+              for v, flags in VARIANTS.items()}
     bf16 = {f"bf16 {name}": run(f"bf16_{name}", dtype="bf16", **dims) for name, dims in (("pp2", {"pp": 2}),
-                                                                                        ("dp2", {"dp": 2}))}
+                                                                                        ("dp2", {"dp": 2, **MICRO}))}
     old_jobs, old_single = old_checkpoint_runs(tmp_path)
     runs = check_layouts(tiny_train_setup, tmp_path, 2, TWO_RANKS, {**reinit, **bf16, **old_jobs}, FP8_TWO_RANKS)
     train = importlib.import_module("recipes.qwen3_30b_a3b.train")

@@ -121,7 +121,8 @@ class Args:
     fsdp_gather: Literal["auto", "micro-batch", "step"] = "auto"  # more than one rank (FSDP2, core/fsdp.py): gather each
     # unit around every micro-batch's forward and backward (least memory), or once per step (one all-gather and one
     # reduce-scatter per step, +6 bytes per parameter: its bf16 copy and fp32 gradient sum); auto: step at --pp > 1
-    # (the only one there), micro-batch otherwise
+    # (the only one there) and on CPU (gloo: a loopback round trip per unit and micro-batch buys memory that does
+    # not matter there), micro-batch on a GPU at --pp 1
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -216,7 +217,7 @@ def main(argv=None):
     if args.compile if args.compile is not None else device.type == "cuda":
         compile_dense_parts(model, document_mask)
     # FSDP2: fully_shard the experts over (dp, cp), the rest over (dp, cp, ep) (core/fsdp.py); one process: plain
-    once = args.fsdp_gather == "step" or args.pp > 1  # gathered once per step, else per micro-batch
+    once = args.fsdp_gather == "step" or args.pp > 1 or (args.fsdp_gather == "auto" and device.type == "cpu")
     fsdp_units = shard_model(model, mesh, use_bf16, once) if mesh.world > 1 else None
     # FP8 / bf16 weight copies once per step, but none kept where FSDP2 frees each unit's gathered weights after use
     fp8.CACHE.keep = fsdp_units is None or once  # (core/weight_cache.py)
