@@ -5,6 +5,7 @@ what the model is told after each step (StepDone) and what it declares of each p
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import io
 import math
@@ -53,6 +54,7 @@ def _own_field_comments(cls) -> dict[str, str]:
     return comments
 
 
+@functools.cache  # (read from the source once per class: train.py parses its flags on every call of main)
 def field_comments(cls) -> dict[str, str]:
     """{field name: its meaning} from the dataclass's source: the `# comment` on the field's line(s), continued by
     comment-only lines directly below it. A comment-only line above a field, below one without a comment, or
