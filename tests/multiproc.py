@@ -30,6 +30,10 @@ import torch.multiprocessing as mp
 
 TIMEOUT_S = float(os.environ.get("MULTIPROC_TIMEOUT_S", 300))
 _STACKS_GRACE_S = 5  # the parent waits this long after the ranks' deadline for their stack dumps
+# what a training rank imports on first use, imported once by the forkserver instead of by every rank (~0.6-1 s of
+# CPU per rank: torch._dynamo with sympy, which FSDP2 and DTensor reach; DCP; TensorBoard's writer); none starts a
+# thread or runs a torch op
+PRELOAD = ("torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.utils.tensorboard")
 
 
 @contextmanager
@@ -83,7 +87,7 @@ class Ranks:
                                    timeout=timedelta(seconds=timeout))
         self.out_dir = tempfile.TemporaryDirectory()
         self.deadline = time.time() + timeout  # the ranks dump their stacks then (wall clock: shared by the processes)
-        multiprocessing.set_forkserver_preload(["tests.multiproc", fn.__module__])  # (read when the server starts)
+        multiprocessing.set_forkserver_preload(["tests.multiproc", *PRELOAD, fn.__module__])  # (read as it starts)
         self.context = mp.start_processes(_worker, nprocs=world, join=False, start_method="forkserver", args=(
             world, self.store.port, self.out_dir.name, self.deadline, dict(os.environ), (_Fd(1), _Fd(2)), fn, args))
 
