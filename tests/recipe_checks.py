@@ -44,7 +44,7 @@ from core.hf_io import CheckpointReader
 from core.mesh import build_mesh
 from core.pipeline import split_layers
 from core.training import declared, objective, parameter_rules, parse_args
-from tests.multiproc import TIMEOUT_S, start_ranks
+from tests.multiproc import TIMEOUT_S, one_thread, start_ranks
 from tests.test_train import (
     LAYOUT_TOLERANCE,
     bitwise_error,
@@ -654,30 +654,33 @@ def layout_results(recipe: Recipe, data, workdir: Path, meanwhile=lambda: [], pr
     start = lambda jobs: {world: start_ranks(world, layouts_worker, recipe.name, world_jobs, list(recipes.__path__),
                                              timeout=2 * TIMEOUT_S) for world, world_jobs in jobs.items() if world_jobs}
     groups = start(jobs)
+    # this process computes beside the ranks (one thread each, tests/multiproc.py) on the same cores: with one thread
+    # too, its idle workers do not spin
     try:
-        results = meanwhile()
+        with one_thread():
+            results = meanwhile()
+            progress("layouts")
+            single = run_train(args("single", export_hf=workdir / "hf_single"), recipe.train.main) if "single" in need else None
+            # the float64 run starts from the fp32 run's initial weights (float64 draws other random numbers): exported
+            # after one step at lr 0, then loaded into a model built in float64 (torch's default dtype, which train.py's
+            # model, optimizer and loss follow)
+            if need & {"single64", "docs single64"}:
+                recipe.train.main(args("init", steps=1, lr=0.0, expert_bias_rate=0.0, export_hf=workdir / "hf_init"))
+            if "single64" in need:
+                with float64_default():
+                    single64 = run_train(args("single64", hf_checkpoint=workdir / "hf_init", export_hf=workdir / "hf_single64"),
+                                         recipe.train.main)
+            if documents and "docs single" in need:
+                single_docs = run_train(chat_args("docs_single"), recipe.train.main)
+            if documents and "docs single64" in need:
+                with float64_default():  # the same initial weights (hf_init), float64: each tensor's rounding noise
+                    single_docs64 = run_train(chat_args("docs_single64", hf_checkpoint=workdir / "hf_init"), recipe.train.main)
+            if documents and "docs unmasked" in need:
+                unmasked = run_train(chat_args("docs_unmasked", no_document_mask=True), recipe.train.main)
     except BaseException:
         for group in groups.values():
             group.kill()
         raise
-    progress("layouts")
-    single = run_train(args("single", export_hf=workdir / "hf_single"), recipe.train.main) if "single" in need else None
-    # the float64 run starts from the fp32 run's initial weights (float64 draws other random numbers): exported
-    # after one step at lr 0, then loaded into a model built in float64 (torch's default dtype, which train.py's
-    # model, optimizer and loss follow)
-    if need & {"single64", "docs single64"}:
-        recipe.train.main(args("init", steps=1, lr=0.0, expert_bias_rate=0.0, export_hf=workdir / "hf_init"))
-    if "single64" in need:
-        with float64_default():
-            single64 = run_train(args("single64", hf_checkpoint=workdir / "hf_init", export_hf=workdir / "hf_single64"),
-                                 recipe.train.main)
-    if documents and "docs single" in need:
-        single_docs = run_train(chat_args("docs_single"), recipe.train.main)
-    if documents and "docs single64" in need:
-        with float64_default():  # the same initial weights (hf_init), float64: each tensor's rounding noise
-            single_docs64 = run_train(chat_args("docs_single64", hf_checkpoint=workdir / "hf_init"), recipe.train.main)
-    if documents and "docs unmasked" in need:
-        unmasked = run_train(chat_args("docs_unmasked", no_document_mask=True), recipe.train.main)
     runs = {}
     for world, group in groups.items():  # per job: every rank's result
         per_rank = group.join()
