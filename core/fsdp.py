@@ -83,9 +83,9 @@ def expert_checkpoint_entries(name: str, full_LX: torch.Tensor, expert_ids: list
 def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_group) -> torch.Tensor:
     """Scale `grads` (every rank's own elements; each element of the model on one rank) so that their global L2
     norm over norm_group is at most max_norm (0: no clipping); returns the norm before clipping."""
-    # squares summed in fp64: layouts split this sum differently, and in fp32 its last bit depended on the layout,
-    # moving the clip factor and every weight by ~3e-8, which bf16 weight copies amplified into ~1e-5 loss
-    # differences. In fp64 every layout's norm rounds to the same fp32 value.
+    # squares summed in fp64: ranks split this sum by layout, and in fp32 its last bit followed the split, moving
+    # the clip factor and every weight; in fp64 it rounds to one fp32 norm (tests/test_train_pp.py: pp2 = one
+    # process bit for bit, which fp32 sums break at step 2)
     sq = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum()
     if norm_group is not None:
         dist.all_reduce(sq, group=norm_group)

@@ -10,8 +10,8 @@ import pytest
 from recipes.qwen3_30b_a3b import train
 from recipes.qwen3_30b_a3b.model import Model
 from tests.conftest import TINY_TRAIN_CONFIG
-from tests.multiproc import run_ranks
-from tests.test_train import assert_matches_single, run_train, train_args
+from tests.multiproc import one_thread, run_ranks
+from tests.test_train import assert_matches_single, bitwise_error, layout_errors, run_train, train_args
 
 
 def pp_args(config, data, out, **extra):
@@ -71,6 +71,22 @@ def test_pp4_equals_single_process(tiny_train_setup, tmp_path):
     config.write_text(json.dumps({**TINY_TRAIN_CONFIG, "num_hidden_layers": 6}))
     single = run_train(pp_args(config, data, tmp_path / "single"))
     assert_matches_single(single, run_ranks(4, run_train, pp_args(config, data, tmp_path / "pp4", pp=4)))
+
+
+def test_pp2_is_one_process_bit_for_bit(tiny_train_setup, tmp_path):
+    """At dp = 1 DualPipeV holds each parameter whole on one rank and adds its micro-batches' gradients in one
+    process's order: losses, grad norms and every weight are one process's bit for bit, clipping active. This needs
+    the global norm's squares summed in fp64 (core/fsdp.py:clip_grad_norm_): in fp32 the two ranks' partial sums
+    round otherwise than one process's single sum, its last bit moved at step 2 here (1.2e-7), and with it the clip
+    factor and every weight."""
+    _, data = tiny_train_setup
+    config = tmp_path / "six_layers.json"  # (the shared checks' model: 6 layers, each stage holds some)
+    config.write_text(json.dumps({**TINY_TRAIN_CONFIG, "num_hidden_layers": 6}))
+    args = lambda out, **extra: train_args(config, data, tmp_path / out, steps=2, micro_batch=1, **extra)
+    with one_thread():  # as each rank computes: ATen may split a reduction by thread count
+        single = run_train(args("single"))
+    errors = layout_errors(single, run_ranks(2, run_train, args("pp2", pp=2)), error=bitwise_error)
+    assert all(error == 0 for error, _, _ in errors.values()), errors
 
 
 def test_pipeline_errors(tiny_train_setup, tmp_path):
