@@ -1,10 +1,13 @@
-"""Step metrics: one log line per step, TensorBoard scalars, MFU, peak memory, progress and ETA; the model's own
-step statistics summed, maxed or gathered over the ranks; expert load max/mean over the live experts."""
+"""Step metrics: one log line per step, TensorBoard scalars (also to Weights & Biases with --wandb), MFU, peak
+memory, progress and ETA; the model's own step statistics summed, maxed or gathered over the ranks; expert load
+max/mean over the live experts."""
 
 import functools
+import importlib.util
 import resource
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -154,10 +157,41 @@ def load_heatmap(load_LE: torch.Tensor, max_width: int = 1024) -> torch.Tensor:
     return rgb_LE3.round().to(torch.uint8).repeat_interleave(cell, 0).repeat_interleave(cell, 1)
 
 
-class MetricsLogger:
-    """Prints a line per step and writes TensorBoard scalars, on the main rank only."""
+def check_wandb(project: str) -> None:
+    if project and importlib.util.find_spec("wandb") is None:
+        raise ValueError(f"--wandb {project} needs the wandb package: pip install -e .[wandb] (or pip install wandb)")
 
-    def __init__(self, log_dir, enabled: bool, total_steps: int, flops_per_token: float, peak_flops_total: float):
+
+class WandbWriter:
+    """A SummaryWriter whose scalars also go to a Weights & Biases run (--wandb); the run's id is kept in
+    out/wandb_run_id, so that a resumed run continues it."""
+
+    def __init__(self, writer, project: str, out: Path, config: dict, resumed: bool):
+        import wandb
+
+        id_file = out / "wandb_run_id"
+        run_id = id_file.read_text().strip() if resumed and id_file.is_file() else wandb.util.generate_id()
+        id_file.write_text(run_id)
+        self.writer, self.run = writer, wandb.init(project=project, id=run_id, resume="allow", config=config, dir=out)
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.writer.add_scalar(tag, value, step)
+        self.run.log({tag: value}, step=step)  # (wandb merges the scalars of one step into one row)
+
+    def __getattr__(self, name):  # add_image and the rest: TensorBoard only
+        return getattr(self.writer, name)
+
+    def close(self) -> None:
+        self.writer.close()
+        self.run.finish()
+
+
+class MetricsLogger:
+    """Prints a line per step and writes TensorBoard scalars (wandb_project: also to wandb, WandbWriter, its config
+    and run id file in log_dir's parent: the run's --out), on the main rank only."""
+
+    def __init__(self, log_dir, enabled: bool, total_steps: int, flops_per_token: float, peak_flops_total: float,
+                 wandb_project: str = "", config: dict | None = None, resumed: bool = False):
         self.enabled, self.total_steps = enabled, total_steps
         self.flops_per_token, self.peak_flops_total = flops_per_token, peak_flops_total
         self.step_times: list[float] = []
@@ -166,6 +200,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir)
+            if wandb_project:
+                self.writer = WandbWriter(self.writer, wandb_project, Path(log_dir).parent, config or {}, resumed)
 
     def log(self, step: int, step_time: float, tokens: int, scalars: dict[str, float], stats: dict | None = None) -> dict:
         """scalars: loss, other loss terms as NAME_loss (printed as NAME), lr, grad_norm, ...; adds throughput, MFU,

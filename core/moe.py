@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from core.kernels.dispatch_index import expert_counts, group_by_expert
 from core.placement import Placement
+from core.routing import routing
 from core.weight_cache import cast_weight
 
 # torch._grouped_mm (public as F.grouped_mm from torch 2.10 on); None in versions that have neither
@@ -317,6 +318,7 @@ class DispatchPlan:
 def moe_forward(x_TH, topk_ids_Tk, topk_weights_Tk, num_experts: int, group, experts_fn,
                 placement: Placement | None = None, recompute_dispatch: bool = False):
     """The five steps back to back (no overlap): routed-expert output [T, H] and rows moved [2]."""
+    routing.record(getattr(experts_fn, "__self__", None), topk_ids_Tk, topk_weights_Tk)  # the layer of step (3)
     plan = DispatchPlan(topk_ids_Tk, num_experts, group, placement, recompute_dispatch)
     x_QX = plan.start_dispatch(x_TH, topk_weights_Tk).wait()
     y_PH = plan.start_combine(plan.run_experts(x_QX, experts_fn)).wait()

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from core.moe import AllToAll, DispatchPlan, release, weight_grads
+from core.routing import routing
 
 
 def split_layers(num_layers: int, pp: int, costs: list | None = None) -> list[list[int]]:
@@ -133,6 +134,7 @@ def _forward_steps(stage, inputs: list, mb: int, tape: _Tape, out: list):
             state = layer.dense(state)
             continue
         state, x_TH, ids_Tk, weights_Tk = layer.attention(state)  # (1)
+        routing.record(layer, ids_Tk, weights_Tk)  # (counted in a training step, kept when traced)
         plan = DispatchPlan(ids_Tk, layer.num_experts, layer.ep_group, layer.placement,
                             getattr(layer, "recompute_dispatch", False))
         *state, x_TH, payload = tape.cut([*state, x_TH, plan.dispatch_payload(x_TH, weights_Tk)])

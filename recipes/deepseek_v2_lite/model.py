@@ -50,6 +50,7 @@ from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bi
 from core.pipeline import running
 from core.placement import Placement
 from core.precision import compute_dtype, upcast
+from core.routing import routing
 from core.training import LossTerm, ParamRule, check_args, default_rule, init_parameters
 from core.weight_cache import cast_weight
 
@@ -370,6 +371,7 @@ class MoE(nn.Module):
         this rank's summed router probabilities (differentiable), so the cp ranks' parts add up to the loss.
         load_E counts the routed slots that are kept (ids >= 0, core/moe.py's router contract). No host sync."""
         probs_TE, weights_Tk, ids_Tk = self.gate(x_TH)
+        routing.note_entropy(probs_TE)  # router entropy per layer in the log (core/routing.py)
         E, k = self.num_choices, self.k
         ids_BX = ids_Tk.view(batch, -1)  # every slot of a sequence
         counts_BE = probs_TE.new_zeros(batch, E).scatter_add_(1, ids_BX, probs_TE.new_ones(ids_BX.shape))

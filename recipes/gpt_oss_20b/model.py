@@ -50,6 +50,7 @@ from core.moe import expert_counts, expert_matmul, moe_forward, update_expert_bi
 from core.pipeline import running
 from core.placement import Placement, gather_experts
 from core.precision import compute_dtype, upcast
+from core.routing import routing
 from core.training import LossTerm, ParamRule, check_args, constant, default_rule, init_parameters, normal
 from core.weight_cache import cast_weight
 
@@ -311,6 +312,7 @@ class MoE(nn.Module):
         Model.aux_loss. load_E counts the routed slots actually taken. No host sync."""
         logits_TE, weights_Tk, ids_Tk = self.router(x_TH)
         probs_TE = logits_TE.softmax(dim=-1)
+        routing.note_entropy(probs_TE)  # router entropy per layer in the log (core/routing.py)
         counts_E = expert_counts(probs_TE.topk(self.k, dim=-1).indices, self.num_choices).float()
         if self.cp_group is not None:
             dist.all_reduce(counts_E, group=self.cp_group)

@@ -44,12 +44,13 @@ from core.fsdp import FSDPAdamW, shard_model, whole_model
 from core.kernels.cross_entropy import loss_groups
 from core.memory import check_train_args
 from core.mesh import build_mesh, destroy_mesh, resolve_layout
-from core.metrics import MetricsLogger, load_max_over_mean, peak_flops, peak_memory_gib, reduce_stats, timed
+from core.metrics import MetricsLogger, check_wandb, load_max_over_mean, peak_flops, peak_memory_gib, reduce_stats, timed
 from core.moe import traffic
 from core.muon import MuonAdamW
 from core.pipeline import DualPipeV, running, split_layers
 from core.placement import Placement
 from core.profiling import StepProfiler, parse_steps
+from core.routing import routing
 from core.reliability import (
     PG_TIMEOUT_S,
     StopRequest,
@@ -138,6 +139,8 @@ class Args:
     expert_bias_rate: float = 0.0  # > 0: aux-loss-free balancing, bias += rate * sign(mean - load) per step
     seed: int = 0
     load_heatmap_every: int = 50  # TensorBoard image of the (MoE layer, expert) load every this many steps; 0: never
+    routing_trace: int = 0  # every this many steps, each MoE layer's expert ids and weights for every token of the global batch -> <out>/routing_trace/step_N.npz (README "Routing traces"; python -m tools.routing reads them); 0: never. Cost: TRACE_COST
+    wandb: str = ""  # also send the TensorBoard scalars to this Weights & Biases project, the flags as its config (pip install -e .[wandb]; WANDB_MODE=offline: no network); a resume continues the wandb run
     ckpt_every: int = 100  # also saves after the last step; 0 disables checkpoints
     keep_checkpoints: int = 2  # 0: keep all
     resume: str = ""  # '' (fresh; after a torchrun restart: auto) | auto (newest complete in <out>/checkpoints) | a step_* folder
@@ -274,8 +277,9 @@ def main(argv=None):
             print(f"rank 0's parameters: {optimizer.describe()}", flush=True)
 
     # ---- training loop
-    logger = MetricsLogger(Path(args.out) / "tensorboard", mesh.is_main, args.steps,
-                           flops_per_token(cfg, args.seq_len), peak_flops(device) * mesh.world)
+    logger = MetricsLogger(Path(args.out) / "tensorboard", mesh.is_main, args.steps, flops_per_token(cfg, args.seq_len),
+                           peak_flops(device) * mesh.world, args.wandb, vars(args), resume_from is not None)
+    routing.watch(model, cfg, mesh, args)  # per-layer routing statistics, --routing-trace (core/routing.py)
     history = []
     # global positions of this rank's tokens for rope [micro_batch, seq_len / cp] (None: 0..seq_len-1)
     positions_BS = cp_positions(args.seq_len, mesh.coord("cp"), mesh.cp, device).expand(args.micro_batch, -1) \
@@ -302,6 +306,7 @@ def main(argv=None):
         inject_fault("hang", step)  # MOE_TRAIN_FAULT (tests only; core/reliability.py)
         profiler.begin(step)
         input_ids, labels, positions, docs, extras = rank_batch(loader, **batch_inputs)
+        routing.begin(step, input_ids, positions)
         denominators = loss_denominators(loss_terms, labels, extras, n_micro, mesh)  # over the global batch
         sources_B = getattr(loader, "sources", None)  # a mixture: each row's source; the labels' losses summed per source
         if sources_B is not None:
@@ -357,10 +362,10 @@ def main(argv=None):
         # statistics of the global batch: every rank holds other tokens (dp, cp, ep) or other layers (pp); the
         # model's own (Model.take_stats: the expert load and whatever its router counts) and the all-to-all rows
         watchdog.set_phase("statistics all-reduce")
-        own_stats = model.take_stats()
+        own_stats = {**model.take_stats(), **routing.take()}
         model_stats = reduce_stats({**own_stats, "a2a_rows": (torch.zeros(2, device=device) + traffic.take(), "sum")},
                                    dist.group.WORLD if mesh.world > 1 else None)
-        a2a_rows = model_stats.pop("a2a_rows")
+        a2a_rows, routing_stats = model_stats.pop("a2a_rows"), routing.step_done(model_stats)  # (writes a trace)
 
         # ---- post-step seam: the model sees the step's global statistics and the optimizer (Model.after_step;
         # by default the expert-bias update), on every rank alike
@@ -382,7 +387,7 @@ def main(argv=None):
             scalars["a2a_rows_vs_naive"] = (a2a_rows[0] / a2a_rows[1]).item()
         history.append(logger.log(step, time.perf_counter() - start, args.global_batch * args.seq_len, scalars,
                                   {"expert_load_max_over_mean": load_per_layer,
-                                   "trained_tokens": int(denominators["lm"]),
+                                   "trained_tokens": int(denominators["lm"]), **routing_stats,
                                    **logged, **({} if sources_B is None else source_losses(
                                        loader.names, loss_groups.take(), labels, sources_B.to(device),
                                        mesh.group("dp", "cp", "ep")))}))
@@ -501,6 +506,7 @@ def check_arguments(args: Args) -> None:
         f"--step-timeout must be >= 0 (0: automatic), got {args.step_timeout}": args.step_timeout >= 0,
         f"--eval-batches must be >= 1, got {args.eval_batches}": args.eval_batches >= 1,
         f"--time-limit must be >= 0 minutes (0: none), got {args.time_limit}": args.time_limit >= 0,
+        f"--routing-trace must be >= 0 (0: never), got {args.routing_trace}": args.routing_trace >= 0,
         f"--sample-tokens must be >= 0, got {args.sample_tokens}": args.sample_tokens >= 0,
         "--sample-chat samples without the pipeline: use --pp 1 (or export with --export-hf and sample that)":
             not (args.sample_chat and args.pp > 1),
@@ -521,6 +527,7 @@ def check_run(args: Args, world: int):
     first on every rank; launch.sh runs it once (--dry-run) before torchrun starts any rank, so that a user error
     costs one line."""
     check_arguments(args)
+    check_wandb(args.wandb)  # the optional package, before any rank starts
     parse_steps(args.profile_steps, args.steps)
     lr_factor(0, args.lr_schedule, args.warmup_steps, args.steps, args.min_lr_ratio, args.decay_fraction)
     if args.cp >= 1 and args.seq_len % (2 * args.cp):  # (cp < 1 is rejected with the layout)
