@@ -170,9 +170,9 @@ class WandbWriter:
         import wandb
 
         id_file = out / "wandb_run_id"
-        run_id = id_file.read_text().strip() if resumed and id_file.is_file() else wandb.util.generate_id()
-        id_file.write_text(run_id)
+        run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None  # None: a new run
         self.writer, self.run = writer, wandb.init(project=project, id=run_id, resume="allow", config=config, dir=out)
+        id_file.write_text(self.run.id)
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         self.writer.add_scalar(tag, value, step)
