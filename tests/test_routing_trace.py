@@ -138,7 +138,8 @@ def test_dead_experts_and_the_reader(tiny_train_setup, tmp_path, monkeypatch, ca
 
 def test_entropy_bias_range_and_every_n_steps(tiny_train_setup, tmp_path, monkeypatch):
     """router_entropy per layer is the mean over the step's tokens of the entropy of softmax(router logits) (computed
-    here in float64 from the logits the router returns); expert_bias_range is the bias's max - min as the step
+    here in float64 from the logits the router returns); a traced step holds the ids and weights the router
+    returned, token by token (the layouts test compares the rest with this one process); expert_bias_range is the bias's max - min as the step
     found it (after the previous step's update: 0 at step 1), logged only with --expert-bias-rate; --routing-trace 2
     traces steps 2 and 4 only."""
     config, data = tiny_train_setup
@@ -147,7 +148,7 @@ def test_entropy_bias_range_and_every_n_steps(tiny_train_setup, tmp_path, monkey
 
     def router_forward(self, x_TH):
         out = forward(self, x_TH)
-        logits.append((self, out[0].detach().double()))
+        logits.append((self, out[0].detach().double(), out[2].detach(), out[1].detach()))
         return out
 
     def model_after_step(self, done):
@@ -159,13 +160,19 @@ def test_entropy_bias_range_and_every_n_steps(tiny_train_setup, tmp_path, monkey
     monkeypatch.setattr(qwen3.Model, "after_step", model_after_step)
     train.main(trace_args(config, data, tmp_path / "out", steps=4, routing_trace=2, expert_bias_rate=0.01))
     logged = records(tmp_path / "out")
-    routers = list(dict.fromkeys(r for r, _ in logits))  # layer 0's router first
+    routers = list(dict.fromkeys(call[0] for call in logits))  # layer 0's router first
     calls = len(logits) // 4  # per step: 8 micro-batches x 2 layers
-    for step, record in enumerate(logged):
+    for step, record in enumerate(logged, 1):
         want = []
-        for router in routers:
-            p_TE = torch.cat([x for r, x in logits[step * calls:(step + 1) * calls] if r is router]).softmax(-1)
-            want.append(float(-(p_TE * p_TE.log()).sum(-1).mean()))
+        for layer, router in enumerate(routers):  # one process: micro-batches in order are the batch's rows
+            logits_NE, ids_Nk, weights_Nk = (torch.cat(x) for x in zip(*[c[1:] for c in logits[
+                (step - 1) * calls:step * calls] if c[0] is router]))
+            p_NE = logits_NE.softmax(-1)
+            want.append(float(-(p_NE * p_NE.log()).sum(-1).mean()))
+            if step % 2 == 0:  # traced: the router's own ids and weights, token by token
+                z = np.load(tmp_path / "out" / "routing_trace" / f"step_{step:08d}.npz")
+                assert np.array_equal(z["expert_ids"][layer], ids_Nk.numpy())
+                assert np.array_equal(z["weights"][layer], weights_Nk.float().numpy())
         np.testing.assert_allclose(record["router_entropy"], want, rtol=1e-5)  # (fp32 sums of 256 terms)
     assert [r["expert_bias_range"] for r in logged] == [[0.0, 0.0]] + [pytest.approx(x) for x in ranges[:3]]
     assert max(max(x) for x in ranges) > 0
