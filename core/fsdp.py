@@ -3,12 +3,10 @@
 ep). Shard(0): ceil(d0 / n) rows, so [L, H, J] experts split by whole experts; gradients reduce-scattered in fp32 and
 summed (losses are pre-divided by the global label count).
 
-When units are gathered (train.py --fsdp-gather; README "Data parallelism: FSDP2": traffic and bytes): per
-micro-batch, FSDP2's own hooks gather a unit around its forward and its backward and reduce-scatter its gradient;
-once per step (always at pp > 1: DualPipeV calls a layer's steps, not its forward, and its W slots write expert
-weight gradients after the chunk's backward), `gather` all-gathers every unit before the step, gradients accumulate
-unsharded (in fp32 on the bf16 path: `_in_fp32`), and `FSDPAdamW.reduce_gradients` runs each unit's post-backward
-(reduce-scatter, reshard) by hand at the end, as torch.distributed.pipelining's perform_reduce_grad does.
+When units are gathered: README "Data parallelism: FSDP2" (--fsdp-gather). Once per step, `gather` all-gathers every
+unit before the step, gradients accumulate unsharded (fp32 on the bf16 path: `_in_fp32`), and
+`FSDPAdamW.reduce_gradients` runs each unit's post-backward (reduce-scatter, reshard) by hand at the end, as
+torch.distributed.pipelining's perform_reduce_grad does.
 
 `FSDPAdamW`: torch's AdamW on the local shards (views of FSDP2's storage), checkpoints as AGENTS.md's design says
 (flat Adam moments of older checkpoints: core/checkpoint.py).

@@ -1,14 +1,10 @@
 """Routed experts across the expert-parallel (ep) group: deduplicated all-to-all dispatch and combine,
 grouping rows by expert, grouped GEMM, and the aux-loss-free expert-bias update.
 
-Router contract (AGENTS.md's; E experts, k slots per token):
-  topk_ids_Tk      int [T, k], global expert ids in [0, E), or -1 for an empty slot (k fixed; the kept slots may
-                   differ per token and step): it moves no row, costs nothing; a token with every slot empty gets 0.
-  topk_weights_Tk  float [T, k], used as given; an empty slot's weight gets a zero gradient, kept ones exact ones.
-  Example, k = 2, E = 4: ids [[2, 0], [3, -1], [-1, -1]], weights [[.7, .3], [1., .5], [0., 0.]] give
-  out[0] = .7 expert2(x0) + .3 expert0(x0), out[1] = expert3(x1), out[2] = 0.
-  Load (`expert_counts`) counts kept slots, no host sync; balance losses are the recipe's; an expert without rows
-  gets a zero weight gradient. A router's choices beyond E (`num_choices`) come as -1; the recipe's `finish` adds them.
+Router contract: AGENTS.md's (ids int [T, k] in [0, E), or negative: an empty slot; weights float [T, k] used as
+given, an empty slot's getting a zero gradient, a kept one its exact one). Example, k = 2, E = 4: ids [[2, 0], [3, -1],
+[-1, -1]], weights [[.7, .3], [1., .5], [0., 0.]] give out[0] = .7 expert2(x0) + .3 expert0(x0), out[1] = expert3(x1),
+out[2] = 0.
 
 Legend: T tokens on this rank, H hidden, k slots per token, E experts in the model, n ranks in the ep group, L
 experts on this rank (core/placement.py; may be 0), P (token, destination rank) pairs sent, Q pairs received, R

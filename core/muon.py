@@ -8,22 +8,12 @@ Muon (Moonlight's variant: torch.optim.Muon, adjust_lr_fn="match_rms_adamw") upd
     O <- NS5(U / ||U||_F)                           5 quintic Newton-Schulz steps (3.4445, -4.7750, 2.0315): ~U V^T
     W <- W (1 - lr wd) - lr 0.2 sqrt(max(A, B)) O   decoupled weight decay; the update's RMS matched to AdamW's
 
-so one learning rate and schedule serve both groups. Matrices: `ParamRule.muon` (recipes' `Model.parameter_rules`;
-transformers' layout: [L, H, 2I] experts are 2L matrices). Newton-Schulz runs in bf16 on GPU (as Moonlight and torch),
-in fp32 on CPU (torch.optim.Muon's rounding); weights and momentum stay fp32.
-
-Distribution. Newton-Schulz needs whole matrices, and FSDP2 holds each parameter as whole dim-0 rows, ceil(d0 / n)
-per rank of its shard group. Where a matrix lies follows from its [S, A, B] view of a meta tensor of the parameter's
-shape: matrix s covers the flat elements from offset + s stride0 on, hence a range of rows.
-  - A matrix inside one row (a stacked expert's gate, up or down) lives whole on the rank holding that row, which
-    owns it: no communication.
-  - A matrix of whole consecutive rows (a 2-D weight, a fused weight split along dim 0) spans ranks. Its owner is
-    chosen greedily by Newton-Schulz FLOPs (largest first, to the least-loaded rank of the shard group, counting
-    the matrices each rank already owns in its rows; the same on every rank). Per bucket one all-to-all hands each
-    owner the gradient rows of its matrices, a second returns the update rows to every holder.
-  - Any other matrix (part of several rows, e.g. a column split of a 2-D weight) is refused at construction.
-Each owner keeps its matrices' momentum and orthogonalises all it owns of one shape as one batched stack. Checkpoints:
-FSDPAdamW's, plus each matrix's momentum under `muon_momentum.<parameter name>[.<kind>][.expert<global id>]`.
+so one learning rate and schedule serve both groups (matrices: `ParamRule.muon`). Newton-Schulz in bf16 on GPU, fp32
+on CPU; weights and momentum fp32. Distribution (README "Muon"): a matrix inside one dim-0 row of FSDP2's shards (a
+stacked expert's gate, up or down) is owned by the row's holder, nothing moves; one of whole rows has an owner chosen
+greedily by Newton-Schulz FLOPs (`assign_owners`), two all-to-alls per bucket move its gradient and update rows; any
+other (a column split) is refused. An owner orthogonalises all its matrices of one shape as one batched stack and
+checkpoints their momentum as `muon_momentum.<parameter name>[.<kind>][.expert<global id>]`.
 
 Tensor names: S matrices stacked (the experts of one parameter, or 1), k of them in one entry, A x B a matrix.
 """

@@ -19,23 +19,20 @@ DEAD_WINDOW = 25  # steps: an expert with no token in all of them is dead (train
 
 
 class RoutingStats:
-    def __init__(self):
-        self.rows, self.counts_L4, self.records, self.entropy = {}, None, None, None
+    rows, counts_L4, records, entropy = {}, None, None, None  # (none counted before `watch` and `begin`)
 
     def watch(self, model, cfg, mesh, args) -> None:
         """Count model's MoE layers from now on (train.py, once before its loop); traces go to <out>/routing_trace."""
         self.moe_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         self.rows = {model.layers[str(i)]: row for row, i in enumerate(self.moe_ids) if str(i) in model.layers}
         self.k, self.num_experts, self.mesh, self.args = cfg.num_experts_per_tok, cfg.num_experts, mesh, args
-        self.had_empty = False
-        self.seen = deque(maxlen=DEAD_WINDOW)  # [L, E] bool per step: experts that received a token
+        self.had_empty, self.seen = False, deque(maxlen=DEAD_WINDOW)  # seen: [L, E] per step, experts with a token
 
     def begin(self, step: int, input_ids: torch.Tensor, positions: list) -> None:
         """Count step `step` (traced: keep its records); this rank's input_ids [local batch, S] and rope positions
         [micro_batch, S] per micro-batch (train.py's rank_batch)."""
-        every = self.args.routing_trace
-        self.counts_L4 = torch.zeros(len(self.moe_ids), 4, device=input_ids.device)  # [tokens, empty slots,
-        # entropy summed over tokens, tokens with an entropy] per layer
+        every = self.args.routing_trace  # counts_L4: tokens, empty slots, entropy sum, tokens with an entropy
+        self.counts_L4 = torch.zeros(len(self.moe_ids), 4, device=input_ids.device)
         self.records = [] if every and step % every == 0 else None
         self.step, self.input_ids, self.positions = step, input_ids, positions
 
@@ -49,7 +46,7 @@ class RoutingStats:
         (entropy, measured), self.entropy = self.entropy or (0, 0), None
         if row is None:
             return
-        self.counts_L4[row, 0] += ids_Tk.shape[0]
+        self.counts_L4[row, 0] += ids_Tk.shape[0]  # (scalar adds: no host sync on a GPU)
         self.counts_L4[row, 1] += (ids_Tk < 0).sum()
         self.counts_L4[row, 2] += entropy
         self.counts_L4[row, 3] += measured

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from recipes import recipe_names
 from recipes.qwen3_30b_a3b import model as qwen3
 from recipes.qwen3_30b_a3b import train
 from tests.model_variants import variable_k
 from tests.multiproc import one_thread, start_ranks
-from tests.recipe_checks import layouts_worker, write_counting_chats
+from tests.recipe_checks import layouts_worker, load_recipe, write_counting_chats, write_counting_data
 from tests.test_train import train_args
 from tools import routing as routing_tool
 
@@ -72,6 +73,34 @@ def test_trace_equals_one_process_in_every_layout(tiny_train_setup, tmp_path):
             assert got["dead_experts"] == want["dead_experts"], name
             np.testing.assert_allclose(got["router_entropy"], want["router_entropy"], rtol=1e-5, err_msg=name)
     print(f"worst routing weight difference from one process: {worst:.2e} (bound {WEIGHT_TOL})")
+
+
+@pytest.mark.parametrize("recipe", recipe_names())
+def test_every_recipe_is_traced_with_no_edit(recipe, tmp_path, monkeypatch):
+    """Each recipe's check config, one process: a traced step holds, per MoE layer, the ids and weights that its
+    step (1) (the layer protocol's `attention`) returned, token by token; the router's entropy is logged."""
+    r = load_recipe(recipe)
+    steps = []  # (layer, ids [T, k], weights [T, k]) per step (1) call
+    attention = r.model.DecoderLayer.attention
+
+    def step1(self, state):
+        out = attention(self, state)
+        steps.append((self, out[2].detach(), out[3].detach().float()))
+        return out
+
+    monkeypatch.setattr(r.model.DecoderLayer, "attention", step1)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(r.config))
+    _, model = r.train.main(trace_args(config, write_counting_data(tmp_path / "data"), tmp_path / "out", steps=1,
+                                       seq_len=r.seq_len))
+    z = dict(np.load(tmp_path / "out" / "routing_trace" / "step_00000001.npz"))
+    moe = [int(i) for i in z["layer"]]
+    assert moe and moe == [i for i in range(r.config["num_hidden_layers"]) if model.layers[str(i)].moe]
+    for row, i in enumerate(moe):  # one process: micro-batches in order are the global batch's rows
+        ids_Nk, weights_Nk = (torch.cat(x) for x in zip(*[c[1:] for c in steps if c[0] is model.layers[str(i)]]))
+        assert np.array_equal(z["expert_ids"][row], ids_Nk.numpy()), (recipe, i)
+        assert np.array_equal(z["weights"][row], weights_Nk.numpy()), (recipe, i)
+    assert len(records(tmp_path / "out")[0]["router_entropy"]) == len(moe)
 
 
 def test_a_variable_k_router_leaves_minus_one_with_weight_zero(tiny_train_setup, tmp_path, monkeypatch, capsys):
