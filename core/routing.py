@@ -4,7 +4,7 @@ is counted and traced with no model edit; a router may pass its probabilities to
 (they count for the layer recorded next). Only train.py's steps count (begin .. take), only model.layers' MoE layers
 (no MTP layer). A layer runs its micro-batches in order (train.py's loop, DualPipeV's chunks): its n-th record is
 micro-batch n. The trace file's arrays: README's "Routing traces". Legend: L MoE layers of the model, T tokens of a
-micro-batch on this rank, k slots, N tokens of the global batch, E router choices, C = 5 + k integers per token."""
+micro-batch on this rank, k slots, N tokens of the global batch, E router choices, C = 4 + k integers per token."""
 
 import os
 from collections import deque
@@ -54,8 +54,8 @@ class RoutingStats:
             self.records.append((row, ids_Tk.detach().clamp(min=-1).short(), weights_Tk.detach().float()))
 
     def take(self) -> dict:
-        """The step's statistics for reduce_stats (name -> (tensor, how)); ends the step. Traced: each token's C
-        integers (layer row, batch row, position, rope position, token id, expert ids) and k weights, gathered."""
+        """The step's statistics for reduce_stats (name -> (tensor, how)); ends the step. Traced: each token's C int32
+        (layer row, index in the global batch, rope position, token id, expert ids) and k weights, gathered."""
         out = {"routing_counts": (self.counts_L4, "sum")}
         if self.args.expert_bias_rate > 0:  # each layer's bias max - min (-inf: another stage's layer)
             range_L = torch.full((len(self.moe_ids),), -torch.inf, device=self.counts_L4.device)
@@ -64,15 +64,15 @@ class RoutingStats:
                                    default=-torch.inf)
             out["expert_bias_range"] = (range_L, "max")
         if self.records is not None:
-            mesh, mb_rows, (rows, S) = self.mesh, self.args.micro_batch, self.input_ids.shape
-            where_BS4 = torch.stack([(mesh.data_rank * rows + torch.arange(rows)).unsqueeze(1).expand(-1, S),
-                                     cp_positions(self.args.seq_len, mesh.coord("cp"), mesh.cp).expand(rows, -1),
-                                     torch.cat(self.positions).cpu(), self.input_ids.cpu()], -1)
-            ints, weights, done = [torch.zeros(0, 5 + self.k, dtype=torch.long)], [torch.zeros(0, self.k)], {}
+            mesh, mb_rows, rows, seq = self.mesh, self.args.micro_batch, self.input_ids.shape[0], self.args.seq_len
+            n_BS = (mesh.data_rank * rows + torch.arange(rows)).unsqueeze(1) * seq + cp_positions(seq, mesh.coord(
+                "cp"), mesh.cp)  # the token's index in the global batch: batch row x seq_len + position
+            where_BS3 = torch.stack([n_BS, torch.cat(self.positions).cpu(), self.input_ids.cpu()], -1).int()
+            ints, weights, done = [torch.zeros(0, 4 + self.k, dtype=torch.int32)], [torch.zeros(0, self.k)], {}
             for row, ids_Tk, weights_Tk in self.records:
                 mb = done[row] = done.get(row, -1) + 1
-                where_T4 = where_BS4[mb * mb_rows:(mb + 1) * mb_rows].flatten(0, 1)
-                ints.append(torch.cat([torch.full_like(where_T4[:, :1], row), where_T4, ids_Tk.cpu().long()], 1))
+                where_T3 = where_BS3[mb * mb_rows:(mb + 1) * mb_rows].flatten(0, 1)
+                ints.append(torch.cat([torch.full_like(where_T3[:, :1], row), where_T3, ids_Tk.cpu().int()], 1))
                 weights.append(weights_Tk.cpu())
             out["trace_ints"], out["trace_weights"] = (torch.cat(ints), "gather"), (torch.cat(weights), "gather")
         self.counts_L4 = self.records = self.input_ids = self.positions = None
@@ -102,20 +102,20 @@ class RoutingStats:
         return out
 
     def write(self, ints_NC: torch.Tensor, weights_Nk: torch.Tensor) -> None:
-        """The gathered rows in (layer, batch row, position) order: every (layer, token) once, [L, N, ...]."""
-        L, B, S, k = len(self.moe_ids), self.args.global_batch, self.args.seq_len, self.k
-        order = ((ints_NC[:, 0] * B + ints_NC[:, 1]) * S + ints_NC[:, 2]).argsort()
+        """The gathered rows in (layer, token) order, [L, N, ...]: every (layer, token of the global batch) once."""
+        L, S, k = len(self.moe_ids), self.args.seq_len, self.k
+        N = self.args.global_batch * S
+        key = ints_NC[:, 0].long() * N + ints_NC[:, 1]
+        order = key.argsort()
+        assert torch.equal(key[order], torch.arange(L * N)), "the trace holds each (MoE layer, token) once"
         ints_NC, weights_Nk = ints_NC[order], weights_Nk[order]
-        assert torch.equal(ints_NC[:, 0] * B * S + ints_NC[:, 1] * S + ints_NC[:, 2], torch.arange(L * B * S)), \
-            "the trace holds each (MoE layer, token of the global batch) once"
-        token_4N = ints_NC[: B * S, 1:5].T.int().numpy()  # batch row, position, rope position, token id
+        n_N, doc_position_N, token_N = ints_NC[:N, 1:4].T.numpy()
         path = Path(self.args.out) / "routing_trace" / f"step_{self.step:08d}.npz"
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".tmp"), "wb") as f:
-            np.savez(f, expert_ids=ints_NC[:, 5:].short().view(L, B * S, k).numpy(), weights=weights_Nk.view(
-                L, B * S, k).numpy(), row=token_4N[0], position=token_4N[1], doc_position=token_4N[2],
-                token_ids=token_4N[3], layer=np.array(self.moe_ids, dtype=np.int32), step=np.int64(self.step),
-                num_experts=np.int64(self.num_experts))
+            np.savez(f, expert_ids=ints_NC[:, 4:].short().view(L, N, k).numpy(), weights=weights_Nk.view(L, N, k).numpy(),
+                     row=n_N // S, position=n_N % S, doc_position=doc_position_N, token_ids=token_N, step=np.int64(
+                         self.step), layer=np.array(self.moe_ids, dtype=np.int32), num_experts=np.int64(self.num_experts))
         os.replace(path.with_suffix(".tmp"), path)
 
 
