@@ -94,9 +94,14 @@ def report(s: dict, layers: list[int]) -> str:
     return "\n".join(lines)
 
 
+def pairs_EE(co_EE: np.ndarray) -> np.ndarray:
+    """The co-occurrence counts with the diagonal (tokens holding one expert) left out (NaN: drawn blank)."""
+    return np.where(np.eye(len(co_EE), dtype=bool), np.nan, co_EE.astype(np.float64))
+
+
 def draw(s: dict, layers: list[int], out: Path) -> list[Path]:
     """Per MoE layer, load_layer<i>.png (expert x step, share of the kept slots) and cooccurrence_layer<i>.png
-    (expert x expert, share of tokens holding both; diagonal: holding one); [] without matplotlib."""
+    (expert x expert, share of tokens holding both, the diagonal left blank); [] without matplotlib."""
     try:
         import matplotlib
 
@@ -112,7 +117,7 @@ def draw(s: dict, layers: list[int], out: Path) -> list[Path]:
     for row in layers:
         layer = s["layer"][row]
         for name, image, xlabel in (("load", share_SLE[:, row].T, "step"),
-                                    ("cooccurrence", s["co_LEE"][row] / s["tokens_per_layer"], "expert")):
+                                    ("cooccurrence", pairs_EE(s["co_LEE"][row]) / s["tokens_per_layer"], "expert")):
             fig, ax = plt.subplots(figsize=(8, 5))
             shown = ax.imshow(image, aspect="auto", interpolation="nearest", origin="lower")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -121,7 +126,7 @@ def draw(s: dict, layers: list[int], out: Path) -> list[Path]:
                 steps = s["steps"]
                 ax.set_xticks(range(len(steps))[:: max(1, len(steps) // 10)], steps[:: max(1, len(steps) // 10)])
             ax.set(xlabel=xlabel, ylabel="expert", title=f"MoE layer {layer}: " + (
-                "share of the step's kept slots" if name == "load" else "share of tokens holding both experts"))
+                "share of the step's kept slots" if name == "load" else "share of tokens holding both experts (a pair)"))
             fig.colorbar(shown, ax=ax)
             fig.savefig(out / f"{name}_layer{layer}.png", dpi=100, bbox_inches="tight")
             plt.close(fig)
