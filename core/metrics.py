@@ -3,7 +3,6 @@ memory, progress and ETA; the model's own step statistics summed, maxed or gathe
 max/mean over the live experts."""
 
 import functools
-import importlib.util
 import resource
 import sys
 import time
@@ -155,11 +154,6 @@ def load_heatmap(load_LE: torch.Tensor, max_width: int = 1024) -> torch.Tensor:
     frac_LE1 = (t_LE - i_LE).unsqueeze(-1)
     rgb_LE3 = anchors_A3[i_LE] * (1 - frac_LE1) + anchors_A3[i_LE + 1] * frac_LE1
     return rgb_LE3.round().to(torch.uint8).repeat_interleave(cell, 0).repeat_interleave(cell, 1)
-
-
-def check_wandb(project: str) -> None:
-    if project and importlib.util.find_spec("wandb") is None:
-        raise ValueError(f"--wandb {project} needs the wandb package: pip install -e .[wandb] (or pip install wandb)")
 
 
 class WandbWriter:

@@ -27,6 +27,7 @@ class RoutingStats:
         self.rows = {model.layers[str(i)]: row for row, i in enumerate(self.moe_ids) if str(i) in model.layers}
         self.k, self.num_experts, self.mesh, self.args = cfg.num_experts_per_tok, cfg.num_experts, mesh, args
         self.had_empty, self.seen = False, deque(maxlen=DEAD_WINDOW)  # seen: [L, E] per step, experts with a token
+        self.counts_L4 = self.records = None  # (a step an exception left running counts no more)
 
     def begin(self, step: int, input_ids: torch.Tensor, positions: list) -> None:
         """Count step `step` (traced: keep its records); this rank's input_ids [local batch, S] and rope positions

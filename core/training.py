@@ -6,6 +6,7 @@ import argparse
 import ast
 import dataclasses
 import functools
+import importlib.util
 import inspect
 import io
 import math
@@ -137,6 +138,12 @@ def declared(model_class, cfg):
     model declares for a config before any is built, its features and loss terms (train.py's check_run)."""
     with torch.device("meta"):
         return model_class(cfg, layers=[], embed=False, head=False)
+
+
+def check_wandb(project: str) -> None:
+    """--wandb's optional package (core/metrics.py:WandbWriter), in one line before any rank starts."""
+    if project and importlib.util.find_spec("wandb") is None:
+        raise ValueError(f"--wandb {project} needs the wandb package: pip install -e .[wandb] (or pip install wandb)")
 
 
 def check_features(supported, requested: dict[str, tuple[str, bool]], where: str) -> None:

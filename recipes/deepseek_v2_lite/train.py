@@ -44,13 +44,12 @@ from core.fsdp import FSDPAdamW, shard_model, whole_model
 from core.kernels.cross_entropy import loss_groups
 from core.memory import check_train_args
 from core.mesh import build_mesh, destroy_mesh, resolve_layout
-from core.metrics import MetricsLogger, check_wandb, load_max_over_mean, peak_flops, peak_memory_gib, reduce_stats, timed
+from core.metrics import MetricsLogger, load_max_over_mean, peak_flops, peak_memory_gib, reduce_stats, timed
 from core.moe import traffic
 from core.muon import MuonAdamW
 from core.pipeline import DualPipeV, running, split_layers
 from core.placement import Placement
 from core.profiling import StepProfiler, parse_steps
-from core.routing import routing
 from core.reliability import (
     PG_TIMEOUT_S,
     StopRequest,
@@ -62,10 +61,12 @@ from core.reliability import (
     run_main,
     step_is_finite,
 )
+from core.routing import routing
 from core.training import (
     StepDone,
     check_args,
     check_features,
+    check_wandb,
     declared,
     loss_denominators,
     loss_weights,
