@@ -3,7 +3,7 @@
 is counted and traced with no model edit; a router may pass its probabilities to `routing.note_entropy` in step (1)
 (they count for the layer recorded next). Only train.py's steps count (begin .. take), only model.layers' MoE layers
 (no MTP layer). A layer runs its micro-batches in order (train.py's loop, DualPipeV's chunks): its n-th record is
-micro-batch n. The trace file's arrays: README's "Routing traces". Legend: L MoE layers of the model, T tokens of a
+micro-batch n. The trace file's arrays: README's "Routing" section. Legend: L MoE layers of the model, T tokens of a
 micro-batch on this rank, k slots, N tokens of the global batch, E router choices, C = 4 + k integers per token."""
 
 import os
@@ -114,9 +114,9 @@ class RoutingStats:
         path = Path(self.args.out) / "routing_trace" / f"step_{self.step:08d}.npz"
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".tmp"), "wb") as f:
-            np.savez(f, expert_ids=ints_NC[:, 4:].short().view(L, N, k).numpy(), weights=weights_Nk.view(L, N, k).numpy(),
-                     row=n_N // S, position=n_N % S, doc_position=doc_position_N, token_ids=token_N, step=np.int64(
-                         self.step), layer=np.array(self.moe_ids, dtype=np.int32), num_experts=np.int64(self.num_experts))
+            np.savez(f, expert_ids=ints_NC[:, 4:].short().view(L, N, k).numpy(), weights=weights_Nk.view(L, N, k)
+                     .numpy(), row=n_N // S, position=n_N % S, doc_position=doc_position_N, token_ids=token_N,
+                     layer=np.array(self.moe_ids, dtype=np.int32), step=self.step, num_experts=self.num_experts)
         os.replace(path.with_suffix(".tmp"), path)
 
 

@@ -156,8 +156,8 @@ def test_dead_experts_and_the_reader(tiny_train_setup, tmp_path, monkeypatch, ca
     top = values[np.lexsort((values, -counts))][:3].tolist()
     assert s["tokens"] == top
     for t, token in enumerate(top):
-        assert s["token_LtE"][:, t].tolist() == [np.bincount(ids_LNk[lay][tokens_N == token].ravel(), minlength=4).tolist()
-                                                 for lay in range(2)]
+        want = [np.bincount(ids_LNk[lay][tokens_N == token].ravel(), minlength=4).tolist() for lay in range(2)]
+        assert s["token_LtE"][:, t].tolist() == want
     assert "## MoE layer 1" in shown and "e3    0.0" not in shown  # (a column of zeros prints as 0.0)
     assert sorted(p.name for p in (tmp_path / "png").iterdir()) == [
         "cooccurrence_layer0.png", "cooccurrence_layer1.png", "load_layer0.png", "load_layer1.png"]
@@ -167,10 +167,10 @@ def test_dead_experts_and_the_reader(tiny_train_setup, tmp_path, monkeypatch, ca
 
 def test_entropy_bias_range_and_every_n_steps(tiny_train_setup, tmp_path, monkeypatch):
     """router_entropy per layer is the mean over the step's tokens of the entropy of softmax(router logits) (computed
-    here in float64 from the logits the router returns); a traced step holds the ids and weights the router
-    returned, token by token (the layouts test compares the rest with this one process); expert_bias_range is the bias's max - min as the step
-    found it (after the previous step's update: 0 at step 1), logged only with --expert-bias-rate; --routing-trace 2
-    traces steps 2 and 4 only."""
+    here in float64 from the logits the router returns); a traced step holds the ids and weights the router returned,
+    token by token (the layouts test compares the rest with this one process); expert_bias_range is the bias's
+    max - min as the step found it (after the previous step's update: 0 at step 1), logged only with
+    --expert-bias-rate; --routing-trace 2 traces steps 2 and 4 only."""
     config, data = tiny_train_setup
     logits, ranges = [], []  # (router, logits [T, E]) per call; per step after the bias update: [max - min per layer]
     forward, after_step = qwen3.Router.forward, qwen3.Model.after_step
@@ -209,7 +209,8 @@ def test_entropy_bias_range_and_every_n_steps(tiny_train_setup, tmp_path, monkey
                                                                                    "step_00000004.npz"]
     monkeypatch.undo()
     train.main(train_args(config, data, tmp_path / "plain", steps=1))
-    assert "expert_bias_range" not in records(tmp_path / "plain")[0] and "empty_slots" not in records(tmp_path / "plain")[0]
+    plain = records(tmp_path / "plain")[0]
+    assert "expert_bias_range" not in plain and "empty_slots" not in plain and "router_entropy" in plain
     assert not (tmp_path / "plain" / "routing_trace").exists()
     with pytest.raises(ValueError, match="--routing-trace must be >= 0"):
         train.main(train_args(config, data, tmp_path / "bad", routing_trace=-1, dry_run=True))
@@ -266,7 +267,8 @@ def test_wandb_offline_gets_the_tensorboard_scalars_and_resumes_its_run(tiny_tra
                 flags = {u.key: json.loads(u.value_json) for u in record.run.config.update}
                 assert flags["lr"] == 1e-2 and flags["wandb"] == "moe-train-test" and flags["steps"] in (2, 4)
             elif kind == "history":
-                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                       for item in record.history.item}  # (a tag with "/" comes as its parts)
                 sent[row["_step"]] = {k: v for k, v in row.items() if not k.startswith("_")}
     board = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
     board.Reload()

@@ -1,15 +1,15 @@
-"""Read a folder of routing traces (train.py --routing-trace N writes <out>/routing_trace/step_N.npz, core/routing.py;
-README "Routing traces") and print, per MoE layer: the load of each expert over the traced steps, the pairs of experts
-that share a token's top-k most often, and the experts that the most frequent token ids go to; --png draws the load
-and the co-occurrence as pictures (matplotlib, the plot extra).
+"""Read a folder of routing traces (train.py --routing-trace N writes <out>/routing_trace/step_N.npz: core/routing.py,
+README "Routing: statistics, traces, Weights & Biases") and print, per MoE layer, the load of each expert over the
+traced steps, the pairs of experts that share a token's slots most often, and the experts that the most frequent
+token ids go to; --png draws the load and the pairs as pictures (matplotlib, the plot extra).
 
     python -m tools.routing runs/qwen3_30b_a3b/routing_trace                   # every MoE layer
     python -m tools.routing runs/qwen3_30b_a3b/routing_trace --layer 3 --top 5 --png runs/routing
 
 Definitions. Load of expert e at a step: the share of the step's kept slots (id >= 0) routed to e (1/E each when
-balanced). A pair (a, b): the share of tokens whose kept slots hold both, beside what uniform random routing of
-k slots would give, k(k-1) / (E(E-1)). Token ids: the `--top` most frequent over all traced tokens, each with its
-count and, per layer, its three most frequent experts and the share of its occurrences that reach each. Memory: one step's
+balanced). A pair (a, b): the share of tokens whose kept slots hold both, beside what uniform random routing of k
+slots would give, k(k-1) / (E(E-1)). Token ids: the `--top` most frequent over all traced tokens, each with its count
+and, per layer, its three most frequent experts and the share of its occurrences that reach each. Memory: one step's
 trace at a time. Legend: S traced steps, L MoE layers, N tokens per step, k slots, E experts, t frequent token ids.
 """
 
@@ -72,8 +72,9 @@ def report(s: dict, layers: list[int]) -> str:
     share_SLE = s["load_SLE"] / np.maximum(s["load_SLE"].sum(-1, keepdims=True), 1)
     for row in layers:
         co_EE = s["co_LEE"][row]
+        header = f"{'step':>8} " + " ".join(f"{'e' + str(e):>5}" for e in range(E)) + "  max/mean"
         lines += [f"## MoE layer {s['layer'][row]}: load per expert, % of the step's kept slots (balanced: "
-                  f"{100 / E:.1f}% each)", f"{'step':>8} " + " ".join(f"{'e' + str(e):>5}" for e in range(E)) + "  max/mean"]
+                  f"{100 / E:.1f}% each)", header]
         lines += [f"{step:>8} " + " ".join(f"{100 * x:5.1f}" for x in share_E) + f"  {share_E.max() * E:8.2f}"
                   for step, share_E in zip(s["steps"], share_SLE[:, row])]
         if s["empty_L"][row]:
@@ -82,7 +83,8 @@ def report(s: dict, layers: list[int]) -> str:
         pairs = sorted(((co_EE[a, b], a, b) for a in range(E) for b in range(a + 1, E) if co_EE[a, b]), reverse=True)
         lines.append(f"expert pairs in one token's slots, most frequent first: % of tokens (uniform random routing: "
                      f"{100 * k * (k - 1) / max(E * (E - 1), 1):.2f}% each)")
-        lines += [f"  e{a:<4} e{b:<4} {100 * c / s['tokens_per_layer']:6.2f}%  ({c:,} tokens)" for c, a, b in pairs[:s["top"]]]
+        lines += [f"  e{a:<4} e{b:<4} {100 * c / s['tokens_per_layer']:6.2f}%  ({c:,} tokens)"
+                  for c, a, b in pairs[:s["top"]]]
         lines.append(f"the {len(s['tokens'])} most frequent token ids: occurrences, their 3 most frequent experts "
                      f"(% of the token's occurrences that reach each)")
         for t, (token, count) in enumerate(zip(s["tokens"], s["token_count"])):
@@ -125,8 +127,8 @@ def draw(s: dict, layers: list[int], out: Path) -> list[Path]:
             if name == "load":
                 steps = s["steps"]
                 ax.set_xticks(range(len(steps))[:: max(1, len(steps) // 10)], steps[:: max(1, len(steps) // 10)])
-            ax.set(xlabel=xlabel, ylabel="expert", title=f"MoE layer {layer}: " + (
-                "share of the step's kept slots" if name == "load" else "share of tokens holding both experts (a pair)"))
+            what = "share of the step's kept slots" if name == "load" else "share of tokens holding both experts"
+            ax.set(xlabel=xlabel, ylabel="expert", title=f"MoE layer {layer}: {what}")
             fig.colorbar(shown, ax=ax)
             fig.savefig(out / f"{name}_layer{layer}.png", dpi=100, bbox_inches="tight")
             plt.close(fig)
@@ -135,7 +137,8 @@ def draw(s: dict, layers: list[int], out: Path) -> list[Path]:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("folder", help="<out>/routing_trace of a train.py run with --routing-trace N")
     parser.add_argument("--layer", type=int, action="append", help="the model's index of a MoE layer (repeat for "
                         "several); default: all")
@@ -147,8 +150,9 @@ def main(argv=None) -> dict:
     if any(i not in known for i in args.layer or []):
         raise ValueError(f"--layer {args.layer}: the trace's MoE layers are {known}")
     layers = [known.index(i) for i in args.layer] if args.layer else list(range(len(known)))
-    print(f"{len(s['steps'])} traced steps ({s['steps'][0]}-{s['steps'][-1]}), {s['tokens_per_layer'] // len(s['steps']):,}"
-          f" tokens each, {s['load_SLE'].shape[-1]} experts, k = {s['k']}\n")
+    per_step = s["tokens_per_layer"] // len(s["steps"])
+    print(f"{len(s['steps'])} traced steps ({s['steps'][0]}-{s['steps'][-1]}), {per_step:,} tokens each, "
+          f"{s['load_SLE'].shape[-1]} experts, k = {s['k']}\n")
     print(report(s, layers))
     if args.png:
         for path in draw(s, layers, Path(args.png)):
