@@ -142,8 +142,8 @@ class Args:
     load_heatmap_every: int = 50  # TensorBoard image of the (MoE layer, expert) load every this many steps; 0: never
     routing_trace: int = 0  # every this many steps, each MoE layer's expert ids and weights for every token of the
     # global batch -> <out>/routing_trace/step_N.npz (README "Routing"; python -m tools.routing reads it); 0: never. Cost
-    # (tiny Qwen3, CPU): 354 KiB a step (12 B per token and MoE layer, 16 per token), +4 ms on a 1.05 s step (1.004x),
-    # ~3x the file in each rank's memory while it is gathered
+    # (tiny Qwen3, CPU): 354 KiB a step (12 B per token and MoE layer, 16 per token), +4 ms of a 1.05 s step in one
+    # process, ~+15 ms of 1.5 s on 4 ranks (<= 1.01x), ~3x the file in each rank's memory while it is gathered
     wandb: str = ""  # also send the TensorBoard scalars to this Weights & Biases project, the flags as its config (pip install -e .[wandb]; WANDB_MODE=offline: no network); a resume continues the wandb run
     ckpt_every: int = 100  # also saves after the last step; 0 disables checkpoints
     keep_checkpoints: int = 2  # 0: keep all
