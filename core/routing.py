@@ -25,14 +25,14 @@ class RoutingStats:
         """Count model's MoE layers from now on (train.py, once before its loop); traces go to <out>/routing_trace."""
         self.moe_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         self.rows = {model.layers[str(i)]: row for row, i in enumerate(self.moe_ids) if str(i) in model.layers}
-        self.k, self.num_experts, self.mesh, self.args = cfg.num_experts_per_tok, cfg.num_experts, mesh, args
+        self.num_experts, self.mesh, self.args = cfg.num_experts, mesh, args
         self.had_empty, self.seen = False, deque(maxlen=DEAD_WINDOW)  # seen: [L, E] per step, experts with a token
         self.counts_L4 = self.records = None  # (a step an exception left running counts no more)
 
     def begin(self, step: int, input_ids: torch.Tensor, positions: list) -> None:
         """Count step `step` (traced: keep its records); this rank's input_ids [local batch, S] and rope positions
         [micro_batch, S] per micro-batch (train.py's rank_batch)."""
-        every = self.args.routing_trace  # counts_L4: tokens, empty slots, entropy sum, tokens with an entropy
+        every = self.args.routing_trace  # counts_L4: slots, empty slots, entropy sum, tokens with an entropy
         self.counts_L4 = torch.zeros(len(self.moe_ids), 4, device=input_ids.device)
         self.records = [] if every and step % every == 0 else None
         self.step, self.input_ids, self.positions = step, input_ids, positions
@@ -47,7 +47,7 @@ class RoutingStats:
         (entropy, measured), self.entropy = self.entropy or (0, 0), None
         if row is None:
             return
-        self.counts_L4[row, 0] += ids_Tk.shape[0]  # (scalar adds: no host sync on a GPU)
+        self.counts_L4[row, 0] += ids_Tk.numel()  # (scalar adds: no host sync on a GPU)
         self.counts_L4[row, 1] += (ids_Tk < 0).sum()
         self.counts_L4[row, 2] += entropy
         self.counts_L4[row, 3] += measured
@@ -58,23 +58,22 @@ class RoutingStats:
         """The step's statistics for reduce_stats (name -> (tensor, how)); ends the step. Traced: each token's C int32
         (layer row, index in the global batch, rope position, token id, expert ids) and k weights, gathered."""
         out = {"routing_counts": (self.counts_L4, "sum")}
-        if self.args.expert_bias_rate > 0:  # each layer's bias max - min (-inf: another stage's layer)
-            range_L = torch.full((len(self.moe_ids),), -torch.inf, device=self.counts_L4.device)
-            for layer, row in self.rows.items():
-                range_L[row] = max((b.max() - b.min() for n, b in layer.named_buffers() if n.endswith("expert_bias")),
-                                   default=-torch.inf)
-            out["expert_bias_range"] = (range_L, "max")
         if self.records is not None:
             mesh, mb_rows, rows, seq = self.mesh, self.args.micro_batch, self.input_ids.shape[0], self.args.seq_len
-            n_BS = (mesh.data_rank * rows + torch.arange(rows)).unsqueeze(1) * seq + cp_positions(seq, mesh.coord(
-                "cp"), mesh.cp)  # the token's index in the global batch: batch row x seq_len + position
-            where_BS3 = torch.stack([n_BS, torch.cat(self.positions).cpu(), self.input_ids.cpu()], -1).int()
-            ints, weights, done = [torch.zeros(0, 4 + self.k, dtype=torch.int32)], [torch.zeros(0, self.k)], {}
+            dev = self.input_ids.device  # (kept there: the gather is a collective of the run's backend)
+            n_BS = (mesh.data_rank * rows + torch.arange(rows, device=dev)).unsqueeze(1) * seq + cp_positions(
+                seq, mesh.coord("cp"), mesh.cp, dev)  # the token's index in the global batch: row x seq_len + position
+            where_BS3 = torch.stack([n_BS, torch.cat(self.positions), self.input_ids], -1).int()
+            k = torch.tensor(max([ids.shape[1] for _, ids, _ in self.records], default=0), device=dev)
+            if mesh.world > 1:  # (k: fixed by AGENTS.md's router contract; a rank without MoE layers learns it)
+                torch.distributed.all_reduce(k, op=torch.distributed.ReduceOp.MAX)
+            ints, weights, done = [torch.zeros(0, 4 + int(k), dtype=torch.int32, device=dev)], \
+                [torch.zeros(0, int(k), device=dev)], {}
             for row, ids_Tk, weights_Tk in self.records:
                 mb = done[row] = done.get(row, -1) + 1
                 where_T3 = where_BS3[mb * mb_rows:(mb + 1) * mb_rows].flatten(0, 1)
-                ints.append(torch.cat([torch.full_like(where_T3[:, :1], row), where_T3, ids_Tk.cpu().int()], 1))
-                weights.append(weights_Tk.cpu())
+                ints.append(torch.cat([torch.full_like(where_T3[:, :1], row), where_T3, ids_Tk.int()], 1))
+                weights.append(weights_Tk)
             out["trace_ints"], out["trace_weights"] = (torch.cat(ints), "gather"), (torch.cat(weights), "gather")
         self.counts_L4 = self.records = self.input_ids = self.positions = None
         return out
@@ -82,9 +81,9 @@ class RoutingStats:
     def step_done(self, stats: dict) -> dict:
         """The step's reduced statistics (routing's own popped) -> per-MoE-layer lists for the log: dead_experts (share
         of the live choices with no token in the last DEAD_WINDOW steps), empty_slots (share of slots; once a router
-        left one empty), router_entropy (mean over tokens, nats; where reported), expert_bias_range (on with
-        --expert-bias-rate); a traced step's file written by the main rank (tmp file, os.replace)."""
-        tokens_L, empty_L, entropy_L, measured_L = stats.pop("routing_counts").unbind(-1)
+        left one empty), router_entropy (mean over tokens, nats; where reported); a traced step's file written by the
+        main rank (tmp file, os.replace)."""
+        slots_L, empty_L, entropy_L, measured_L = stats.pop("routing_counts").unbind(-1)
         load_LE, live_LE = stats["expert_load"], stats.get("expert_live")
         live_LE = torch.ones_like(load_LE, dtype=torch.bool) if live_LE is None else live_LE.bool()
         self.seen.append(load_LE > 0)
@@ -92,11 +91,9 @@ class RoutingStats:
         out = {"dead_experts": (dead_LE.sum(-1) / live_LE.sum(-1).clamp(min=1)).tolist()}
         self.had_empty = self.had_empty or bool(empty_L.any())
         if self.had_empty:
-            out["empty_slots"] = (empty_L / (tokens_L * self.k).clamp(min=1)).tolist()
+            out["empty_slots"] = (empty_L / slots_L.clamp(min=1)).tolist()
         if measured_L.any():
             out["router_entropy"] = (entropy_L / measured_L.clamp(min=1)).tolist()
-        if "expert_bias_range" in stats:
-            out["expert_bias_range"] = stats.pop("expert_bias_range").tolist()
         ints_NC, weights_Nk = stats.pop("trace_ints", None), stats.pop("trace_weights", None)
         if ints_NC is not None and self.mesh.is_main:
             self.write(ints_NC, weights_Nk)
@@ -104,7 +101,8 @@ class RoutingStats:
 
     def write(self, ints_NC: torch.Tensor, weights_Nk: torch.Tensor) -> None:
         """The gathered rows in (layer, token) order, [L, N, ...]: every (layer, token of the global batch) once."""
-        L, S, k = len(self.moe_ids), self.args.seq_len, self.k
+        L, S, k = len(self.moe_ids), self.args.seq_len, ints_NC.shape[1] - 4
+        ints_NC, weights_Nk = ints_NC.cpu(), weights_Nk.cpu()
         N = self.args.global_batch * S
         key = ints_NC[:, 0].long() * N + ints_NC[:, 1]
         order = key.argsort()

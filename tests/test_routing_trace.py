@@ -203,7 +203,8 @@ def test_entropy_bias_range_and_every_n_steps(tiny_train_setup, tmp_path, monkey
                 assert np.array_equal(z["expert_ids"][layer], ids_Nk.numpy())
                 assert np.array_equal(z["weights"][layer], weights_Nk.float().numpy())
         np.testing.assert_allclose(record["router_entropy"], want, rtol=1e-5)  # (fp32 sums of 256 terms)
-    assert [r["expert_bias_range"] for r in logged] == [[0.0, 0.0]] + [pytest.approx(x) for x in ranges[:3]]
+    # (reported from step 2 on: the model learns the rate in step 1's after_step, when the biases leave 0)
+    assert [r.get("expert_bias_range") for r in logged] == [None] + [pytest.approx(x) for x in ranges[:3]]
     assert max(max(x) for x in ranges) > 0
     assert sorted(p.name for p in (tmp_path / "out" / "routing_trace").iterdir()) == ["step_00000002.npz",
                                                                                    "step_00000004.npz"]

@@ -539,6 +539,7 @@ class Model(nn.Module):
     # (--optimizer muon: parameter_rules), document_mask (--document-mask). A variant whose features depend on the
     # config makes this a property of self.cfg (train.py and the checks ask a model built on the meta device)
     features = frozenset({"expert_bias", "aux_loss", "recompute", "fp8", "muon", "document_mask"})
+    expert_bias_rate = 0.0  # after_step's --expert-bias-rate; > 0: take_stats reports each router's bias range
 
     def __init__(self, cfg: ModelConfig, layers=None, expert_ids: list[int] | None = None, embed: bool = True,
                  head: bool = True, ep_group=None, cp_group=None, recompute: str = "none",
@@ -738,13 +739,20 @@ class Model(nn.Module):
         after_step file; not logged). Optional expert_live [MoE layers, num_choices] ("max"; 1 where the router
         can choose the expert now, 0 elsewhere and on rows of other stages' layers): the load max/mean and the
         collapse warning then count only those; absent: every choice is live."""
-        return {"expert_load": (self.take_expert_load(), "sum")}
+        stats = {"expert_load": (self.take_expert_load(), "sum")}
+        if self.expert_bias_rate > 0:  # expert_bias_range: each MoE layer's bias max - min (-inf: another stage's)
+            none = torch.tensor(-torch.inf, device=stats["expert_load"][0].device)
+            layers = [layer for _, layer in self.moe_layers()]
+            stats["expert_bias_range"] = (torch.stack([none if layer is None else layer.mlp.gate.expert_bias.max()
+                                                       - layer.mlp.gate.expert_bias.min() for layer in layers]), "max")
+        return stats
 
     def after_step(self, done) -> None:
         """The post-step seam: train.py calls it on every rank after each optimizer step (a skipped step too) with a
         core.training.StepDone: step, stats (take_stats reduced over all ranks), optimizer (reinit_ for re-initialised
         rows), out (the run's folder), args, skipped, mesh. What every rank does here must be the same (the stats
         are), so replicas stay identical. Here: the aux-loss-free expert-bias update (--expert-bias-rate)."""
+        self.expert_bias_rate = done.args.expert_bias_rate
         if done.args.expert_bias_rate > 0 and done.args.lr > 0 and not done.skipped:
             self.update_expert_bias(done.stats["expert_load"], done.args.expert_bias_rate)
 
