@@ -489,7 +489,7 @@ def main(argv=None) -> dict:
         result["hf_expert_gemm"] = hf_gemm
         result["same_precision"] = hf_gemm.get("gemm", "bfloat16" if use_bf16 else "float32") == \
             ("bfloat16" if use_bf16 else "float32")
-    result["peak_flops"], result["peak_source"] = peak_one, peak_source
+    result["peak_flops"], result["peak_source"], result["flops_per_token"] = peak_one, peak_source, flops_tok
     if measured:
         result["mfu_vs_measured_matmul"] = [r["tokens_per_s"] * flops_tok / (measured * world) for r in rows]
     if is_main:
