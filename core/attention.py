@@ -193,8 +193,9 @@ def _causal_mask(S: int, device) -> CPMask:
 
 def attention_reference(q_BNSD, k_BGKD, v_BGKE, mask=None, scale=None, sinks_N=None, score_mod=None, mask_mod=None,
                         block: int = 128) -> torch.Tensor:
-    """Attention [B, N, S, E] (trains on CPU) of `block` queries at a time, each block recomputed in backward when
-    there are several: memory [B, N, block, K], not [B, N, S, K]. mask: None (causal) or a CPMask; score_mod /
+    """Attention [B, N, S, E] (trains on CPU) of `block` queries at a time, each block recomputed in backward: memory
+    [B, N, block, K] while it runs, none of it kept for backward (as flex keeps none: per-token memory at any
+    length, what core/memory.py's calibration assumes). mask: None (causal) or a CPMask; score_mod /
     mask_mod: functions of global positions (attention's). The block's mask is the mask function's; without a
     score_mod or sinks SDPA takes it (fused on CPU), else logits in the input dtype, score_mod and the fp32 softmax
     as flex and transformers compute them. A query that sees no key outputs 0, as flex."""
@@ -223,11 +224,9 @@ def attention_reference(q_BNSD, k_BGKD, v_BGKE, mask=None, scale=None, sinks_N=N
             probs_BNsK = logits_BNsK.softmax(-1).masked_fill(~seen_BNsK.any(-1, keepdim=True), 0.0)
         return (probs_BNsK.to(v_BGKE.dtype).reshape(B, G, n * s, K) @ v_BGKE).view(B, N, s, E)
 
-    starts = range(0, S, block)
-    if len(starts) == 1:  # one block: its tensors are the block's
-        return rows(q_BNSD, torch.arange(S, device=dev)[:, None])
-    return torch.cat([checkpoint(rows, q_BNsD, torch.arange(s, s + q_BNsD.shape[2], device=dev)[:, None],
-                                 use_reentrant=False) for s, q_BNsD in zip(starts, q_BNSD.split(block, 2))], 2)
+    run = lambda *a: checkpoint(rows, *a, use_reentrant=False) if torch.is_grad_enabled() else rows(*a)
+    return torch.cat([run(q_BNsD, torch.arange(s, s + q_BNsD.shape[2], device=dev)[:, None])
+                      for s, q_BNsD in zip(range(0, S, block), q_BNSD.split(block, 2))], 2)
 
 
 def sink_rescale(out_BNSE, lse_BNS, sinks_N) -> torch.Tensor:
@@ -303,7 +302,9 @@ def attention(q_BNSD, k_BGSD, v_BGSE, mask=None, cp_group=None, scale=None, sink
         whole = [whole_sequence(t, K, cp_group, dim=1, what="per_token tensors") for t in per_token]
         score_mod = score_mod(*whole) if score_mod else None
         mask_mod = mask_mod(*whole) if mask_mod else None
-    if mask is None and sinks_N is None and select_BNQJ is None and score_mod is None and mask_mod is None:
+    # plain causal: SDPA's fused kernel (on CPU it takes equal q and v head dims; its fallback keeps [B, N, S, S])
+    if mask is None and sinks_N is None and select_BNQJ is None and score_mod is None and mask_mod is None and \
+            (q_BNSD.is_cuda or q_BNSD.shape[-1] == v_BGSE.shape[-1]):
         return F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSE, is_causal=True, scale=scale, enable_gqa=N != G)
     mask = mask or _causal_mask(S, q_BNSD.device)
     if select_BNQJ is not None:

@@ -22,11 +22,20 @@ from torch.distributed.tensor import DTensor
 from core.training import parameter_rules
 
 
+def fsdp_units(model: torch.nn.Module, rules: dict) -> tuple[list[str], list[str]]:
+    """The names of shard_model's units: the modules holding routed experts (ParamRule.expert_ids; an MTP layer's
+    too), and the embedding, each decoder layer and the root ('') in forward order."""
+    owners = {n.rsplit(".", 1)[0] for n, rule in rules.items() if rule.expert_ids is not None}
+    names = {m: n for n, m in model.named_modules()}
+    chain = [model.embed_tokens] if model.embed_tokens is not None else []
+    return [n for n in names.values() if n in owners], [names[m] for m in chain + list(model.layers.values())] + [""]
+
+
 def shard_model(model: torch.nn.Module, mesh, bf16: bool, once: bool) -> list[FSDPModule]:
     """fully_shard the model's units in place over core.mesh.Mesh `mesh` (world > 1), gathered once per step or
     per micro-batch (module docstring); returns them, root last."""
     rules = parameter_rules(model)
-    owners = {n.rsplit(".", 1)[0] for n, rule in rules.items() if rule.expert_ids is not None}  # (an MTP layer's too)
+    owners, chain = fsdp_units(model, rules)
     for owner in owners:
         if dense := [n for n, rule in rules.items() if n.startswith(owner + ".") and rule.expert_ids is None]:
             raise ValueError(f"{owner} holds routed experts and dense {dense[0]}: FSDP2 shards a module over one "
@@ -35,10 +44,9 @@ def shard_model(model: torch.nn.Module, mesh, bf16: bool, once: bool) -> list[FS
     expert_mesh = mesh.device_mesh["dp", "cp"]._flatten("dp_cp")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     shard = lambda module, mesh: fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=per_micro_batch)
-    experts = [shard(module, expert_mesh) for name, module in model.named_modules() if name in owners]
+    experts = [shard(model.get_submodule(name), expert_mesh) for name in owners]
     # the embedding is its own unit: FSDP2 keeps the root's gathered through the whole step
-    chain = [shard(module, dense_mesh) for module in ([model.embed_tokens] if model.embed_tokens is not None else [])
-             + list(model.layers.values()) + [model]]  # in forward order, the root last
+    chain = [shard(model.get_submodule(name), dense_mesh) for name in chain]  # in forward order, the root last
     register_fsdp_forward_method(model, "forward_train")  # train.py's pp = 1 loop calls it, not forward
     # Backward prefetch along the dense units only, each the one before: an experts unit's backward starts at
     # another point on ranks holding other (or no) experts, so the all-gather FSDP2's default would prefetch there
@@ -126,8 +134,8 @@ def _in_fp32(fsdp_param):
 
 
 class FSDPAdamW:
-    """AdamW on the local shards (weight decay on matrices only: norm weights and biases are not decayed, as in
-    Megatron); train.py's calls per step: reduce_gradients, clip_grad_norm_, step, zero_grad."""
+    """AdamW on the local shards (weight decay where ParamRule.decay says); train.py's calls per step:
+    reduce_gradients, clip_grad_norm_, step, zero_grad."""
 
     def __init__(self, model, units: list[FSDPModule] | None, lr: float, weight_decay: float, betas, eps: float,
                  norm_group=None, once: bool = False, skip=()):
@@ -138,12 +146,12 @@ class FSDPAdamW:
         self.buffers = [n for n in model.state_dict() if n not in self.params]  # persistent (expert biases)
         with torch.no_grad():  # views of FSDP2's sharded storage (or of the parameter)
             self.local = {n: p.to_local() if isinstance(p, DTensor) else p.detach() for n, p in self.params.items()}
-        self.expert_ids = {n: rule.expert_ids for n, rule in parameter_rules(model).items()
-                           if rule.expert_ids is not None}
+        rules = parameter_rules(model)
+        self.expert_ids = {n: rule.expert_ids for n, rule in rules.items() if rule.expert_ids is not None}
         self.adamw = [n for n in self.params if n not in set(skip)]
         on_gpu = next(iter(self.local.values())).device.type == "cuda"
-        groups = [{"params": [self.local[n] for n in self.adamw if self.params[n].ndim >= 2], "weight_decay": weight_decay},
-                  {"params": [self.local[n] for n in self.adamw if self.params[n].ndim < 2], "weight_decay": 0.0}]
+        groups = [{"params": [self.local[n] for n in self.adamw if rules[n].decay == d], "weight_decay": weight_decay * d}
+                  for d in (True, False)]  # ParamRule.decay
         self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=on_gpu, foreach=not on_gpu)
         if self.once:  # gathered once per step: micro-batches sum in fp32 (_in_fp32)
             fully_shard.state(self.units[-1])._lazy_init()  # what the root's first forward does (none at pp > 1)

@@ -32,12 +32,17 @@ import weakref
 from dataclasses import dataclass, replace
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from core.fp8 import BLOCK, FP8Linear
+from core.context import split_for_cp
+from core.fp8 import BLOCK
+from core.fsdp import fsdp_units
+from core.moe import step3
 from core.muon import assign_owners, matrix_rows, newton_schulz_flops
 from core.pipeline import _forward_steps, _Tape, split_layers  # (saved_bytes runs a stage as the engine does)
 from core.placement import Placement
 from core.training import parameter_rules
+from core.weight_cache import CACHE
 
 GIB = 2**30
 BUCKET_BYTES = 256 << 20  # core/muon.py:MuonAdamW's default bucket_bytes
@@ -99,10 +104,46 @@ def meta_model(mod, cfg, fp8: bool = False, **parts):
     return model
 
 
-def fp8_weights(model) -> set[str]:
-    """Names of the weights core/fp8.py quantises: FP8Linear weights, [E, K, N] tensors of experts with .fp8 set."""
-    return {f"{name}.{n}" for name, m in model.named_modules() for n, p in m.named_parameters(recurse=False)
-            if (isinstance(m, FP8Linear) and n == "weight") or (getattr(m, "fp8", False) is True and p.ndim == 3)}
+def layer_parameters(model) -> dict[str, tuple[str, str]]:
+    """{name: (its decoder layer's key in model.layers, its name inside that layer)} of the layers' parameters."""
+    names = {m: n for n, m in model.named_modules()}
+    return {f"{names[layer]}.{n}": (i, n) for i, layer in model.layers.items() for n, _ in layer.named_parameters()}
+
+
+def _weight_keys(model) -> dict[str, tuple]:
+    """Each parameter's place in the model's structure: its name inside its decoder layer (the same in every layer
+    of that kind), or its name for one outside the layers."""
+    inside = layer_parameters(model)
+    return {n: (True, inside[n][1]) if n in inside else (False, n) for n, _ in model.named_parameters()}
+
+
+_COPIES = {}
+
+
+def weight_copies(mod, model, fp8: bool) -> tuple[set[str], set[str]]:
+    """(names of the weights whose FP8 operands, of those whose bf16 casts core/weight_cache.py keeps) in `model`:
+    what the recipe's model hands the cache (core/fp8.py:weight_operand, cast_weight) in a bf16 forward of its tiny
+    config (fp8: with enable_fp8), each weight of a decoder layer standing for that weight in every layer."""
+    if (mod.__name__, fp8) not in _COPIES:
+        tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            small = mod.Model(tiny)
+            if fp8:
+                mod.enable_fp8(small)
+            ids_BS = torch.randint(0, tiny.vocab_size, (1, tiny.calibration_seq_len))
+        kept, CACHE.entries, CACHE.keep = (CACHE.entries, CACHE.keep), {}, True
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # (with gradients: a training-only module runs)
+                small.forward_train(ids_BS, ids_BS)
+            made = {(ptr, str(kind).startswith("fp8")) for ptr, _, _, kind in CACHE.entries}
+        finally:
+            CACHE.entries, CACHE.keep = kept
+        keys = _weight_keys(small)
+        _COPIES[mod.__name__, fp8] = [{keys[n] for n, p in small.named_parameters() if (p.data_ptr(), q) in made}
+                                      for q in (True, False)]
+    keys = _weight_keys(model)
+    return tuple({n for n, key in keys.items() if key in found} for found in _COPIES[mod.__name__, fp8])
 
 
 def fp8_operand_bytes(shape, recipe: str) -> int:
@@ -118,79 +159,90 @@ class _Saved:  # a tensor autograd saved (saved_bytes): alive while the graph no
         self.t = t
 
 
-def saved_bytes(model, input_ids_BS, stage_cls=None) -> tuple[int, int]:
+def saved_bytes(model, input_ids_BS, stage_cls=None) -> dict:
     """Bytes a forward (fp32, CPU) leaves held for backward, each storage once (by identity: freed ones' addresses are
     reused) at its size when it ends, weights excluded: what autograd still holds of what forward_train saved, or of
-    the model run as one DualPipeV stage (stage_cls: the recipe's PipelineStage) plus what its tape holds; and of them,
-    the bytes of received dispatch rows (core/moe.py: [Q, H + k], k the router's id columns, or [Q, H] views)."""
+    the model run as one DualPipeV stage (stage_cls: the recipe's PipelineStage) plus what its tape holds. "total";
+    of it "received": the rows step (3) was handed (core/moe.py:step3) and "expanded": the rest saved while step (3)
+    ran; "received_rows", "expanded_rows": their counts (Q and R summed over the MoE layers), "widths": numbers per
+    dispatched and per combined row (the router's x_TH and weights: H + k, and H)."""
     saved, tensors = weakref.WeakSet(), []
 
     def pack(t):
         saved.add(held := _Saved(t))
+        held.expanded = step3.inside
         return held
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t):
-        if stage_cls is None:
-            out = model.forward_train(input_ids_BS, input_ids_BS)
-        else:
-            stage, tape, out, positions_BS = stage_cls(model, list(model.layers), True, True), _Tape(True), [], \
-                torch.arange(input_ids_BS.shape[1]).expand_as(input_ids_BS)
-            stage.input_ids = stage.labels = [input_ids_BS]
-            stage.extras = [model.prepare_batch(input_ids_BS, input_ids_BS, None, positions_BS)]
-            stage.loss_fn = lambda terms: sum(terms.values())
-            model.set_positions(positions_BS)
-            list(_forward_steps(stage, [], 0, tape, out))  # (it yields at each all-to-all start)
-            tensors = [t for outs, leaves, _ in tape.segments for t in outs + leaves]
+    step3.on, step3.received, step3.rows = True, [], 0
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t):
+            if stage_cls is None:
+                out = model.forward_train(input_ids_BS, input_ids_BS)
+            else:
+                stage, tape, out, positions_BS = stage_cls(model, list(model.layers), True, True), _Tape(True), [], \
+                    torch.arange(input_ids_BS.shape[1]).expand_as(input_ids_BS)
+                stage.input_ids = stage.labels = [input_ids_BS]
+                stage.extras = [model.prepare_batch(input_ids_BS, input_ids_BS, None, positions_BS)]
+                stage.loss_fn = lambda terms: sum(terms.values())
+                model.set_positions(positions_BS)
+                list(_forward_steps(stage, [], 0, tape, out))  # (it yields at each all-to-all start)
+                tensors = [t for outs, leaves, _ in tape.segments for t in outs + leaves]
+    finally:
+        step3.on, received, step3.received = False, step3.received, []
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
-    H, k = model.cfg.hidden_size, getattr(model.cfg, "num_experts_per_tok", 0)
-    sizes, received = {}, set()
-    for t in tensors + [held.t for held in saved]:
+    rows = {t.untyped_storage()._cdata for t, _ in received}
+    sizes, kind = {}, {}
+    for t, expanded in [(t, False) for t in tensors] + [(held.t, held.expanded) for held in saved]:
         if (s := t.untyped_storage())._cdata not in weights:
             sizes[s._cdata] = s.nbytes()
-            if k and t.dim() == 2 and t.stride(0) == H + k and t.shape[1] in (H, H + k):
-                received.add(s._cdata)
+            kind[s._cdata] = "received" if s._cdata in rows else "expanded" if expanded else kind.get(s._cdata, "")
     del out  # (the graph, and the storages only it held)
-    return sum(sizes.values()), sum(sizes[c] for c in received)
+    part = lambda name: sum(size for c, size in sizes.items() if kind[c] == name)
+    return dict(total=sum(sizes.values()), received=part("received"), expanded=part("expanded"),
+                received_rows=sum(t.shape[0] for t, _ in received), expanded_rows=step3.rows,
+                widths=(received[0][0].shape[1], received[0][0].shape[1] - received[0][1]) if received else (0, 0))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Bytes autograd keeps per token of the tiny config (fp32, CPU), what estimate scales to a config."""
+
+    tiny: object  # the tiny ModelConfig it ran
+    per_dense: float  # per token of a dense decoder layer (none in tiny: an MoE layer's per_moe)
+    per_moe: float  # per token of an MoE layer, its expert rows apart:
+    per_slot: float  # per (row, local expert) pair step (3) expanded (ModelConfig.slots_per_token per token)
+    per_row: float  # per row the experts' rank received (one per routed token in one process)
+    per_token_vocab: float  # per token and vocab entry of the head (and embedding)
+    widths: tuple[int, int]  # numbers per dispatched and per combined row
 
 
 _CALIBRATION = {}
 
 
-def activation_calibration(mod, recompute: str, pipeline: bool = False, batch: int = 2) -> tuple:
-    """(tiny config, saved bytes per token of a dense decoder layer, of an MoE layer (at 0 slots; per slot filled,
-    from a run at twice the tiny num_experts_per_tok; per row received by the experts' rank, one per token in one
-    process), per token and vocab entry of the head), on CPU in fp32 (the model minus one without layers gives the
-    layers, the dense ones alone the dense ones), at the tiny config's calibration_seq_len tokens per sequence (64:
-    whole linear-attention chunks; longer where a feature acts only then); pipeline: as a DualPipeV stage holds them."""
+def activation_calibration(mod, recompute: str, pipeline: bool = False, batch: int = 2) -> Calibration:
+    """The model minus one without layers gives the layers, the dense ones alone the dense ones; of an MoE layer's,
+    the expert rows by what step (3) ran (core/moe.py:step3), so any router's counts, fixed or not. At the tiny
+    config's calibration_seq_len tokens per sequence (64: whole linear-attention chunks); pipeline: as a DualPipeV
+    stage holds them."""
     key = (mod.__name__, recompute, pipeline)
     if key not in _CALIBRATION:
         tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
-        k, slots = getattr(tiny, "num_experts_per_tok", 0), getattr(tiny, "slots_per_token", 0)
-        seq = tiny.calibration_seq_len
-        tokens = batch * seq
+        tokens = batch * tiny.calibration_seq_len
         moe_ids = [i for i in range(tiny.num_hidden_layers) if tiny.is_moe_layer(i)]
         dense_ids = [i for i in range(tiny.num_hidden_layers) if i not in moe_ids]
-        measure = lambda cfg, layers=None: saved_bytes(mod.Model(cfg, layers=layers, recompute=recompute), ids,
-                                                       mod.PipelineStage if pipeline else None)
+        measure = lambda layers=None: saved_bytes(mod.Model(tiny, layers=layers, recompute=recompute), ids,
+                                                  mod.PipelineStage if pipeline else None)
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            ids = torch.randint(0, tiny.vocab_size, (batch, seq))
-            head, _ = measure(tiny, [])
-            dense = measure(tiny, dense_ids)[0] - head if dense_ids else 0
-            full, received = measure(tiny)
-            moe, per_choice = full - head - dense - received, 0.0
-            if k:
-                try:
-                    more_cfg = replace(tiny, num_experts_per_tok=2 * k)
-                    more, more_received = measure(more_cfg)
-                    per_choice = (more - more_received - head - dense - moe) / \
-                        ((more_cfg.slots_per_token - slots) * tokens * len(moe_ids))
-                except (ValueError, RuntimeError):  # 2k choices not allowed (expert groups, too few experts)
-                    pass
-        per_moe = moe / (tokens * max(len(moe_ids), 1)) - per_choice * slots
-        per_dense = dense / (tokens * len(dense_ids)) if dense_ids else per_moe  # none in tiny: an MoE layer at 0 slots
-        _CALIBRATION[key] = (tiny, per_dense, (per_moe, per_choice, received / (tokens * max(len(moe_ids), 1))),
-                             head / (tokens * tiny.vocab_size))
+            ids = torch.randint(0, tiny.vocab_size, (batch, tiny.calibration_seq_len))
+            head, full = measure([]), measure()  # (the head's part: a layer of its own, DeepSeek-V3's MTP, too)
+            dense = measure(dense_ids)["total"] - head["total"] if dense_ids else 0
+        layers = {name: full[name] - head[name] for name in full if name != "widths"}
+        per_moe = (layers["total"] - dense - layers["received"] - layers["expanded"]) / (tokens * max(len(moe_ids), 1))
+        _CALIBRATION[key] = Calibration(
+            tiny, dense / (tokens * len(dense_ids)) if dense_ids else per_moe, per_moe,
+            layers["expanded"] / max(layers["expanded_rows"], 1), layers["received"] / max(layers["received_rows"], 1),
+            head["total"] / (tokens * tiny.vocab_size), full["widths"])
     return _CALIBRATION[key]
 
 
@@ -205,7 +257,7 @@ def rank_hit_chance(num_experts: int, slots: float, local: int) -> float:
 def received_rows_per_token(cfg, layout: Layout) -> float:
     """Rows the most loaded ep rank receives per token of its own (deduplicated dispatch, core/moe.py) under uniform
     routing: each of the ep ranks' tokens once if any of its experts is among this rank's L of E."""
-    E, slots = cfg.num_experts, getattr(cfg, "slots_per_token", 0)
+    E, slots = cfg.num_experts, cfg.slots_per_token
     L = max(len(e) for e in Placement.parse(layout.expert_placement, E, layout.ep).experts)
     return layout.ep * rank_hit_chance(E, slots, L) if slots else 1.0
 
@@ -213,17 +265,15 @@ def received_rows_per_token(cfg, layout: Layout) -> float:
 def saved_per_token_layer(mod, cfg, layout: Layout, pipeline: bool = False, moe: bool = True) -> float:
     """fp32 bytes autograd keeps (pipeline: a DualPipeV stage holds) per token in an MoE decoder layer, for cfg's
     slots per token and the rows this layout's most loaded ep rank receives, or in a dense one, at tiny's width."""
-    _, per_dense, (per_moe, per_choice, per_row), _ = activation_calibration(mod, layout.recompute, pipeline)
-    slots = getattr(cfg, "slots_per_token", 0)
-    return per_moe + per_choice * slots + per_row * received_rows_per_token(cfg, layout) if moe else per_dense
+    c = activation_calibration(mod, layout.recompute, pipeline)
+    return c.per_moe + c.per_slot * cfg.slots_per_token + c.per_row * received_rows_per_token(cfg, layout) if moe \
+        else c.per_dense
 
 
-def fsdp_unit(name: str, expert: bool) -> str:
-    """A parameter's FSDP2 unit (core/fsdp.py:shard_model): its routed experts' module, a layer, embedding, root."""
-    parts = name.split(".")
-    if expert:
-        return name.rsplit(".", 1)[0]
-    return parts[0] if parts[0] == "embed_tokens" else "root" if parts[0] != "layers" else f"layers.{parts[1]}"
+def param_units(model, rules: dict) -> dict[str, str]:
+    """Each parameter's FSDP2 unit (core/fsdp.py:fsdp_units, as shard_model makes them): the innermost holding it."""
+    units = sorted(sum(fsdp_units(model, rules), []), key=len, reverse=True)  # ('' the root: last)
+    return {n: next(u for u in units if n.startswith(u + ".") or not u) for n in rules}
 
 
 def muon_bytes(model, layout: Layout) -> tuple[list[int], int]:
@@ -266,21 +316,22 @@ def muon_bytes(model, layout: Layout) -> tuple[list[int], int]:
     return [4 * x for x in held], 3 * 4 * largest
 
 
-def fsdp_bytes(model, layout: Layout) -> dict:
+def fsdp_bytes(mod, model, layout: Layout) -> dict:
     """Exact bytes of weights, gradients and optimizer state of rank 0 of each shard group under FSDP2 (the largest
     shards; Muon's momentum: the most any rank owns), the units in flight counted as fsdp_buffers (module
     docstring), Muon's largest bucket as muon_buffers."""
     n_dense, n_expert = layout.dp * layout.cp * layout.ep, layout.dp * layout.cp
     compute = 2 if layout.bf16 else 4  # bytes of a gathered weight (MixedPrecisionPolicy param_dtype)
     shards = adam = cache = unsharded_grads = fp8_per_use = 0
-    rules, units, fp8 = parameter_rules(model), {}, fp8_weights(model) if layout.fp8 else set()
+    rules, units = parameter_rules(model), {}
+    unit_of, fp8 = param_units(model, rules), weight_copies(mod, model, True)[0] if layout.fp8 else set()
     muon = {n for n, rule in rules.items() if layout.optimizer == "muon" and rule.muon}
     for name, p in model.named_parameters():
         expert = rules[name].expert_ids is not None
-        rows = p.shape[0] if p.ndim else 1
+        rows = p.shape[0] if p.shape else 1
         shard = math.ceil(rows / (n_expert if expert else n_dense)) * (p.numel() // rows)
         shards, adam = shards + shard, adam + (0 if name in muon else shard)
-        units[fsdp_unit(name, expert)] = units.get(fsdp_unit(name, expert), 0) + p.numel()
+        units[unit_of[name]] = units.get(unit_of[name], 0) + p.numel()
         if layout.once:  # gathered once per step, its FP8 operands made once per step
             cache += compute * p.numel() + (fp8_operand_bytes(p.shape, layout.fp8_recipe) if name in fp8 else 0)
             unsharded_grads += 4 * p.numel()  # summed in fp32 (each bf16 gradient moves there as it arrives)
@@ -294,25 +345,25 @@ def fsdp_bytes(model, layout: Layout) -> dict:
                 weight_cache=cache, fsdp_buffers=in_flight + muon_buffers)
 
 
-def param_bytes(model, layout: Layout) -> dict:
-    """Exact bytes of weights, gradients and optimizer state (fsdp_bytes at world > 1) of this model."""
+def param_bytes(mod, model, layout: Layout) -> dict:
+    """Exact bytes of weights, gradients and optimizer state (fsdp_bytes at world > 1) of this model (mod: its
+    recipe's model module)."""
     if layout.fsdp:
-        return fsdp_bytes(model, layout)
+        return fsdp_bytes(mod, model, layout)
     weights = adam = cache = 0
-    fp8, rules = fp8_weights(model) if layout.fp8 else set(), parameter_rules(model)
+    rules = parameter_rules(model)
+    fp8, cast = weight_copies(mod, model, layout.fp8) if layout.fp8 or layout.bf16 else (set(), set())
     for name, p in model.named_parameters():  # one process: every tensor whole, plain
-        expert = rules[name].expert_ids is not None
         weights += 4 * p.numel()
-        muon = layout.optimizer == "muon" and rules[name].muon
-        adam += (4 if muon else 8) * p.numel()
+        adam += (4 if layout.optimizer == "muon" and rules[name].muon else 8) * p.numel()
         if name in fp8:
             cache += fp8_operand_bytes(p.shape, layout.fp8_recipe)
-        elif layout.bf16 and (expert or name.startswith("lm_head")):
+        elif layout.bf16 and name in cast:
             cache += 2 * p.numel()
     return dict(weights=weights, gradients=weights, optimizer=adam, weight_cache=cache, fsdp_buffers=0)
 
 
-_MODELS, _PARAMS = {}, {}
+_MODELS, _PARAMS, _HANDOFF = {}, {}, {}
 
 
 def rank_param_bytes(mod, cfg, layout: Layout, pp_rank: int) -> tuple[dict, list[int], bool]:
@@ -327,8 +378,26 @@ def rank_param_bytes(mod, cfg, layout: Layout, pp_rank: int) -> tuple[dict, list
             parts = rank_parts(cfg, layout, pp_rank, mod.flops_by_layer(cfg, layout.seq_len))
             _MODELS[model_key] = (meta_model(mod, cfg, layout.fp8, **parts), parts["head"], cfg)
         model, head, _ = _MODELS[model_key]
-        _PARAMS[key] = (param_bytes(model, layout), [int(i) for i in model.layers], head)
+        _PARAMS[key] = (param_bytes(mod, model, layout), [int(i) for i in model.layers], head)
     return _PARAMS[key]
+
+
+def handoff_bytes(mod, cfg, layout: Layout) -> int:
+    """Bytes of the state stage 0 makes of one micro-batch (Model.initial_state: what crosses pp ranks, every entry
+    at its shape and dtype, as core/pipeline.py:DualPipeV._stage0_specs takes them), of this rank's cp part, in the
+    compute dtype: the model without layers and head on fake tensors (no memory; autocast refuses meta ones)."""
+    key = (mod.__name__, id(cfg), layout.micro_batch, layout.seq_len, layout.cp, layout.bf16)
+    if key not in _HANDOFF:
+        model = meta_model(mod, cfg, layers=[], head=False)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            ids_BS = torch.zeros(layout.micro_batch, layout.seq_len, dtype=torch.long)
+            extras = model.prepare_batch(ids_BS, ids_BS, None, torch.arange(layout.seq_len).expand_as(ids_BS))
+            part = lambda t: split_for_cp(t, 0, layout.cp)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=layout.bf16):
+                state = model.initial_state(part(ids_BS), {n: part(t) for n, t in extras.items()})
+            _HANDOFF[key] = sum(t.numel() * t.element_size() for t in state)
+    return _HANDOFF[key]
 
 
 def estimate(mod, cfg, layout: Layout, pp_rank: int | None = None) -> dict:
@@ -337,29 +406,29 @@ def estimate(mod, cfg, layout: Layout, pp_rank: int | None = None) -> dict:
     if layout.seq_len % (2 * layout.cp):
         raise ValueError(f"--seq-len {layout.seq_len} is not divisible by 2*cp = {2 * layout.cp}")
     pp, pipeline = layout.pp, layout.pp > 1
-    tiny, *_, per_token_vocab = activation_calibration(mod, layout.recompute, pipeline)
+    c = activation_calibration(mod, layout.recompute, pipeline)
     tokens = layout.micro_batch * layout.seq_len // layout.cp
-    width = cfg.hidden_size / tiny.hidden_size * (0.5 if layout.bf16 else 1.0)
+    # every model's activations and rows scale, to first order, with its width (test_activations_scale_with_width)
+    width = cfg.hidden_size / c.tiny.hidden_size * (0.5 if layout.bf16 else 1.0)
     per_layer = {moe: saved_per_token_layer(mod, cfg, layout, pipeline, moe) * width for moe in (False, True)}
     chunk = lambda layers, head: tokens * (sum(per_layer[cfg.is_moe_layer(i)] for i in layers) + head)  # 1 micro-batch
-    act_bytes = 2 if layout.bf16 else 4
     stages = split_layers(cfg.num_hidden_layers, pp, mod.flops_by_layer(cfg, layout.seq_len)) if pipeline else None
     best, ranks = None, range(pp) if pp_rank is None else [pp_rank]
     for pp_rank in ranks:
         params, layer_ids, has_head = rank_param_bytes(mod, cfg, layout, pp_rank)
         out = dict(params)
         fsdp_buffers = out.pop("fsdp_buffers")
-        head = per_token_vocab * cfg.vocab_size * (0.5 if layout.bf16 else 1.0) if has_head else 0
+        head = c.per_token_vocab * cfg.vocab_size * (0.5 if layout.bf16 else 1.0) if has_head else 0
         if pipeline:  # chunks held at the peak (module docstring), and the states they handed to another rank
             down, up, middle = 2 * pp - pp_rank, pp_rank + 1, 0 < pp_rank < pp - 1
-            handoff = tokens * cfg.hidden_size * act_bytes
+            handoff = handoff_bytes(mod, cfg, layout)
             out["activations"] = int(down * (chunk(stages[pp_rank], 0) + handoff)
                                      + up * (chunk(stages[2 * pp - 1 - pp_rank], head) + middle * handoff))
         else:
             out["activations"] = int(chunk(layer_ids, head))
         moe_layers = sum(cfg.is_moe_layer(i) for i in layer_ids)
-        rows = tokens * cfg.slots_per_token * cfg.hidden_size * act_bytes if moe_layers else 0
-        out["comm_buffers"] = int(4 * rows) + fsdp_buffers  # dispatch + combine, send + recv; FSDP2's units in flight
+        rows = tokens * cfg.slots_per_token * sum(c.widths) * width * 4 if moe_layers else 0  # dispatch + combine
+        out["comm_buffers"] = int(2 * rows) + fsdp_buffers  # send + recv; FSDP2's units in flight
         out["total"] = sum(out.values())
         out["pp_rank"] = pp_rank
         if best is None or out["total"] > best["total"]:

@@ -156,6 +156,18 @@ class _Traffic:
 traffic = _Traffic()
 
 
+class _Watch:
+    """Step (3) as core/memory.py's calibration sees it while `on`: the received rows handed to it (kept until
+    read), the (row, local expert) pairs it expanded, and whether it runs now."""
+
+    def __init__(self):
+        self.on = self.inside = False
+        self.received, self.rows = [], 0
+
+
+step3 = _Watch()
+
+
 def weighted_rows(experts, x_QH: torch.Tensor, row_R: torch.Tensor, counts_L: torch.Tensor,
                   weights_R: torch.Tensor) -> torch.Tensor:
     """experts(x_QH[row_R], counts_L) [R, H] (each received row once per local expert it chose), each row times its
@@ -273,6 +285,16 @@ class DispatchPlan:
     def run_experts(self, x_QX: torch.Tensor, experts_fn) -> torch.Tensor:
         """(3) Expand received rows to one row per local expert (grouped by expert), run the experts, and sum
         each received row's weighted expert outputs: [Q, H]."""
+        if step3.on:
+            step3.received.append((x_QX, self.k))
+            step3.rows += self.order_R.numel()
+        step3.inside = True
+        try:
+            return self._run_experts(x_QX, experts_fn)
+        finally:
+            step3.inside = False
+
+    def _run_experts(self, x_QX: torch.Tensor, experts_fn) -> torch.Tensor:
         recompute = self.source is not None and x_QX.requires_grad
         if recompute:
             x_QX = _OnBackward.apply(x_QX, lambda: release(self.received))  # (a pipeline's tape refers to them)

@@ -227,6 +227,8 @@ class ParamRule:
     # matrices or None)}, whole dim-0 rows each (core/muon.py); {}: AdamW trains it
     init: typing.Callable  # init(tensor, generator) fills it in place (a routed expert's row at a time): normal(std),
     # constant(value) or a function of your own
+    decay: bool | None = None  # AdamW's weight decay on it; None: the default, on tensors of 2+ dims (matrices; norm
+    # weights, biases and other vectors not, as Megatron), filled in by parameter_rules
 
 
 def normal(std: float):
@@ -251,7 +253,9 @@ def default_rule(model, name: str, t: torch.Tensor, std: float) -> ParamRule:
 
 def parameter_rules(model) -> dict[str, ParamRule]:
     """Every parameter's rule, declared on a meta tensor of its shape (a sharded one's too: views stay whole)."""
-    return {n: model.parameter_rules(n, torch.empty(p.shape, device="meta")) for n, p in model.named_parameters()}
+    rules = {n: model.parameter_rules(n, torch.empty(p.shape, device="meta")) for n, p in model.named_parameters()}
+    return {n: rule if rule.decay is not None else dataclasses.replace(rule, decay=p.dim() >= 2)
+            for (n, rule), p in zip(rules.items(), model.parameters())}
 
 
 @torch.no_grad()

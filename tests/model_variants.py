@@ -1,18 +1,23 @@
-"""Two variants of the Qwen3 recipe as a copied recipe would write them, each a module standing in for a recipe's
-model.py (core/memory.py and the shared memory checks take the module): core must read what they declare, not guess
-it from names or from num_experts_per_tok.
+"""Variants of the Qwen3 recipe as a copied recipe would write them, each a module standing in for a recipe's
+model.py (core/memory.py, tools/plan.py and the shared memory and Muon checks take the module): core must read what
+they declare, not guess it from names, shapes, ranks or num_experts_per_tok. VARIANTS: name -> the module's maker.
 
 renamed_experts()  the routed experts' module is `mlp.routed` (parameters layers.N.mlp.routed.gate_up_proj, ...: no
                    `experts` in any name), declared routed by Model.parameter_rules.
 variable_k()       the router keeps all k slots of even tokens and the first k - k // 2 of odd ones (the rest: id -1,
                    an empty slot), so a token fills k - (k // 2) / 2 slots on average (1.5 at the tiny k = 2), which
                    ModelConfig.slots_per_token declares.
+two_streams()      the router keeps one slot of its k whatever k is (slots_per_token 1: a count num_experts_per_tok
+                   does not move); the state carries a second copy of the residual stream [B, S, H] through every
+                   layer (what crosses pipeline stages: twice the hidden state), mixed into the last hidden state by
+                   `stream_mix` [2, 2], a matrix declared AdamW's without weight decay (ParamRule.decay False).
 """
 
 import dataclasses
 import types
 
 import torch
+from torch import nn
 
 from core.training import ParamRule, normal
 from recipes.qwen3_30b_a3b import model as qwen3
@@ -60,6 +65,44 @@ class VariableKModel(qwen3.Model):
                 layer.mlp.gate.__class__ = HalfSlotRouter
 
 
+class OneSlotRouter(qwen3.Router):
+    def forward(self, x_TH):
+        logits_TE, weights_Tk, ids_Tk = super().forward(x_TH)
+        drop_Tk = torch.ones_like(ids_Tk, dtype=torch.bool)
+        drop_Tk[:, 0] = False
+        return logits_TE, weights_Tk.masked_fill(drop_Tk, 0), ids_Tk.masked_fill(drop_Tk, -1)
+
+
+@dataclasses.dataclass
+class OneSlotConfig(qwen3.ModelConfig):
+    slots_per_token = property(lambda self: 1.0)
+
+
+class TwoStreamsModel(qwen3.Model):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for layer in self.layers.values():
+            if isinstance(layer.mlp, qwen3.MoE):
+                layer.mlp.gate.__class__ = OneSlotRouter
+        if self.lm_head is not None:  # (with the head: the last stage's)
+            self.stream_mix = nn.Parameter(torch.empty(2, 2, device=self.lm_head.weight.device))
+            self.parameter_rules("stream_mix", self.stream_mix).init(self.stream_mix.data, None)
+
+    def parameter_rules(self, name: str, t: torch.Tensor) -> ParamRule:
+        if name != "stream_mix":
+            return super().parameter_rules(name, t)
+        return ParamRule(None, {}, lambda t, gen: t.copy_(torch.eye(2)), decay=False)
+
+    def initial_state(self, input_ids_BS, extras):
+        x_BSH, *more = super().initial_state(input_ids_BS, extras)
+        return [x_BSH, *more, 0.5 * x_BSH]  # the second stream: passed through every layer untouched
+
+    def loss_sums(self, state, labels_BS, extras):
+        h_BSH, *more, stream_BSH = state
+        mixed_BSH = self.stream_mix[0, 0] * h_BSH + self.stream_mix[0, 1] * self.norm(stream_BSH)
+        return super().loss_sums([mixed_BSH, *more], labels_BS, extras)
+
+
 def _variant(name: str, **overrides) -> types.ModuleType:
     mod = types.ModuleType(f"{qwen3.__name__}_{name}")
     mod.__dict__.update({k: v for k, v in vars(qwen3).items() if not k.startswith("__")}, **overrides)
@@ -72,3 +115,10 @@ def renamed_experts() -> types.ModuleType:
 
 def variable_k() -> types.ModuleType:
     return _variant("variable_k", Model=VariableKModel, ModelConfig=VariableKConfig)
+
+
+def two_streams() -> types.ModuleType:
+    return _variant("two_streams", Model=TwoStreamsModel, ModelConfig=OneSlotConfig)
+
+
+VARIANTS = {"renamed_experts": renamed_experts, "variable_k": variable_k, "two_streams": two_streams}

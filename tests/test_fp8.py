@@ -229,7 +229,7 @@ def test_weight_cache_holds_the_estimated_bytes(name, tmp_path):
 
     for scaling in ("rowwise", "blockwise"):
         held = run() if scaling == "rowwise" else blockwise(run)
-        estimated = memory.param_bytes(memory.meta_model(recipe.model, cfg, fp8=True),
+        estimated = memory.param_bytes(recipe.model, memory.meta_model(recipe.model, cfg, fp8=True),
                                        memory.Layout(bf16=False, fp8=True, fp8_recipe=scaling))["weight_cache"]
         assert held == estimated > 0, (scaling, held, estimated)
 

@@ -131,7 +131,7 @@ def estimated(layout: dict, rank: int, cfg, flags: dict) -> tuple[dict, int, lis
     momentum = muon(memory.meta_model(mod, cfg, **parts))
     parts["expert_ids"] = memory.Placement.parse(L.expert_placement, cfg.num_experts, L.ep).experts[ep_rank]
     model = memory.meta_model(mod, cfg, L.fp8, **parts)  # (its param_bytes' optimizer: Adam + the most momentum it sees)
-    est = memory.param_bytes(model, L)
+    est = memory.param_bytes(mod, model, L)
     return est, est["optimizer"] - max(muon(model)), momentum
 
 

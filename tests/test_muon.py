@@ -15,6 +15,7 @@ import torch.optim._muon as torch_muon
 from core.muon import MuonAdamW, newton_schulz
 from core.training import parameter_rules
 from recipes import recipe_names
+from tests.model_variants import VARIANTS
 from tests.multiproc import run_ranks
 from tests.recipe_checks import PLACED, check_args, layout_errors, layouts_worker, load_recipe, write_config
 from tests.test_train import LAYOUT_TOLERANCE, bitwise_error, rel_err, run_train, worst_error
@@ -45,34 +46,43 @@ def is_muon_matrix(hf_name: str, t: torch.Tensor) -> bool:
     return not hf_name.endswith(("mlp.gate.weight", "mlp.router.weight", "shared_expert_gate.weight", "conv1d.weight"))
 
 
-def hf_matrices(recipe, model, tensors: dict, adamw: tuple = ()) -> dict[str, torch.Tensor]:
-    """The Muon matrices of transformers' checkpoint layout, as views of `tensors` (one per parameter of model, e.g.
-    the gradients), through the recipe's export (hf_state_dict, checked against transformers by the parity tests).
-    GPT-OSS keeps each layer's experts as one [E, H, 2I] tensor with gate and up interleaved (transformers'
-    GptOssExperts: gate = [..., ::2], up = [..., 1::2]): one matrix per expert and half. adamw: name endings a model
-    declares AdamW's (Model.parameter_rules) beyond Moonlight's split."""
-    params = dict(model.named_parameters())
-    saved = {n: p.data for n, p in params.items()}
-    try:
-        for n, p in params.items():
-            p.data = tensors[n]
-        hf = {k: v.detach() for k, v in recipe.model.hf_state_dict(model).items()}
-    finally:
-        for n, p in params.items():
-            p.data = saved[n]
-    out = {}
-    for name, t in hf.items():
-        if not is_muon_matrix(name, t) or name.endswith(adamw):
+def declared_matrices(model, tensors: dict) -> dict[str, torch.Tensor]:
+    """The matrices Model.parameter_rules declares Muon's, as [A, B] views of `tensors` (one per parameter, e.g. the
+    gradients): what the reference optimizer steps (names: parameter.kind.index)."""
+    return {f"{name}.{kind}.{s}": v_SAB[s] for name in tensors
+            for kind, (v_SAB, _) in model.parameter_rules(name, tensors[name]).muon.items()
+            for s in range(v_SAB.shape[0])}
+
+
+@pytest.mark.parametrize("name", [n for n in recipe_names() if load_recipe(n).model.TRANSFORMERS_CLASS])
+def test_declared_matrices_are_moonlights(name, tmp_path):
+    """A recipe that equals a transformers class (TRANSFORMERS_CLASS) declares Moonlight's matrices on transformers'
+    checkpoint layout (is_muon_matrix), each whole: every declared matrix numbered in place, the export
+    (hf_state_dict, checked against transformers by the parity tests) must carry each of Moonlight's matrices as
+    one number and nothing else. GPT-OSS keeps each layer's experts as one [E, H, 2I] tensor with gate and up
+    interleaved (transformers' GptOssExperts: gate = [..., ::2], up = [..., 1::2]): one matrix per expert and half.
+    A copy that departs from transformers (TRANSFORMERS_CLASS None) declares its own split, which
+    test_one_process_equals_torch_muon_and_adamw steps as declared."""
+    recipe = load_recipe(name)
+    model = recipe.model.Model(recipe.model.ModelConfig.from_hf(write_config(tmp_path / "config.json", recipe.config)))
+    numbered = {n: torch.zeros(p.shape) for n, p in model.named_parameters()}
+    for i, v_AB in enumerate(declared_matrices(model, numbered).values()):
+        v_AB.fill_(i + 1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(numbered[n])
+    hf = recipe.model.hf_state_dict(model)
+    found = []
+    for hf_name, t in hf.items():
+        if not is_muon_matrix(hf_name, t):
+            assert not t.any(), f"{hf_name} is declared (part of) a Muon matrix; Moonlight's split gives it AdamW"
             continue
-        if t.ndim == 2:
-            out[name] = t
-        elif name.endswith("gate_up_proj"):
-            for e in range(t.shape[0]):
-                out[f"{name}.{e}.gate"], out[f"{name}.{e}.up"] = t[e][:, 0::2], t[e][:, 1::2]
-        else:
-            for e in range(t.shape[0]):
-                out[f"{name}.{e}"] = t[e]
-    return out
+        halves = [t[e][:, 0::2] for e in range(t.shape[0])] + [t[e][:, 1::2] for e in range(t.shape[0])] \
+            if hf_name.endswith("gate_up_proj") else list(t) if t.ndim == 3 else [t]
+        for m in halves:
+            assert m.unique().numel() == 1 and m.flatten()[0] > 0, f"{hf_name}: not one whole declared matrix"
+            found.append(int(m.flatten()[0]))
+    assert sorted(found) == list(range(1, len(found) + 1)) and len(found) == len(declared_matrices(model, numbered))
 
 
 def momentum_like_params(opt: MuonAdamW, model) -> dict[str, torch.Tensor]:
@@ -83,32 +93,34 @@ def momentum_like_params(opt: MuonAdamW, model) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_against_torch(name: str, workdir: Path, steps: int = 4, adamw: tuple = ()) -> dict[str, tuple[float, str]]:
+def run_against_torch(mod, config: dict, seq_len: int, workdir: Path, steps: int = 4, adamw: tuple = (),
+                      no_decay: tuple = ()) -> dict[str, tuple[float, str]]:
     """`steps` steps of MuonAdamW (one process) and of torch.optim.Muon(adjust_lr_fn="match_rms_adamw", Newton-Schulz
     in fp32) + torch.optim.AdamW on copies, both fed the gradients of MuonAdamW's model at each step, clipped by
-    torch.nn.utils.clip_grad_norm_ on the reference side, with a changing learning rate. Returns the worst relative
-    errors of the weight changes, the momentum and the grad norm. adamw: name endings the model declares AdamW's
-    (its Model.parameter_rules overridden to say so), AdamW's on the reference side too."""
-    recipe = load_recipe(name)
+    torch.nn.utils.clip_grad_norm_ on the reference side, with a changing learning rate. The reference's split is
+    what Model.parameter_rules declares: Muon's matrices (declared_matrices), AdamW's tensors with and without
+    weight decay (ParamRule.decay). Returns the worst relative errors of the weight changes, the momentum and the
+    grad norm. mod: the recipe's model module; adamw, no_decay: name endings this test's copy of the model declares
+    AdamW's, or without weight decay (its Model.parameter_rules overridden to say so)."""
 
-    class Declared(recipe.model.Model):
+    class Declared(mod.Model):
         def parameter_rules(self, name, t):
             rule = super().parameter_rules(name, t)
-            return dataclasses.replace(rule, muon={}) if name.endswith(adamw) else rule
+            rule = dataclasses.replace(rule, muon={}) if name.endswith(adamw) else rule
+            return dataclasses.replace(rule, decay=False) if name.endswith(no_decay) else rule
 
     torch.manual_seed(0)
-    model = Declared(recipe.model.ModelConfig.from_hf(write_config(workdir / "config.json", recipe.config)))
+    model = Declared(mod.ModelConfig.from_hf(write_config(workdir / "config.json", config)))
     params = dict(model.named_parameters())
     opt = MuonAdamW(model, None, LR, WD, BETAS, EPS)
     start = {n: p.detach().clone() for n, p in params.items()}
-    matrices = lambda tensors: hf_matrices(recipe, model, tensors, adamw)
+    matrices = lambda tensors: declared_matrices(model, tensors)
     ref_matrices = {k: v.clone().requires_grad_() for k, v in matrices(start).items()}
     rules = parameter_rules(model)
     ref_other = {n: start[n].clone().requires_grad_() for n in params if not rules[n].muon}
-    assert len(ref_matrices) == sum(v.shape[0] for rule in rules.values() for v, _ in rule.muon.values())
     ref_muon = torch.optim.Muon(list(ref_matrices.values()), lr=LR, weight_decay=WD, adjust_lr_fn="match_rms_adamw")
-    ref_adamw = torch.optim.AdamW([{"params": [t for t in ref_other.values() if t.ndim >= 2], "weight_decay": WD},
-                                   {"params": [t for t in ref_other.values() if t.ndim < 2], "weight_decay": 0.0}],
+    ref_adamw = torch.optim.AdamW([{"params": [t for n, t in ref_other.items() if rules[n].decay == decay],
+                                    "weight_decay": WD if decay else 0.0} for decay in (True, False)],
                                   lr=LR, betas=BETAS, eps=EPS, foreach=True)
     norm_errors = []
     original_ns = torch_muon._zeropower_via_newtonschulz
@@ -118,7 +130,7 @@ def run_against_torch(name: str, workdir: Path, steps: int = 4, adamw: tuple = (
             lr = LR * (step + 1) / steps
             for g in ref_muon.param_groups + ref_adamw.param_groups + opt.param_groups:
                 g["lr"] = lr
-            ids = torch.randint(0, recipe.config["vocab_size"], (2, recipe.seq_len))
+            ids = torch.randint(0, config["vocab_size"], (2, seq_len))
             out = model.forward_train(ids, torch.roll(ids, -1, 1))
             # every term the model trains (DeepSeek-V3's MTP term reaches parameters the others do not)
             (sum(t / ids.numel() for n, t in out.terms.items() if n != "aux") + 0.01 * out.aux_loss).backward()
@@ -138,12 +150,13 @@ def run_against_torch(name: str, workdir: Path, steps: int = 4, adamw: tuple = (
             ref_adamw.step()
             if step == 1:  # reinit_: a routed expert gets new weights, 3 rows of a dense matrix keep theirs; both
                 # lose their momentum (torch's: zeroed where the parts meet the checkpoint layout's matrices)
-                expert = next(n for n in params if n.endswith("experts.gate_up_proj"))
-                dense = next(n for n in params if n.endswith("o_proj.weight"))
+                expert = next(n for n, rule in rules.items() if rule.expert_ids is not None and rule.muon)
+                dense = next(n for n, rule in rules.items() if rule.expert_ids is None and rule.muon and
+                             params[n].shape[0] >= 5)
                 opt.reinit_(expert, 1, 0.02 * torch.randn(params[expert][1].shape))
                 opt.reinit_(dense, slice(2, 5))
-                reset = {n: torch.zeros_like(p) for n, p in params.items()}  # 1 where reset (float: hf_matrices
-                reset[expert][1], reset[dense][2:5] = 1, 1  # swaps it into the parameters)
+                reset = {n: torch.zeros_like(p) for n, p in params.items()}  # 1 where reset
+                reset[expert][1], reset[dense][2:5] = 1, 1
                 for n, t in ref_other.items():  # a part AdamW trains (declared so): its moments zeroed there
                     for moments in (ref_adamw.state[t]["exp_avg"], ref_adamw.state[t]["exp_avg_sq"]):
                         moments[reset[n].bool()] = 0
@@ -168,28 +181,43 @@ def run_against_torch(name: str, workdir: Path, steps: int = 4, adamw: tuple = (
     return errors
 
 
-@pytest.mark.parametrize("name", recipe_names())
-def test_one_process_equals_torch_muon_and_adamw(name, tmp_path):
+BOUNDS = {"momentum": 1e-6, "grad norm": 1e-6, "adamw weight change": 1e-5, "muon weight change": 3e-5}
+
+
+def assert_equals_torch(errors: dict) -> None:
     """Bounds. Momentum and grad norm 1e-6: the same gradients, clipped by a norm summed in another order (~1e-7).
     AdamW 1e-5: tests/test_train.py:LAYOUT_TOLERANCE's reason (Adam's division turns the clip factor's ~1e-7 into
     ~1e-6 where a gradient is ~eps). Muon 3e-5: batched and per-matrix GEMMs round differently (~6e-8 per op), and
     Newton-Schulz grows a perturbation of the small singular values by up to a = 3.4445 per step, 3.4445^5 ~ 485 over
-    5 steps: 485 x 6e-8 ~ 3e-5 (measured 1e-6 to 4e-6). The planted bugs (no RMS scaling, gate and up orthogonalised
-    together) moved the weights by O(1)."""
-    errors = run_against_torch(name, tmp_path)
-    bounds = {"momentum": 1e-6, "grad norm": 1e-6, "adamw weight change": 1e-5, "muon weight change": 3e-5}
-    failed = {what: errors[what] for what, bound in bounds.items() if not errors[what][0] <= bound}
+    5 steps: 485 x 6e-8 ~ 3e-5 (measured 1e-6 to 4e-6). The planted bugs (no RMS scaling, a declared-AdamW matrix
+    stepped by Muon, a no-decay matrix decayed) moved the weights by O(1) or by lr x wd (1e-3 of each weight)."""
+    failed = {what: errors[what] for what, bound in BOUNDS.items() if not errors[what][0] <= bound}
     assert not failed, f"differ from torch.optim.Muon + AdamW (error, where): {failed}"
+
+
+@pytest.mark.parametrize("name", recipe_names())
+def test_one_process_equals_torch_muon_and_adamw(name, tmp_path):
+    recipe = load_recipe(name)
+    assert_equals_torch(run_against_torch(recipe.model, recipe.config, recipe.seq_len, tmp_path))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variants_equal_torch_muon_and_adamw(variant, tmp_path):
+    """The Qwen3 copies of tests/model_variants.py (other names, a mixing matrix declared AdamW's without decay):
+    the reference takes their split from what they declare, as for any recipe."""
+    recipe = load_recipe("qwen3_30b_a3b")
+    assert_equals_torch(run_against_torch(VARIANTS[variant](), recipe.config, recipe.seq_len, tmp_path))
 
 
 def test_a_matrix_declared_adamw_is_stepped_by_adamw(tmp_path):
     """A copy that declares a 2-D weight AdamW's (here every o_proj, by overriding Model.parameter_rules) gets it
-    stepped by AdamW and the rest unchanged: torch.optim.AdamW on o_proj, torch.optim.Muon on the other matrices.
-    Bounds as above; a Muon step of o_proj differs from AdamW's by O(1)."""
-    errors = run_against_torch("qwen3_30b_a3b", tmp_path, adamw=("o_proj.weight",))
-    bounds = {"momentum": 1e-6, "grad norm": 1e-6, "adamw weight change": 1e-5, "muon weight change": 3e-5}
-    failed = {what: errors[what] for what, bound in bounds.items() if not errors[what][0] <= bound}
-    assert not failed, f"differ from torch.optim.Muon + AdamW (error, where): {failed}"
+    stepped by AdamW and the rest unchanged: torch.optim.AdamW on o_proj, torch.optim.Muon on the other matrices;
+    and one that declares it AdamW's without weight decay (ParamRule.decay False) gets AdamW without decay.
+    Bounds as above; a Muon step of o_proj differs from AdamW's by O(1), a decayed step by lr x wd."""
+    recipe = load_recipe("qwen3_30b_a3b")
+    for no_decay in ((), ("o_proj.weight",)):
+        assert_equals_torch(run_against_torch(recipe.model, recipe.config, recipe.seq_len, tmp_path,
+                                              adamw=("o_proj.weight",), no_decay=no_decay))
 
 
 def test_bf16_newton_schulz_equals_torch_muons():

@@ -80,6 +80,8 @@ from core.memory import (
     Layout,
     activation_calibration,
     estimate,
+    handoff_bytes,
+    layer_parameters,
     meta_model,
     rank_hit_chance,
     saved_per_token_layer,
@@ -328,18 +330,15 @@ def layer_params(mod_name: str, cfg_path: str) -> tuple[list[int], list[int], in
     the layers: final norm, head, ...: FSDP2's root unit), counted on the whole model built once on meta."""
     mod = importlib.import_module(mod_name)
     cfg = mod.ModelConfig.from_hf(cfg_path)
-    dense, expert, embed, root = [0] * cfg.num_hidden_layers, [0] * cfg.num_hidden_layers, 0, 0
+    dense, expert = [0] * cfg.num_hidden_layers, [0] * cfg.num_hidden_layers
     model = meta_model(mod, cfg)
-    for (name, p), rule in zip(model.named_parameters(), parameter_rules(model).values()):
-        if name.startswith("embed_tokens."):
-            embed += p.numel()
-        elif not name.startswith("layers."):
-            root += p.numel()
-        elif rule.expert_ids is not None:  # (Model.parameter_rules)
-            expert[int(name.split(".")[1])] += p.numel()
-        else:
-            dense[int(name.split(".")[1])] += p.numel()
-    return dense, expert, embed, root
+    rules, layer_of = parameter_rules(model), {n: int(i) for n, (i, _) in layer_parameters(model).items()}
+    embed = sum(p.numel() for p in model.embed_tokens.parameters())
+    for name, p in model.named_parameters():
+        if name in layer_of:
+            table = expert if rules[name].expert_ids is not None else dense  # (Model.parameter_rules)
+            table[layer_of[name]] += p.numel()
+    return dense, expert, embed, sum(p.numel() for p in model.parameters()) - sum(dense) - sum(expert) - embed
 
 
 @functools.cache
@@ -351,13 +350,14 @@ def muon_layer_costs(mod_name: str, cfg_path: str) -> tuple[list[tuple[int, int]
     cfg = mod.ModelConfig.from_hf(cfg_path)
     model = meta_model(mod, cfg)
     dense, expert, outside = [(0, 0)] * cfg.num_hidden_layers, [(0, 0)] * cfg.num_hidden_layers, (0, 0)
+    layer_of = {n: int(i) for n, (i, _) in layer_parameters(model).items()}
     for name, rule in parameter_rules(model).items():
         for v_SAB, _ in rule.muon.values():
             cost = (v_SAB.shape[0] * newton_schulz_flops(*v_SAB.shape[1:]), v_SAB.numel())
-            if not name.startswith("layers."):
+            if name not in layer_of:
                 outside = tuple(map(sum, zip(outside, cost)))
                 continue
-            table, i = expert if rule.expert_ids is not None else dense, int(name.split(".")[1])
+            table, i = expert if rule.expert_ids is not None else dense, layer_of[name]
             table[i] = tuple(map(sum, zip(table[i], cost)))
     return dense, expert, outside
 
@@ -428,12 +428,15 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
     pair_rate = r.get("attention_explicit" if ops["explicit_attention"] else "attention_masked", r["gemm"])["rate"]
     # a CPU op: a fixed cost plus its bytes, two hidden-state-sized tensors read and one written (calibrated);
     # a GPU op (or an older calibration): the launch cost, its bytes counted with the saved activations below
+    # (hidden_size: every model's residual width, to first order the width of its activations and rows)
     op_s = machine.op_latency
     if not machine.async_launch and "elementwise" in r:
         op_s += 3 * T * cfg.hidden_size * act_bytes / r["elementwise"]["rate"]
-    tiny, *_, saved_per_token_vocab = activation_calibration(mod, layout.recompute)
-    scale = cfg.hidden_size / tiny.hidden_size * (0.5 if layout.bf16 else 1.0)
+    calibration = activation_calibration(mod, layout.recompute)
+    scale = cfg.hidden_size / calibration.tiny.hidden_size * (0.5 if layout.bf16 else 1.0)
     saved = {moe: saved_per_token_layer(mod, cfg, layout, moe=moe) * scale for moe in (False, True)}  # dense, MoE
+    saved_per_token_vocab = calibration.per_token_vocab
+    widths = [w * cfg.hidden_size / calibration.tiny.hidden_size for w in calibration.widths]  # dispatch, combine
     out = {key: _zero() for key in ("F", "B", "W")}
     a2a = {"F": 0.0, "B": 0.0, "refill": 0.0}
     E, k, H = cfg.num_experts, cfg.slots_per_token, cfg.hidden_size  # k: slots a token fills, a mean
@@ -500,13 +503,13 @@ def stage_costs(mod, cfg, cfg_path: str, layout: Layout, layer_ids: list[int], e
             for key in ("F", "B"):
                 t = sum(collective_s(machine, "all_to_all", rows * imbalance * width * act_bytes, layout.ep, ep_span,
                                      gpus_per_node)
-                        for width in (H + k, H))
+                        for width in widths)
                 if key == "F":  # DispatchPlan's two small blocking exchanges (row counts, local expert ids)
                     t += 2 * collective_s(machine, "all_to_all", 64, layout.ep, ep_span, gpus_per_node)
                 a2a[key] += t
                 out[key]["exposed all-to-all"] += t
             if layout.recompute == "layer":  # the dispatch again in B, blocking (core/moe.py recompute_dispatch)
-                t = collective_s(machine, "all_to_all", rows * imbalance * (H + k) * act_bytes, layout.ep, ep_span,
+                t = collective_s(machine, "all_to_all", rows * imbalance * widths[0] * act_bytes, layout.ep, ep_span,
                                  gpus_per_node)
                 a2a["refill"] += t
                 out["B"]["exposed all-to-all"] += t
@@ -584,8 +587,7 @@ def predict(mod, cfg, cfg_path: str, layout: Layout, global_batch: int, machine:
             return memo[key]
 
         durations = [lambda a, r=r: total(cost(r, a)) for r in range(layout.pp)]
-        hand_off_bytes = layout.micro_batch * layout.seq_len // layout.cp * cfg.hidden_size * (2 if layout.bf16 else 4)
-        p2p = collective_s(machine, "p2p", hand_off_bytes, 2, group_span(layout, ("pp",)), gpus_per_node)
+        p2p = collective_s(machine, "p2p", handoff_bytes(mod, cfg, layout), 2, group_span(layout, ("pp",)), gpus_per_node)
         span = lambda tl: max(e for t in tl for _, _, e in t) - min(s for t in tl for _, s, _ in t)
         with_p2p = span(simulate(orders, durations, transfer=p2p))
         free = span(simulate(orders, durations))
