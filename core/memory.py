@@ -1,34 +1,29 @@
-"""Per-rank peak training memory of a recipe's model under a layout, by component, and whether it fits a GPU.
-Model-agnostic (functions take the recipe's model module and a config); `check_train_args` is train.py's guard,
-`python -m tools.estimate_memory` prints the table.
-
-Components of the most loaded pipeline rank (every pp rank is built; the largest total is reported):
-  weights      fp32, of the recipe's Model built on `meta` for this rank's part (its two DualPipeV stages, the ep
-               rank holding the most experts), FSDP2's shards at world > 1 (the first rank's: ceil(d0 / n) rows; routed
-               experts, Model.parameter_rules' expert_ids, over dp*cp, the rest over dp*cp*ep)
-  gradients    fp32, as the weights
-  optimizer    AdamW's two fp32 moments of the same elements; with --optimizer muon, for Muon's matrices their
-               fp32 momentum on the ranks that own them (core/muon.py; the most any rank owns: `muon_bytes`)
-  weight cache one process: bf16 casts of the routed experts and LM head (core/weight_cache.py); fp8: the two FP8
-               operands of every weight the recipe's enable_fp8 converts instead, with their scales (fp8_operand_bytes)
-  activations  bytes held for backward after a forward (saved_bytes: tiny config, CPU) per token of a dense and an
-               MoE layer (+ per slot filled, ModelConfig.slots_per_token, and per received row) and per token and
-               vocab entry of the head, scaled by tokens, hidden_size / tiny's, 1/2 for bf16; pp > 1: the chunks of pp
-               rank r's peak as a DualPipeV stage holds them (core/pipeline.py), with the states they handed on
-  comm buffers MoE all-to-all rows (sent and received, tokens * slots_per_token * hidden); gathered per micro-batch:
-               the two largest FSDP2 units and the largest unit's gradient before its reduce-scatter (compute dtype
-               + fp32); once per step: the largest unit's fp32 reduce-scatter input; Muon: its largest bucket's rows
-Gathered once per step (pp > 1, or --fsdp-gather step) the weight cache is the gathered stage (compute dtype) plus
-its FP8 operands, and the gradients add the unsharded ones, summed in fp32; gathered per micro-batch, the comm buffers
-add the largest weight's FP8 operands (made per use, none kept). Plus a reserve for the CUDA context and
-fragmentation. Weights, gradients, optimizer and weight cache are exact (tested against a built model, the optimizers
-on gloo ranks, FSDP2, the cache); activations exact on tiny configs, first-order on full ones (scaled by hidden size).
+"""Per-rank peak training memory of a recipe's model under a layout, by component, and whether it fits a GPU
+(`check_train_args`: train.py's guard; `python -m tools.estimate_memory`: the table). It reads what the model declares
+(Model.parameter_rules, ModelConfig.slots_per_token, Model.initial_state) and what core sees a tiny run do, never a
+name, shape or config field of one recipe. Components of the most loaded pp rank (each is built on `meta`):
+  weights, gradients  fp32, of the rank's part (its two DualPipeV stages, the ep rank holding the most experts);
+               FSDP2's shards at world > 1 (ceil(d0 / n) rows; routed experts over dp*cp, the rest over dp*cp*ep)
+  optimizer    AdamW's two fp32 moments; --optimizer muon: Muon's momentum on its owners (the most: `muon_bytes`)
+  weight cache one process: the bf16 casts and FP8 operands its model hands core/weight_cache.py (weight_copies)
+  activations  bytes a tiny run keeps for backward (saved_bytes, CPU) per token of a dense and an MoE layer, per
+               (row, local expert) pair step (3) expanded and per row received (core/moe.py:step3), per token and
+               vocab entry of the head, scaled by tokens, slots_per_token, hidden_size / tiny's and dtype; pp > 1:
+               the chunks DualPipeV holds at rank r's peak, with the states they handed on (handoff_bytes)
+  comm buffers the all-to-all rows (dispatch and combine, sent and received); gathered per micro-batch the two
+               largest FSDP2 units and the largest's gradient (compute dtype + fp32) and the largest weight's FP8
+               operands, once per step the largest unit's fp32 reduce-scatter input; Muon: its largest bucket
+Gathered once per step (pp > 1, or --fsdp-gather step) the weight cache is the gathered stage in the compute dtype
+plus its FP8 operands, and the gradients add the unsharded fp32 sums. Weights, gradients, optimizer and weight
+cache are exact (tested against a built model, the optimizers on gloo ranks, FSDP2, the cache); activations exact
+on tiny configs, first-order on full ones (scaled by hidden size).
 """
 
 import itertools
 import math
 import sys
 import weakref
+from collections import namedtuple
 from dataclasses import dataclass, replace
 
 import torch
@@ -110,13 +105,6 @@ def layer_parameters(model) -> dict[str, tuple[str, str]]:
     return {f"{names[layer]}.{n}": (i, n) for i, layer in model.layers.items() for n, _ in layer.named_parameters()}
 
 
-def _weight_keys(model) -> dict[str, tuple]:
-    """Each parameter's place in the model's structure: its name inside its decoder layer (the same in every layer
-    of that kind), or its name for one outside the layers."""
-    inside = layer_parameters(model)
-    return {n: (True, inside[n][1]) if n in inside else (False, n) for n, _ in model.named_parameters()}
-
-
 _COPIES = {}
 
 
@@ -124,14 +112,18 @@ def weight_copies(mod, model, fp8: bool) -> tuple[set[str], set[str]]:
     """(names of the weights whose FP8 operands, of those whose bf16 casts core/weight_cache.py keeps) in `model`:
     what the recipe's model hands the cache (core/fp8.py:weight_operand, cast_weight) in a bf16 forward of its tiny
     config (fp8: with enable_fp8), each weight of a decoder layer standing for that weight in every layer."""
+
+    def keys(m):  # a layer's weight by its name in the layer (the same in every layer of that kind), others by name
+        inside = layer_parameters(m)
+        return {n: ("layer", inside[n][1]) if n in inside else ("", n) for n, _ in m.named_parameters()}
+
     if (mod.__name__, fp8) not in _COPIES:
         tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            small = mod.Model(tiny)
-            if fp8:
-                mod.enable_fp8(small)
-            ids_BS = torch.randint(0, tiny.vocab_size, (1, tiny.calibration_seq_len))
+            small, ids_BS = mod.Model(tiny), torch.randint(0, tiny.vocab_size, (1, tiny.calibration_seq_len))
+        if fp8:
+            mod.enable_fp8(small)
         kept, CACHE.entries, CACHE.keep = (CACHE.entries, CACHE.keep), {}, True
         try:
             with torch.autocast("cpu", dtype=torch.bfloat16):  # (with gradients: a training-only module runs)
@@ -139,11 +131,9 @@ def weight_copies(mod, model, fp8: bool) -> tuple[set[str], set[str]]:
             made = {(ptr, str(kind).startswith("fp8")) for ptr, _, _, kind in CACHE.entries}
         finally:
             CACHE.entries, CACHE.keep = kept
-        keys = _weight_keys(small)
-        _COPIES[mod.__name__, fp8] = [{keys[n] for n, p in small.named_parameters() if (p.data_ptr(), q) in made}
+        _COPIES[mod.__name__, fp8] = [{keys(small)[n] for n, p in small.named_parameters() if (p.data_ptr(), q) in made}
                                       for q in (True, False)]
-    keys = _weight_keys(model)
-    return tuple({n for n, key in keys.items() if key in found} for found in _COPIES[mod.__name__, fp8])
+    return tuple({n for n, key in keys(model).items() if key in found} for found in _COPIES[mod.__name__, fp8])
 
 
 def fp8_operand_bytes(shape, recipe: str) -> int:
@@ -203,19 +193,11 @@ def saved_bytes(model, input_ids_BS, stage_cls=None) -> dict:
                 widths=(received[0][0].shape[1], received[0][0].shape[1] - received[0][1]) if received else (0, 0))
 
 
-@dataclass(frozen=True)
-class Calibration:
-    """Bytes autograd keeps per token of the tiny config (fp32, CPU), what estimate scales to a config."""
-
-    tiny: object  # the tiny ModelConfig it ran
-    per_dense: float  # per token of a dense decoder layer (none in tiny: an MoE layer's per_moe)
-    per_moe: float  # per token of an MoE layer, its expert rows apart:
-    per_slot: float  # per (row, local expert) pair step (3) expanded (ModelConfig.slots_per_token per token)
-    per_row: float  # per row the experts' rank received (one per routed token in one process)
-    per_token_vocab: float  # per token and vocab entry of the head (and embedding)
-    widths: tuple[int, int]  # numbers per dispatched and per combined row
-
-
+# bytes a tiny run (fp32, CPU) keeps for backward per token of a dense decoder layer (per_dense; none in tiny: an MoE
+# layer's), of an MoE layer but its expert rows (per_moe), per (row, local expert) pair step (3) expanded (per_slot),
+# per row the experts' rank received (per_row), per token and vocab entry of the head (per_token_vocab), and numbers
+# per dispatched and per combined row (widths), at the config `tiny`
+Calibration = namedtuple("Calibration", "tiny per_dense per_moe per_slot per_row per_token_vocab widths")
 _CALIBRATION = {}
 
 

@@ -27,6 +27,8 @@ ran and dispatched again in backward (same splits: no host sync) before the expe
 again; every ep rank (one without experts too) at the same point. One more dispatch per layer; saves Q x X.
 """
 
+import types
+
 import torch
 import torch.distributed as dist
 
@@ -156,16 +158,9 @@ class _Traffic:
 traffic = _Traffic()
 
 
-class _Watch:
-    """Step (3) as core/memory.py's calibration sees it while `on`: the received rows handed to it (kept until
-    read), the (row, local expert) pairs it expanded, and whether it runs now."""
-
-    def __init__(self):
-        self.on = self.inside = False
-        self.received, self.rows = [], 0
-
-
-step3 = _Watch()
+# step (3) as core/memory.py's calibration sees it while `on`: the received rows handed to it (kept until read),
+# the (row, local expert) pairs it expanded, whether it runs now
+step3 = types.SimpleNamespace(on=False, inside=False, received=[], rows=0)
 
 
 def weighted_rows(experts, x_QH: torch.Tensor, row_R: torch.Tensor, counts_L: torch.Tensor,
@@ -289,12 +284,6 @@ class DispatchPlan:
             step3.received.append((x_QX, self.k))
             step3.rows += self.order_R.numel()
         step3.inside = True
-        try:
-            return self._run_experts(x_QX, experts_fn)
-        finally:
-            step3.inside = False
-
-    def _run_experts(self, x_QX: torch.Tensor, experts_fn) -> torch.Tensor:
         recompute = self.source is not None and x_QX.requires_grad
         if recompute:
             x_QX = _OnBackward.apply(x_QX, lambda: release(self.received))  # (a pipeline's tape refers to them)
@@ -303,6 +292,7 @@ class DispatchPlan:
         # no local experts: no rows (R = 0), and the empty result stays in the graph so the combine's backward runs
         y_RH = experts_fn(x_QH, row_R, self.counts_L, w_R) if self.counts_L.numel() else x_QH[row_R] * w_R[:, None]
         y_QH = _SumRows.apply(y_RH, row_R, x_QH.shape[0])
+        step3.inside = False
         if not recompute:
             return y_QH
         # an alias with its own version counter: refilling it in place leaves autograd's saved views valid

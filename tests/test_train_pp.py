@@ -8,7 +8,7 @@ import json
 import pytest
 
 from recipes.qwen3_30b_a3b import train
-from recipes.qwen3_30b_a3b.model import Model
+from recipes.qwen3_30b_a3b.model import Model, ModelConfig
 from tests.conftest import TINY_TRAIN_CONFIG
 from tests.multiproc import one_thread, run_ranks
 from tests.test_train import assert_matches_single, bitwise_error, layout_errors, run_train, train_args
@@ -26,9 +26,9 @@ TAKE_STATS = Model.take_stats
 
 def take_stats_with_router_counts(self) -> dict:
     """Model.take_stats plus two statistics of the kind a new router adds, whose global values are known without
-    this repository's code: slots routed per MoE layer ("sum": every token of the global batch routes k slots) and
-    the most slots one rank routed per layer ("max": a data rank's share of the tokens times k; ranks without the
-    layer report 0)."""
+    this repository's code: slots routed per MoE layer ("sum": every token of the global batch fills the
+    ModelConfig.slots_per_token it declares, k here) and the most slots one rank routed per layer ("max": a data
+    rank's share of the tokens times k; ranks without the layer report 0)."""
     stats = TAKE_STATS(self)
     slots_L = stats["expert_load"][0].sum(-1)
     return {**stats, "router_slots": (slots_L, "sum"), "rank_slots_max": (slots_L.clone(), "max")}
@@ -53,7 +53,8 @@ def test_pp2_dp2_without_overlap_or_delay_equals_single_process(tiny_train_setup
     results = run_ranks(4, run_train_with_router_counts, args("pp2dp2", pp=2, dp=2, no_overlap=True,
                                                               no_delay_wgrad=True))
     assert_matches_single(single, results)
-    tokens, k, moe_layers = 8 * 32, TINY_TRAIN_CONFIG["num_experts_per_tok"], TINY_TRAIN_CONFIG["num_hidden_layers"]
+    cfg = ModelConfig(**{name: v for name, v in TINY_TRAIN_CONFIG.items() if name != "model_type"})
+    tokens, k, moe_layers = 8 * 32, int(cfg.slots_per_token), cfg.num_hidden_layers  # (the slots a token fills)
     for run, data_ranks in (("single", 1), ("pp2dp2", 2)):
         records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         assert [r["router_slots"] for r in records] == [[tokens * k] * moe_layers] * 3, run
