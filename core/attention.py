@@ -302,10 +302,13 @@ def attention(q_BNSD, k_BGSD, v_BGSE, mask=None, cp_group=None, scale=None, sink
         whole = [whole_sequence(t, K, cp_group, dim=1, what="per_token tensors") for t in per_token]
         score_mod = score_mod(*whole) if score_mod else None
         mask_mod = mask_mod(*whole) if mask_mod else None
-    # plain causal: SDPA's fused kernel (on CPU it takes equal q and v head dims; its fallback keeps [B, N, S, S])
-    if mask is None and sinks_N is None and select_BNQJ is None and score_mod is None and mask_mod is None and \
-            (q_BNSD.is_cuda or q_BNSD.shape[-1] == v_BGSE.shape[-1]):
-        return F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSE, is_causal=True, scale=scale, enable_gqa=N != G)
+    if mask is None and sinks_N is None and select_BNQJ is None and score_mod is None and mask_mod is None:
+        D, E = q_BNSD.shape[-1], v_BGSE.shape[-1]
+        if not q_BNSD.is_cuda and D != E:  # CPU SDPA's fused kernel takes one head dim (its fallback keeps [B, N,
+            # S, S] for backward): zero columns to the widest, which change no score and no kept output column
+            q_BNSD, k_BGSD, v_BGSE = (F.pad(t, (0, max(D, E) - t.shape[-1])) for t in (q_BNSD, k_BGSD, v_BGSE))
+        return F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSE, is_causal=True, enable_gqa=N != G,
+                                              scale=D**-0.5 if scale is None else scale)[..., :E]
     mask = mask or _causal_mask(S, q_BNSD.device)
     if select_BNQJ is not None:
         mask = mask.with_selection(select_BNQJ, select_block, B, N)

@@ -5,13 +5,14 @@ document boundaries on and off chunk edges. Then the flex path's numbers: its fo
 backward) against the explicit reference for every mask kind, the sink rescaling's gradients against the reference,
 the memory the GPU path builds (no [S, K] tensor) and the CPU reference's (one block of queries at a time)."""
 
+import functools
 import warnings
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from core.attention import CPMask, attention_reference, cp_attention_mask, flex_attend, sink_rescale
+from core.attention import CPMask, attention, attention_reference, cp_attention_mask, flex_attend, sink_rescale
 from tests.test_context import naive_attention, randn, rel_err
 
 B, EOS = 2, 2
@@ -225,8 +226,8 @@ def test_reference_memory_is_one_block_of_queries():
     """The CPU path at a cp=2 rank's view (S = 1024 queries over K = 2048 keys, documents, a window, sinks and a
     forget-gate score function over a per-token tensor): every tensor it creates, forward and backward, and what it
     saves for backward are bounded by one block of 128 queries ([B, N, 128, K] scores), not [B, N, S, K]: 1/8 here.
-    The same call with one block of all queries crosses both bounds (what the measure would catch), and its
-    output and gradients equal the blocked ones."""
+    The same call with one block of all queries crosses the first bound (what the measure would catch) but saves
+    no more (every block is recomputed in backward), and its output and gradients equal the blocked ones."""
     g = torch.Generator().manual_seed(6)
     N, G, S, K, Dh = 2, 1, 1024, 2048, 8
     q, k, v = randn(g, 1, N, S, Dh), randn(g, 1, G, K, Dh), randn(g, 1, G, K, Dh)
@@ -248,10 +249,28 @@ def test_reference_memory_is_one_block_of_queries():
           f"of all queries: {results[S][:3]}; [B, N, S, K] = {N * S * K} elements, {scores} B")
     assert max(largest_fwd, largest_bwd) <= N * 128 * (K + 1)  # the block's scores and the sink column
     assert saved <= scores / 8  # the inputs q, k, v (views) and the block's indices: ~ q's 64 KiB here
-    assert min(results[S][:2]) >= N * S * K and results[S][2] >= scores  # the unblocked form crosses both
+    assert min(results[S][:2]) >= N * S * K and results[S][2] <= scores / 8  # created, not saved
     # one call in blocks vs one call whole: the same products per query row, summed in the same order: ~1e-7
     assert rel_err(out, results[S][3]) <= 1e-6
     assert all(rel_err(a, b) <= 1e-6 for a, b in zip(grads, results[S][4]))
+
+
+def test_cpu_attention_saves_per_token_bytes_at_any_length():
+    """core/attention.py:attention on CPU keeps bytes per token for backward at every length, one block of queries
+    (S <= 128) included, as flex keeps on CUDA (core/memory.py calibrates at 64 tokens and scales per token): with a
+    score_mod, with sinks, and plain causal with a value head dim other than q's (DeepSeek's MLA: SDPA's fused CPU
+    kernel refuses it, its fallback kept [B, N, S, S]), 128 and 256 queries save exactly 2x and 4x the bytes of 64
+    (the inputs and the blocks' indices). Kept S x S scores grew 3.5-3.7x per doubling (measured before)."""
+    g = torch.Generator().manual_seed(7)
+    N, G, Dh = 4, 2, 16
+    sink = randn(g, N)
+    for what, kwargs, Ev in (("score_mod", dict(score_mod=lambda score, b, h, i, j: score / 2), Dh),
+                             ("sinks", dict(sinks_N=sink), Dh), ("value head dim", {}, 8)):
+        saved = {}
+        for S in (64, 128, 256):
+            q, k, v = randn(g, B, N, S, Dh), randn(g, B, G, S, Dh), randn(g, B, G, S, Ev)
+            saved[S] = saved_bytes(functools.partial(attention, **kwargs), q, k, v)
+        assert saved[128] == 2 * saved[64] and saved[256] == 4 * saved[64], (what, saved)
 
 
 def test_bad_window_is_a_clear_error():
