@@ -3,10 +3,8 @@
 A mask is a function of (batch, head, query, key) and a score bias one of (score, batch, head, query, key), in
 flex_attention's signatures: a CPMask's rule (causal, sliding window, packed documents, a per-head block selection;
 built once per forward by `cp_attention_mask`) and a recipe's own `mask_mod` / `score_mod` over global positions.
-GPT-OSS's sinks join the softmax over the gathered keys (`sink_rescale`). On CUDA flex_attention (compiled) runs them
-inside the CPMask's BlockMask: empty key blocks skipped, O(S + K) memory per head plus an int32 [S/128, K/128] table.
-On CPU `attention_reference` evaluates the same functions one block of queries at a time (flex has no CPU backward in
-torch 2.13), memory bounded by the block in backward too (each block recomputed).
+GPT-OSS's sinks join the softmax over the gathered keys (`sink_rescale`). CUDA: flex_attention in the CPMask's
+BlockMask (empty key blocks skipped); CPU: `attention_reference` (flex has no CPU backward in torch 2.13).
 
 Legend: B batch, S local sequence (this rank's queries, = K / cp), K whole sequence (gathered keys), N query heads, G
 key/value heads, n = N / G query heads per kv head, D head dim of q and k, E head dim of v, s queries of one block.
@@ -193,12 +191,10 @@ def _causal_mask(S: int, device) -> CPMask:
 
 def attention_reference(q_BNSD, k_BGKD, v_BGKE, mask=None, scale=None, sinks_N=None, score_mod=None, mask_mod=None,
                         block: int = 128) -> torch.Tensor:
-    """Attention [B, N, S, E] (trains on CPU) of `block` queries at a time, each block recomputed in backward: memory
-    [B, N, block, K] while it runs, none of it kept for backward (as flex keeps none: per-token memory at any
-    length, what core/memory.py's calibration assumes). mask: None (causal) or a CPMask; score_mod /
-    mask_mod: functions of global positions (attention's). The block's mask is the mask function's; without a
-    score_mod or sinks SDPA takes it (fused on CPU), else logits in the input dtype, score_mod and the fp32 softmax
-    as flex and transformers compute them. A query that sees no key outputs 0, as flex."""
+    """Attention [B, N, S, E] (trains on CPU) of `block` queries at a time, each recomputed in backward: [B, N, block,
+    K] while it runs, none of it kept (as flex: per-token memory at any length, as core/memory.py calibrates). mask:
+    None (causal) or a CPMask; without a score_mod or sinks SDPA takes the block's mask, else logits in the input
+    dtype, score_mod and the fp32 softmax as flex and transformers compute them. No key visible: 0, as flex."""
     B, N, S, D = q_BNSD.shape
     G, K, E = k_BGKD.shape[1], k_BGKD.shape[2], v_BGKE.shape[-1]
     n, dev = N // G, q_BNSD.device
@@ -269,12 +265,10 @@ def attention(q_BNSD, k_BGSD, v_BGSE, mask=None, cp_group=None, scale=None, sink
     are used as given. scale: None = D**-0.5. sinks_N: GPT-OSS's sink logits. select_BNQJ: a per-head block selection
     in cells of select_block = (queries, keys), an int for both (CPMask.with_selection; select_from_indices).
 
-    score_mod(score, b, h, q_idx, kv_idx) -> score (fp32 scores) and mask_mod(b, h, q_idx, kv_idx) -> bool:
-    flex_attention's functions with q_idx, kv_idx the GLOBAL positions (as in one process under any cp), h the query
-    head; mask_mod narrows the mask (it skips no block: a selection does). per_token: tensors [B, S or K, ...] of this
-    rank's tokens (sequence on dim 1), gathered over cp_group; with them, score_mod / mask_mod are builders, called
-    once with all the whole-sequence tensors, that return the functions (a cumsum over the sequence goes there).
-    Gradients reach every tensor the functions use. A query that sees no key outputs 0.
+    score_mod(score, b, h, q_idx, kv_idx) -> score (fp32) and mask_mod(b, h, q_idx, kv_idx) -> bool: flex's
+    functions, q_idx and kv_idx GLOBAL positions, h the query head (mask_mod skips no block: a selection does).
+    per_token: tensors [B, S or K, ...] gathered over cp_group; score_mod / mask_mod are then builders called once
+    with the whole-sequence tensors. Gradients reach every tensor the functions use; no key visible: output 0.
 
     Which kernel runs (the one place that decides):
 

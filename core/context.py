@@ -1,7 +1,6 @@
 """How a sequence is split and gathered over context parallelism (cp), model-agnostic (AGENTS.md's design): chunks
-r and 2*cp-1-r to cp rank r (`split_for_cp`, global positions `cp_positions`). A layer that needs the whole sequence
-all-gathers it in global order (`gather_sequence`; K and V side by side: `gather_kv`, one collective per layer),
-backward reduce-scatters each rank's chunks' gradients; cp = 1 skips the collective. Every cp rank reads the whole
+r and 2*cp-1-r to cp rank r (`split_for_cp`). A layer that needs the whole sequence all-gathers it in global order
+(`gather_sequence`, `gather_kv`), backward reduce-scatters; cp = 1 skips the collective. Every cp rank reads the whole
 sequence before splitting it, so document ids and starts (`doc_ids_from_eos`, `document_starts`) cost nothing.
 
 Legend: B batch, S local sequence (= K / cp), K whole sequence, G key/value heads, D / E head dims of k / v.

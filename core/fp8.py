@@ -8,17 +8,16 @@ Row-wise (torchao's "rowwise"): a tensor is quantised along its reduction dim, q
   forward   y  = x @ w.T      x per row over K, w per output row over K          -> torch._scaled_mm, fp32 accumulate
   dgrad     dx = dy @ w       dy per row over N, w per input column over N (a second operand made from w)
   wgrad     dw = dy.T @ x     high precision (GPU: bf16): per-token scales do not factor out of its sum over tokens
-Straight-through: quantisation is the identity in backward; x is saved in the compute dtype, as bf16 training would.
-Paths: torch._scaled_mm (also on CPU: torch 2.13 runs float8_e4m3fn) and, on CUDA, torch._scaled_grouped_mm (bf16 out).
+Straight-through (quantisation the identity in backward); x saved in the compute dtype. torch._scaled_mm (on CPU too:
+torch 2.13 runs float8_e4m3fn) and, on CUDA, torch._scaled_grouped_mm (bf16 out).
 
 Blockwise (--fp8-recipe blockwise; DeepSeek-V3's recipe, paper 3.3): activations, gradients in 1x128 tiles along the
 reduction dim, weights in 128x128 blocks (one quantisation serves forward and dgrad: a block's scale is its
 transpose's), the wgrad in FP8 too, both operands in 1x128 tiles along the tokens; last tiles / blocks may be partial.
 `block_scaled_mm`: F.scaled_mm with BlockWise1x128 / BlockWise128x128 scales on CUDA (one GEMM per expert), else fp32.
 
-Weight operands (`weight_operand`, cached by core/weight_cache.py): quantised from the weight in the compute dtype
-(under FSDP2 the gathered copy) at its first use after an update; kept for the step, or made per use (its `keep`).
-The GEMMs are torch custom ops, opaque to torch.compile: the lookup runs at run time, also inside a compiled graph.
+Weight operands: `weight_operand` (core/weight_cache.py). The GEMMs are torch custom ops, opaque to torch.compile:
+the cache lookup runs at run time, also inside a compiled graph.
 """
 
 import functools

@@ -1,7 +1,5 @@
-"""The data-parallel engine (AGENTS.md's design, FSDP2). Units (`shard_model`): each module of routed experts
-(Model.parameter_rules' expert_ids) over (dp, cp); each decoder layer's rest, the embedding and the root over (dp, cp,
-ep). Shard(0): ceil(d0 / n) rows, so [L, H, J] experts split by whole experts; gradients reduce-scattered in fp32 and
-summed (losses are pre-divided by the global label count).
+"""The data-parallel engine (AGENTS.md's design, FSDP2; units: `fsdp_units`). Shard(0): ceil(d0 / n) rows, so [L, H,
+J] experts split by whole experts; gradients reduce-scattered in fp32 and summed (losses pre-divided by the label count).
 
 When units are gathered: README "Data parallelism: FSDP2" (--fsdp-gather). Once per step, `gather` all-gathers every
 unit before the step, gradients accumulate unsharded (fp32 on the bf16 path: `_in_fp32`), and
@@ -24,7 +22,7 @@ from core.training import parameter_rules
 
 def fsdp_units(model: torch.nn.Module, rules: dict) -> tuple[list[str], list[str]]:
     """The names of shard_model's units: the modules holding routed experts (ParamRule.expert_ids; an MTP layer's
-    too), and the embedding, each decoder layer and the root ('') in forward order."""
+    too) over (dp, cp), and over (dp, cp, ep) the embedding, each decoder layer and the root ('') in forward order."""
     owners = {n.rsplit(".", 1)[0] for n, rule in rules.items() if rule.expert_ids is not None}
     names = {m: n for n, m in model.named_modules()}
     chain = [model.embed_tokens] if model.embed_tokens is not None else []
@@ -231,12 +229,10 @@ class FSDPAdamW:
 
     @torch.no_grad()
     def reinit_(self, name: str, index: int | slice, values: torch.Tensor | None = None) -> None:
-        """param[index] = values (e.g. a dead routed expert replaced mid-run) and its optimizer state zeroed (Adam
-        moments where this rank's shard meets it). index: an int or a slice (step 1) of dim 0 of the parameter (for
-        routed experts: local expert j of [L, H, J]); values: of shape param[index].shape, or None to reset only the
-        state. Call it between steps on every rank holding the parameter, with the same arguments (no collective).
-        AdamW's `step` is not reset: its bias corrections are ~1, so the part's first update is (1 - beta1) /
-        sqrt(1 - beta2) * lr (0.45 lr at betas (0.9, 0.95))."""
+        """param[index] = values (a dead routed expert replaced mid-run: index an int or slice of dim 0, local expert
+        j of [L, H, J]; values None: only the state) and the Adam moments zeroed where this rank's shard meets it; on
+        every rank holding it, same arguments, between steps (no collective). `step` is kept: bias corrections ~1,
+        so the part's first update is (1 - beta1) / sqrt(1 - beta2) * lr (0.45 lr at betas (0.9, 0.95))."""
         first, last, start = self._rows(name, index, values)
         state, rows = self.optimizer.state.get(self.local[name]), self.local[name].shape[0]
         lo, hi = max(first - start, 0), min(last - start, rows)

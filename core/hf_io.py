@@ -32,11 +32,9 @@ def read_hf_config(path: str | os.PathLike) -> dict:
 
 
 def variant_config(config: dict, recipe: str) -> dict:
-    """The config.json of an export whose model departs from its transformers class (a recipe with
-    TRANSFORMERS_CLASS None, a variant of its BASE_RECIPE): model_type names the variant (the recipe folder), so
-    that transformers' Auto classes refuse the folder rather than load the base model and silently drop the new
-    tensors; base_model_type keeps the base's; architectures names no transformers class; how_to_load is the
-    one-line note on how to load it. The recipe's own ModelConfig.from_hf reads it back."""
+    """The config.json of an export whose model departs from its transformers class (TRANSFORMERS_CLASS None):
+    model_type the recipe folder (transformers' Auto classes refuse it, rather than load the base and drop the new
+    tensors), base_model_type the base's, no architectures, how_to_load a one-line note; ModelConfig.from_hf reads it."""
     return {**config, "model_type": recipe, "base_model_type": config.get("model_type"), "architectures": [],
             "how_to_load": f"a variant trained by recipes/{recipe} that transformers cannot load: python -m "
                            f"tools.evaluate --hf FOLDER --recipe {recipe}, or train.py --hf-checkpoint FOLDER of "

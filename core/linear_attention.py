@@ -14,13 +14,11 @@ A cp rank holds chunks r and 2cp-1-r of every sequence; no activations are gathe
   summaries [C_ | M] lets every rank compose the entering states S_{j+1} = M_j S_j + C_j locally (no sequential
   hops between ranks); backward reduce-scatters the summaries' gradients.
 
-Documents (doc_ids_BK, int [B, K], ids of the WHOLE sequence: K = S * cp): the state entering a document is 0 and
-the conv reads no earlier document's input. Under cp a chunk's pass gets the resets at its global positions; a
-reset inside chunk j zeroes M_j's columns from there on, so the composition carries nothing across it, and a conv
-tap reaching before its token's document start contributes 0.
-
-Cost: the kernel at value width V + K (about twice the FLOPs at K = V, chunk_gated_delta_flops_per_token) plus 2cp
-[K, K] x [K, V] matmuls per head; bytes: `cp_linear_attention_bytes_received_per_layer` (grows with cp - 1, not S).
+Documents (doc_ids_BK, int [B, K], ids of the WHOLE sequence): the state entering a document is 0, the conv reads no
+earlier document's input. A chunk's pass gets the resets at its global positions: one inside chunk j zeroes M_j's
+columns from there on (the composition carries nothing across it), a conv tap before its document start adds 0.
+Cost: the kernel at value width V + K (~2x the FLOPs at K = V) plus 2cp [K, K] x [K, V] matmuls per head; bytes:
+`cp_linear_attention_bytes_received_per_layer` (grows with cp - 1, not S).
 
 Legend: B batch, S local sequence (the rank's two chunks side by side, 2 * h), h tokens of one chunk, Hk key
 heads, Hv value heads, K key dim, V value dim, X = V + K, Ch conv channels, W conv width, R = 2 cp chunks.

@@ -13,10 +13,9 @@ name, shape or config field of one recipe. Components of the most loaded pp rank
   comm buffers the all-to-all rows (dispatch and combine, sent and received); gathered per micro-batch the two
                largest FSDP2 units and the largest's gradient (compute dtype + fp32) and the largest weight's FP8
                operands, once per step the largest unit's fp32 reduce-scatter input; Muon: its largest bucket
-Gathered once per step (pp > 1, or --fsdp-gather step) the weight cache is the gathered stage in the compute dtype
-plus its FP8 operands, and the gradients add the unsharded fp32 sums. Weights, gradients, optimizer and weight
-cache are exact (tested against a built model, the optimizers on gloo ranks, FSDP2, the cache); activations exact
-on tiny configs, first-order on full ones (scaled by hidden size).
+Gathered once per step (pp > 1, --fsdp-gather step): the stage gathered in the compute dtype with its FP8 operands
+(weight cache) and the unsharded fp32 gradient sums. Weights, gradients, optimizer and cache exact (tested against
+a built model, the optimizers, FSDP2, the cache); activations exact on tiny configs, first-order on full ones.
 """
 
 import itertools
@@ -110,8 +109,7 @@ _COPIES = {}
 
 def weight_copies(mod, model, fp8: bool) -> tuple[set[str], set[str]]:
     """(names of the weights whose FP8 operands, of those whose bf16 casts core/weight_cache.py keeps) in `model`:
-    what the recipe's model hands the cache (core/fp8.py:weight_operand, cast_weight) in a bf16 forward of its tiny
-    config (fp8: with enable_fp8), each weight of a decoder layer standing for that weight in every layer."""
+    those the model hands it in a bf16 forward of its tiny config (fp8: enable_fp8), a layer's in every layer."""
 
     def keys(m):  # a layer's weight by its name in the layer (the same in every layer of that kind), others by name
         inside = layer_parameters(m)
@@ -146,21 +144,19 @@ def fp8_operand_bytes(shape, recipe: str) -> int:
 
 class _Saved:  # a tensor autograd saved (saved_bytes): alive while the graph node that saved it lives
     def __init__(self, t: torch.Tensor):
-        self.t = t
+        self.t, self.expanded = t, step3.inside
 
 
 def saved_bytes(model, input_ids_BS, stage_cls=None) -> dict:
     """Bytes a forward (fp32, CPU) leaves held for backward, each storage once (by identity: freed ones' addresses are
     reused) at its size when it ends, weights excluded: what autograd still holds of what forward_train saved, or of
-    the model run as one DualPipeV stage (stage_cls: the recipe's PipelineStage) plus what its tape holds. "total";
-    of it "received": the rows step (3) was handed (core/moe.py:step3) and "expanded": the rest saved while step (3)
-    ran; "received_rows", "expanded_rows": their counts (Q and R summed over the MoE layers), "widths": numbers per
-    dispatched and per combined row (the router's x_TH and weights: H + k, and H)."""
+    the model run as one DualPipeV stage (stage_cls: the recipe's PipelineStage) plus what its tape holds: "total",
+    of it the rows step (3) was handed (core/moe.py:step3) and the rest saved while it ran, their counts (Q, R), and
+    numbers per dispatched and per combined row (a top-k router's x_TH and weights: H + k, and H)."""
     saved, tensors = weakref.WeakSet(), []
 
     def pack(t):
         saved.add(held := _Saved(t))
-        held.expanded = step3.inside
         return held
 
     step3.on, step3.received, step3.rows = True, [], 0
@@ -193,19 +189,15 @@ def saved_bytes(model, input_ids_BS, stage_cls=None) -> dict:
                 widths=(received[0][0].shape[1], received[0][0].shape[1] - received[0][1]) if received else (0, 0))
 
 
-# bytes a tiny run (fp32, CPU) keeps for backward per token of a dense decoder layer (per_dense; none in tiny: an MoE
-# layer's), of an MoE layer but its expert rows (per_moe), per (row, local expert) pair step (3) expanded (per_slot),
-# per row the experts' rank received (per_row), per token and vocab entry of the head (per_token_vocab), and numbers
-# per dispatched and per combined row (widths), at the config `tiny`
+# bytes a tiny run (fp32, CPU) keeps per token of a dense layer (none in tiny: an MoE layer's), of an MoE layer but its
+# expert rows, per (row, local expert) pair step (3) expanded, per row received, per token and vocab entry of the head
 Calibration = namedtuple("Calibration", "tiny per_dense per_moe per_slot per_row per_token_vocab widths")
 _CALIBRATION = {}
 
 
 def activation_calibration(mod, recompute: str, pipeline: bool = False, batch: int = 2) -> Calibration:
-    """The model minus one without layers gives the layers, the dense ones alone the dense ones; of an MoE layer's,
-    the expert rows by what step (3) ran (core/moe.py:step3), so any router's counts, fixed or not. At the tiny
-    config's calibration_seq_len tokens per sequence (64: whole linear-attention chunks); pipeline: as a DualPipeV
-    stage holds them."""
+    """The model minus one without layers gives the layers, the dense ones alone the dense ones, the expert rows per
+    row step (3) ran (any router's counts); at the tiny config's calibration_seq_len; pipeline: as a DualPipeV stage."""
     key = (mod.__name__, recompute, pipeline)
     if key not in _CALIBRATION:
         tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
@@ -260,11 +252,8 @@ def param_units(model, rules: dict) -> dict[str, str]:
 
 def muon_bytes(model, layout: Layout) -> tuple[list[int], int]:
     """(Muon's momentum bytes on each rank g of the dense shard group, g = (dp, cp) index x ep + ep index, and the
-    transient bytes of its largest bucket on an owner), as core/muon.py:MuonAdamW places them: a matrix inside one
-    dim-0 row on the rank holding that row, one spanning rows on the owner assign_owners picks from every rank's
-    FLOPs in its own rows. `model`: the ep rank holding the most experts (the others hold their own count of rows
-    laid out alike). The
-    transient: the largest bucket's rows an owner receives, assembles and sends back (3 x 4 bytes per element)."""
+    transient bytes of its largest bucket on an owner: rows received, assembled, sent back, 3 x 4 bytes an element),
+    as core/muon.py:MuonAdamW places them. `model`: the ep rank holding the most experts."""
     ep, n_expert = layout.ep, layout.dp * layout.cp
     counts = [len(e) for e in Placement.parse(layout.expert_placement, model.cfg.num_experts, ep).experts]
     flops, held, spanning = [0] * (n_expert * ep), [0] * (n_expert * ep), []
@@ -365,9 +354,8 @@ def rank_param_bytes(mod, cfg, layout: Layout, pp_rank: int) -> tuple[dict, list
 
 
 def handoff_bytes(mod, cfg, layout: Layout) -> int:
-    """Bytes of the state stage 0 makes of one micro-batch (Model.initial_state: what crosses pp ranks, every entry
-    at its shape and dtype, as core/pipeline.py:DualPipeV._stage0_specs takes them), of this rank's cp part, in the
-    compute dtype: the model without layers and head on fake tensors (no memory; autocast refuses meta ones)."""
+    """Bytes of the state stage 0 makes of a micro-batch (Model.initial_state: what crosses pp ranks, as
+    DualPipeV._stage0_specs takes it), a cp rank's part, made on fake tensors (no memory; autocast refuses meta)."""
     key = (mod.__name__, id(cfg), layout.micro_batch, layout.seq_len, layout.cp, layout.bf16)
     if key not in _HANDOFF:
         model = meta_model(mod, cfg, layers=[], head=False)

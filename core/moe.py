@@ -10,21 +10,13 @@ Legend: T tokens on this rank, H hidden, k slots per token, E experts in the mod
 experts on this rank (core/placement.py; may be 0), P (token, destination rank) pairs sent, Q pairs received, R
 (received row, local expert) pairs = grouped GEMM rows, X = H + k (a row carries the token and its k weights).
 
-Dispatch deduplicated and dropless (AGENTS.md's design). One layer on one micro-batch, in the five steps a pipeline
-schedule can interleave (`start_*` returns at once, `.wait()` gives the result with autograd attached):
+Dispatch deduplicated and dropless (AGENTS.md's design): one layer on one micro-batch in the five steps a pipeline
+schedule can interleave, `moe_forward` back to back (`start_*` returns at once, `.wait()` gives the result with
+autograd attached). ep_group None skips the all-to-alls. Host syncs: one per layer and micro-batch, in DispatchPlan
+(the row counts that size the all-to-alls and GEMMs); the backward reuses them (grouped-GEMM path: `grouped_mm`).
 
-    plan = DispatchPlan(topk_ids_Tk, E, ep_group, placement)   # routing exchange (small, blocking)
-    x_QX = plan.start_dispatch(x_TH, topk_weights_Tk).wait()    # (2)
-    y_QH = plan.run_experts(x_QX, experts_fn)                   # (3) experts_fn(x_QH, row_R, counts_L, w_R) -> [R, H]
-    y_PH = plan.start_combine(y_QH).wait()                      # (4)
-    out_TH = plan.unpermute(y_PH)                               # (5) before the residual add
-
-ep_group None skips the all-to-alls. Host syncs: one per layer and micro-batch, in DispatchPlan (the row counts
-that size the all-to-alls and GEMMs); the backward reuses them (on the grouped-GEMM path, see `grouped_mm`).
-
-recompute_dispatch (--recompute layer, Megatron's full recompute): the received [Q, X] rows are freed once the experts
-ran and dispatched again in backward (same splits: no host sync) before the experts' recompute reads them, then freed
-again; every ep rank (one without experts too) at the same point. One more dispatch per layer; saves Q x X.
+recompute_dispatch (--recompute layer): the received [Q, X] rows are freed once the experts ran and dispatched again
+in backward (`DispatchPlan.refill`, same splits) on every ep rank at the same point: one more dispatch, Q x X saved.
 """
 
 import types

@@ -1,12 +1,8 @@
 """DualPipeV (after DeepSeek's schedule): 2*pp pipeline stages in a V, one micro-batch's forward overlapped with
 another's backward, delayed weight gradients (zero bubble).
 
-Layout (AGENTS.md's design): pp rank r holds stage r (phase 0, down) and 2*pp-1-r (phase 1, back); the last rank
-hands stage pp-1's output to stage pp locally, neighbours' transfers go by batch_isend_irecv. Chunk: a micro-batch
-on a stage.
-
-Contract with a model.py: AGENTS.md's layer protocol, this file running an MoE layer's (2) dispatch and (4) combine
-all-to-alls between its steps; `state` crosses ranks in the shapes and dtypes of `p2p_specs` (default: stage 0's).
+Layout and contract with a model.py: AGENTS.md's design (phase 0: stage r, down; phase 1: 2*pp-1-r, back; the last
+rank hands stage pp-1's output on locally) and layer protocol; a chunk: a micro-batch on a stage.
 
 Overlap: a chunk's forward is a generator that yields right after starting an all-to-all; its backward runs
 segment by segment (autograd segments cut at the all-to-alls), yielding after starting a reverse all-to-all. The
@@ -17,8 +13,7 @@ Memory: a tape keeps its tensors (an MoE layer's state at the dispatch, received
 not the sent payloads and combined rows (freed after their all-to-all). Rank r holds <= 2pp - r chunks of stage r
 and r + 1 of stage 2pp-1-r (2pp - r - 1, r + 1 after the warm-up; a steady forward may end before its pair frees).
 
-`running` names the chunk whose code runs now, set whenever the engine advances a generator (so also in a forward
-recomputed inside a backward) and by train.py's pp=1 loop; layers read it (`running.micro_batch`), never set it.
+`running`: the chunk whose code runs now, set whenever the engine advances a generator (a recompute too).
 """
 
 import time

@@ -1,8 +1,7 @@
 """Expert placement: which expert-parallel (ep) rank holds each routed expert, and at which local index.
 
-A table over a model's E routed experts, shared by every MoE layer: `rank_of[e]` is the ep rank holding expert e;
-rank r's local experts `experts[r]` are in ascending global id, `local_index[e]` is e's place there. Any table is
-allowed (any number of experts per rank, zero included, contiguous or not).
+A table over a model's E routed experts, shared by every MoE layer: `rank_of[e]` the ep rank holding expert e, rank
+r's local experts `experts[r]` in ascending global id, `local_index[e]` e's place there; any number per rank, 0 too.
 
     Placement.even(6, 4)            ranks [0, 0, 1, 1, 2, 3]: contiguous, as even as possible (the default)
     Placement([0, 1, 0, 1, 1], 2)   rank 0 holds experts 0, 2 (local 0, 1); rank 1 holds 1, 3, 4

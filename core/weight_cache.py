@@ -1,11 +1,9 @@
 """Low-precision weight copies made once per optimizer step for every micro-batch (core/fp8.py's operands, bf16 casts).
 
-An entry is keyed by storage address, shape, dtype and kind of copy (torch.compile may hand an op an alias; aliases
-share the version counter). It is stale when the counter moved, when the weight it was made from no longer lies at that
-address (FSDP2 frees a gathered weight's storage and gathers it again, maybe elsewhere, without moving the counter;
-another weight may take the address), or after `invalidate()`, which train.py calls after each optimizer step.
-`keep` False (train.py: FSDP2 gathering units per micro-batch): a copy per use, none kept (kept, they
-would hold every layer's copies through the step: the memory FSDP2 saves).
+An entry is keyed by storage address, shape, dtype and kind of copy (aliases from torch.compile share the version
+counter). It is stale when the counter moved, when its weight no longer lies at that address (FSDP2 gathers a weight
+again, maybe elsewhere, counter unmoved; another may take the address), or after `invalidate()` (train.py, each
+optimizer step). `keep` False (FSDP2 gathering per micro-batch): a copy per use, none kept (the memory FSDP2 saves).
 """
 
 from collections import Counter

@@ -8,10 +8,9 @@ the logits with their gradient softmax - onehot (zero for ignored rows). The chu
 grad_h[chunk] = dlogits @ w and grad_w += dlogits.T @ h_chunk (fp32), so backward only scales them by grad_output.
 Peak extra memory: one [Tc, V] chunk plus the [V, H] fp32 accumulator; each logit is read twice and written once.
 
-The loss is summed over non-ignored tokens (train.py divides by a global token count), or averaged with
-reduction="mean". Triton runs for CUDA tensors, or anywhere under TRITON_INTERPRET=1; otherwise the PyTorch
-reference runs, and always for float64 (loss in float64). On the Triton path a label outside [0, V) that is not
-ignore_index gives a NaN loss (checking it would need a host sync); the CPU paths raise ValueError.
+The loss is summed over non-ignored tokens, or averaged (reduction="mean"). Triton for CUDA tensors or under
+TRITON_INTERPRET=1, else (and for float64) the reference. A label outside [0, V) other than ignore_index: NaN loss on
+the Triton path (a check would need a host sync), ValueError on the CPU paths.
 """
 
 import os

@@ -1,12 +1,9 @@
 """Index kernels of expert dispatch: group (row, slot) pairs by expert, stably, by a counting sort.
 
 Legend: N = Q*k flattened (row, slot) pairs, Q rows (tokens, or rows received by an all-to-all), k slots per
-row, E experts (local to this rank), R pairs kept (id >= 0), NB blocks of BLOCK pairs.
-
-group_by_expert(ids_Qk, E) -> order_R, counts_E (ids < 0: skipped) serves a plain MoE layer (ids = topk_ids [T,
-k]: x[order // k] is grouped by expert) and the receiver of the deduplicated all-to-all (local expert ids, -1 for
-experts elsewhere: order // k is the received row to expand, order % k its slot). order is stable, identical to
-the reference's argsort.
+row, E experts (local to this rank), R pairs kept (id >= 0), NB blocks of BLOCK pairs. group_by_expert(ids_Qk, E)
+-> order_R, counts_E (ids < 0 skipped; order stable, the reference's argsort): x[order // k] grouped by expert, for
+a plain MoE layer (ids = topk_ids) or the receiver of the deduplicated all-to-all (local ids, -1 for elsewhere).
 
 Triton path (CUDA, or TRITON_INTERPRET=1): per-block histograms hist[NB, E], exclusive cumsums for each (block,
 expert)'s first slot, then each block writes its pairs at base + rank among its earlier equal ids (no atomics:

@@ -23,10 +23,9 @@ no host sync). initial_state reaches only tokens before a row's first reset. fla
 Grouped value heads (Qwen3.5: 16 key, 32 value heads): key head h serves value heads h*n .. h*n+n-1 (n = Hv / Hk,
 transformers' repeat_interleave); g and beta are per value head. use_qk_l2norm_in_kernel: q and k through `l2norm`.
 
-Backends: fla's chunk_gated_delta_rule (chunk 64) where `fla_usable` (CUDA, bf16/fp16, fla-core), else the reference
-below, autograd through it. fla sits in two torch.library custom ops with fake (shape) implementations (backward: fla's
-forward recomputed): the recipes compile with fullgraph=True, where fla 0.6's torch.compiler.disable entry is an error
-and its autotuned launchers untraceable. Only fla's public function is called (any release with the [B, T, H, *] API).
+Backends: fla's chunk_gated_delta_rule (chunk 64, its public [B, T, H, *] API) where `fla_usable` (CUDA, bf16/fp16),
+in two torch.library custom ops with fake implementations (backward recomputes fla's forward; fullgraph=True cannot
+trace fla 0.6's entry), else the reference below (autograd through it).
 
 Legend: B batch, S sequence, Hk q/k heads, Hv value heads (H once grouped), K/V key/value dims, N chunks, C chunk size.
 """

@@ -7,8 +7,8 @@ Legend: R rows (leading dims flattened), I expert ffn width, J = 2*I (gate and u
   gptoss_swiglu(x_RJ)   GPT-OSS, interleaved: gate = x[:, 0::2], up = x[:, 1::2], gate clamped to <= 7,
                         up to [-7, 7]; out = (up + 1) * gate * sigmoid(1.702 * gate)
 
-Kernels compute in fp32, store in the input dtype, and run for CUDA tensors or under TRITON_INTERPRET=1; else (and
-for float64) the PyTorch reference. Backward recomputes the activation from the inputs (no [R, I] intermediate).
+Kernels compute in fp32, store in the input dtype (CUDA or TRITON_INTERPRET=1; else, and for float64, the reference);
+backward recomputes the activation from the inputs (no [R, I] intermediate).
 """
 
 import os
