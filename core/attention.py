@@ -260,10 +260,9 @@ def attention(q_BNSD, k_BGSD, v_BGSE, mask=None, cp_group=None, scale=None, sink
     """Every recipe's attention: this rank's queries over the keys of the whole sequence -> [B, N, S, E].
 
     q [B, N, S, D]; k [B, G, S or K, D], v [B, G, S or K, E] (GQA: query head h reads kv head h // (N / G)). mask: None
-    (causal, same positions) or a CPMask (cp_attention_mask). cp_group: K and V are gathered over it (one all-gather)
-    when they hold fewer positions than the mask's K; whole-sequence keys (e.g. an MLA latent the caller gathered)
-    are used as given. scale: None = D**-0.5. sinks_N: GPT-OSS's sink logits. select_BNQJ: a per-head block selection
-    in cells of select_block = (queries, keys), an int for both (CPMask.with_selection; select_from_indices).
+    (causal) or a CPMask (cp_attention_mask). K and V are gathered over cp_group (one all-gather) when they hold fewer
+    positions than the mask's K (whole-sequence keys: used as given). scale: None = D**-0.5. sinks_N: GPT-OSS's sinks.
+    select_BNQJ: a per-head block selection in cells of select_block = (queries, keys) (CPMask.with_selection).
 
     score_mod(score, b, h, q_idx, kv_idx) -> score (fp32) and mask_mod(b, h, q_idx, kv_idx) -> bool: flex's
     functions, q_idx and kv_idx GLOBAL positions, h the query head (mask_mod skips no block: a selection does).

@@ -1,9 +1,8 @@
-"""The loader every train.py uses, over the datasets of core/shards.py. Raw text (format 1): the token stream cut into
-windows of seq_len+1 tokens (stride seq_len). Documents with loss masks (format 2) are never split: a seeded permutation
-is packed into windows of seq_len tokens (next fit), padded with untrained eos_id tokens (their own document); token t's
-label is token t+1 if trained and in t's document, else -100. Windows are shuffled per epoch (seeded) and each data rank
-takes its slice of a batch: batches depend only on (seed, step), exact resume on any rank count. With documents=True,
-next_batch also gives each token's document id (format 1: doc_ids_from_eos) for --document-mask and positions.
+"""The loader every train.py uses, over the datasets of core/shards.py. Raw text (format 1): windows of seq_len+1 tokens
+(stride seq_len). Documents with loss masks (format 2) are never split: a seeded permutation packed into windows of
+seq_len (next fit), padded with untrained eos_id tokens (their own document); label of t: token t+1 if trained and in
+t's document, else -100. Windows shuffled per epoch (seeded), each data rank its slice: batches depend only on (seed,
+step), exact resume on any rank count. documents=True: next_batch also gives document ids (format 1: doc_ids_from_eos).
 """
 
 import json

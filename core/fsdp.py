@@ -1,13 +1,10 @@
 """The data-parallel engine (AGENTS.md's design, FSDP2; units: `fsdp_units`). Shard(0): ceil(d0 / n) rows, so [L, H,
 J] experts split by whole experts; gradients reduce-scattered in fp32 and summed (losses pre-divided by the label count).
 
-When units are gathered: README "Data parallelism: FSDP2" (--fsdp-gather). Once per step, `gather` all-gathers every
-unit before the step, gradients accumulate unsharded (fp32 on the bf16 path: `_in_fp32`), and
-`FSDPAdamW.reduce_gradients` runs each unit's post-backward (reduce-scatter, reshard) by hand at the end, as
-torch.distributed.pipelining's perform_reduce_grad does.
-
-`FSDPAdamW`: torch's AdamW on the local shards (views of FSDP2's storage), checkpoints as AGENTS.md's design says
-(flat Adam moments of older checkpoints: core/checkpoint.py).
+When units are gathered: README "Data parallelism: FSDP2" (--fsdp-gather; once per step: `FSDPAdamW.gather`, the
+gradients unsharded, in fp32 on the bf16 path, `_in_fp32`, and reduced by hand, as torch.distributed.pipelining's
+perform_reduce_grad does). `FSDPAdamW`: torch's AdamW on the local shards (views of FSDP2's storage), checkpoints as
+AGENTS.md's design says (flat Adam moments of older checkpoints: core/checkpoint.py).
 """
 
 import math
@@ -21,8 +18,8 @@ from core.training import parameter_rules
 
 
 def fsdp_units(model: torch.nn.Module, rules: dict) -> tuple[list[str], list[str]]:
-    """The names of shard_model's units: the modules holding routed experts (ParamRule.expert_ids; an MTP layer's
-    too) over (dp, cp), and over (dp, cp, ep) the embedding, each decoder layer and the root ('') in forward order."""
+    """shard_model's units: the modules holding routed experts (ParamRule.expert_ids) over (dp, cp), and over (dp,
+    cp, ep) the embedding, each decoder layer and the root ('') in forward order; by module name."""
     owners = {n.rsplit(".", 1)[0] for n, rule in rules.items() if rule.expert_ids is not None}
     names = {m: n for n, m in model.named_modules()}
     chain = [model.embed_tokens] if model.embed_tokens is not None else []

@@ -1,21 +1,17 @@
 """Per-rank peak training memory of a recipe's model under a layout, by component, and whether it fits a GPU
-(`check_train_args`: train.py's guard; `python -m tools.estimate_memory`: the table). It reads what the model declares
-(Model.parameter_rules, ModelConfig.slots_per_token, Model.initial_state) and what core sees a tiny run do, never a
-name, shape or config field of one recipe. Components of the most loaded pp rank (each is built on `meta`):
+(`check_train_args`: train.py's guard). It reads what the model declares (Model.parameter_rules, slots_per_token,
+Model.initial_state) and what core sees a tiny run do. Components of the most loaded pp rank (each built on `meta`):
   weights, gradients  fp32, of the rank's part (its two DualPipeV stages, the ep rank holding the most experts);
                FSDP2's shards at world > 1 (ceil(d0 / n) rows; routed experts over dp*cp, the rest over dp*cp*ep)
   optimizer    AdamW's two fp32 moments; --optimizer muon: Muon's momentum on its owners (the most: `muon_bytes`)
   weight cache one process: the bf16 casts and FP8 operands its model hands core/weight_cache.py (weight_copies)
-  activations  bytes a tiny run keeps for backward (saved_bytes, CPU) per token of a dense and an MoE layer, per
-               (row, local expert) pair step (3) expanded and per row received (core/moe.py:step3), per token and
-               vocab entry of the head, scaled by tokens, slots_per_token, hidden_size / tiny's and dtype; pp > 1:
-               the chunks DualPipeV holds at rank r's peak, with the states they handed on (handoff_bytes)
-  comm buffers the all-to-all rows (dispatch and combine, sent and received); gathered per micro-batch the two
-               largest FSDP2 units and the largest's gradient (compute dtype + fp32) and the largest weight's FP8
-               operands, once per step the largest unit's fp32 reduce-scatter input; Muon: its largest bucket
-Gathered once per step (pp > 1, --fsdp-gather step): the stage gathered in the compute dtype with its FP8 operands
-(weight cache) and the unsharded fp32 gradient sums. Weights, gradients, optimizer and cache exact (tested against
-a built model, the optimizers, FSDP2, the cache); activations exact on tiny configs, first-order on full ones.
+  activations  what a tiny run keeps for backward (activation_calibration) scaled by tokens, slots_per_token,
+               hidden_size / tiny's and dtype; pp > 1: the chunks DualPipeV holds at rank r's peak with the states
+               they handed on (handoff_bytes)
+  comm buffers the all-to-all rows, FSDP2's units in flight (fsdp_bytes), Muon's largest bucket
+Gathered once per step (pp > 1, --fsdp-gather step) the weight cache is the stage in the compute dtype with its FP8
+operands. Weights, gradients, optimizer and cache exact (tested against a built model, the optimizers, FSDP2, the
+cache); activations exact on tiny configs, first-order on full ones.
 """
 
 import itertools
@@ -28,7 +24,6 @@ from dataclasses import dataclass, replace
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from core.context import split_for_cp
 from core.fp8 import BLOCK
 from core.fsdp import fsdp_units
 from core.moe import step3
@@ -98,12 +93,6 @@ def meta_model(mod, cfg, fp8: bool = False, **parts):
     return model
 
 
-def layer_parameters(model) -> dict[str, tuple[str, str]]:
-    """{name: (its decoder layer's key in model.layers, its name inside that layer)} of the layers' parameters."""
-    names = {m: n for n, m in model.named_modules()}
-    return {f"{names[layer]}.{n}": (i, n) for i, layer in model.layers.items() for n, _ in layer.named_parameters()}
-
-
 _COPIES = {}
 
 
@@ -111,9 +100,9 @@ def weight_copies(mod, model, fp8: bool) -> tuple[set[str], set[str]]:
     """(names of the weights whose FP8 operands, of those whose bf16 casts core/weight_cache.py keeps) in `model`:
     those the model hands it in a bf16 forward of its tiny config (fp8: enable_fp8), a layer's in every layer."""
 
-    def keys(m):  # a layer's weight by its name in the layer (the same in every layer of that kind), others by name
-        inside = layer_parameters(m)
-        return {n: ("layer", inside[n][1]) if n in inside else ("", n) for n, _ in m.named_parameters()}
+    def keys(m):  # each weight by its FSDP2 unit's class and its name there: a layer's stands for it in every layer
+        units = param_units(m, parameter_rules(m))
+        return {n: (type(m.get_submodule(u)), n.removeprefix(f"{u}.")) for n, u in units.items()}
 
     if (mod.__name__, fp8) not in _COPIES:
         tiny = mod.ModelConfig.from_hf(mod.tiny_config_path())
@@ -129,7 +118,8 @@ def weight_copies(mod, model, fp8: bool) -> tuple[set[str], set[str]]:
             made = {(ptr, str(kind).startswith("fp8")) for ptr, _, _, kind in CACHE.entries}
         finally:
             CACHE.entries, CACHE.keep = kept
-        _COPIES[mod.__name__, fp8] = [{keys(small)[n] for n, p in small.named_parameters() if (p.data_ptr(), q) in made}
+        keyed = keys(small)
+        _COPIES[mod.__name__, fp8] = [{keyed[n] for n, p in small.named_parameters() if (p.data_ptr(), q) in made}
                                       for q in (True, False)]
     return tuple({n for n, key in keys(model).items() if key in found} for found in _COPIES[mod.__name__, fp8])
 
@@ -176,12 +166,10 @@ def saved_bytes(model, input_ids_BS, stage_cls=None) -> dict:
     finally:
         step3.on, received, step3.received = False, step3.received, []
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
-    rows = {t.untyped_storage()._cdata for t, _ in received}
-    sizes, kind = {}, {}
+    rows, sizes, kind = {t.untyped_storage()._cdata for t, _ in received}, {}, {}
     for t, expanded in [(t, False) for t in tensors] + [(held.t, held.expanded) for held in saved]:
-        if (s := t.untyped_storage())._cdata not in weights:
-            sizes[s._cdata] = s.nbytes()
-            kind[s._cdata] = "received" if s._cdata in rows else "expanded" if expanded else kind.get(s._cdata, "")
+        if (c := (s := t.untyped_storage())._cdata) not in weights:
+            sizes[c], kind[c] = s.nbytes(), "received" if c in rows else "expanded" if expanded else kind.get(c, "")
     del out  # (the graph, and the storages only it held)
     part = lambda name: sum(size for c, size in sizes.items() if kind[c] == name)
     return dict(total=sum(sizes.values()), received=part("received"), expanded=part("expanded"),
@@ -289,8 +277,9 @@ def muon_bytes(model, layout: Layout) -> tuple[list[int], int]:
 
 def fsdp_bytes(mod, model, layout: Layout) -> dict:
     """Exact bytes of weights, gradients and optimizer state of rank 0 of each shard group under FSDP2 (the largest
-    shards; Muon's momentum: the most any rank owns), the units in flight counted as fsdp_buffers (module
-    docstring), Muon's largest bucket as muon_buffers."""
+    shards; Muon's momentum: the most any rank owns), and fsdp_buffers: the units in flight (gathered per micro-batch
+    the two largest, the largest's gradient and the largest weight's FP8 operands; once per step the largest unit's
+    fp32 reduce-scatter input, its sums in the gradients) and Muon's largest bucket."""
     n_dense, n_expert = layout.dp * layout.cp * layout.ep, layout.dp * layout.cp
     compute = 2 if layout.bf16 else 4  # bytes of a gathered weight (MixedPrecisionPolicy param_dtype)
     shards = adam = cache = unsharded_grads = fp8_per_use = 0
@@ -361,11 +350,10 @@ def handoff_bytes(mod, cfg, layout: Layout) -> int:
         model = meta_model(mod, cfg, layers=[], head=False)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
-            ids_BS = torch.zeros(layout.micro_batch, layout.seq_len, dtype=torch.long)
-            extras = model.prepare_batch(ids_BS, ids_BS, None, torch.arange(layout.seq_len).expand_as(ids_BS))
-            part = lambda t: split_for_cp(t, 0, layout.cp)
+            ids_BS = torch.zeros(layout.micro_batch, layout.seq_len // layout.cp, dtype=torch.long)  # a cp rank's
+            extras = model.prepare_batch(ids_BS, ids_BS, None, torch.arange(ids_BS.shape[1]).expand_as(ids_BS))
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=layout.bf16):
-                state = model.initial_state(part(ids_BS), {n: part(t) for n, t in extras.items()})
+                state = model.initial_state(ids_BS, extras)
             _HANDOFF[key] = sum(t.numel() * t.element_size() for t in state)
     return _HANDOFF[key]
 
@@ -396,8 +384,8 @@ def estimate(mod, cfg, layout: Layout, pp_rank: int | None = None) -> dict:
                                      + up * (chunk(stages[2 * pp - 1 - pp_rank], head) + middle * handoff))
         else:
             out["activations"] = int(chunk(layer_ids, head))
-        moe_layers = sum(cfg.is_moe_layer(i) for i in layer_ids)
-        rows = tokens * cfg.slots_per_token * sum(c.widths) * width * 4 if moe_layers else 0  # dispatch + combine
+        moe = any(cfg.is_moe_layer(i) for i in layer_ids)
+        rows = tokens * cfg.slots_per_token * sum(c.widths) * width * 4 if moe else 0  # dispatch + combine
         out["comm_buffers"] = int(2 * rows) + fsdp_buffers  # send + recv; FSDP2's units in flight
         out["total"] = sum(out.values())
         out["pp_rank"] = pp_rank

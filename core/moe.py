@@ -1,10 +1,8 @@
 """Routed experts across the expert-parallel (ep) group: deduplicated all-to-all dispatch and combine,
 grouping rows by expert, grouped GEMM, and the aux-loss-free expert-bias update.
 
-Router contract: AGENTS.md's (ids int [T, k] in [0, E), or negative: an empty slot; weights float [T, k] used as
-given, an empty slot's getting a zero gradient, a kept one its exact one). Example, k = 2, E = 4: ids [[2, 0], [3, -1],
-[-1, -1]], weights [[.7, .3], [1., .5], [0., 0.]] give out[0] = .7 expert2(x0) + .3 expert0(x0), out[1] = expert3(x1),
-out[2] = 0.
+Router contract: AGENTS.md's. Example, k = 2, E = 4: ids [[2, 0], [3, -1], [-1, -1]] (negative: an empty slot), weights
+[[.7, .3], [1., .5], [0., 0.]] give out[0] = .7 expert2(x0) + .3 expert0(x0), out[1] = expert3(x1), out[2] = 0.
 
 Legend: T tokens on this rank, H hidden, k slots per token, E experts in the model, n ranks in the ep group, L
 experts on this rank (core/placement.py; may be 0), P (token, destination rank) pairs sent, Q pairs received, R
@@ -150,8 +148,7 @@ class _Traffic:
 traffic = _Traffic()
 
 
-# step (3) as core/memory.py's calibration sees it while `on`: the received rows handed to it (kept until read),
-# the (row, local expert) pairs it expanded, whether it runs now
+# step (3) as core/memory.py's calibration sees it while `on`: rows handed to it, (row, expert) pairs, running now
 step3 = types.SimpleNamespace(on=False, inside=False, received=[], rows=0)
 
 

@@ -4,16 +4,13 @@ another's backward, delayed weight gradients (zero bubble).
 Layout and contract with a model.py: AGENTS.md's design (phase 0: stage r, down; phase 1: 2*pp-1-r, back; the last
 rank hands stage pp-1's output on locally) and layer protocol; a chunk: a micro-batch on a stage.
 
-Overlap: a chunk's forward is a generator that yields right after starting an all-to-all; its backward runs
-segment by segment (autograd segments cut at the all-to-alls), yielding after starting a reverse all-to-all. The
-steady phase alternates one forward and one backward generator, so each waits on a transfer only when it needs it.
-Weight-gradient delay (AGENTS.md's design): the W steps run core.moe.weight_grads' queue, oldest chunk first.
-Recompute: a torch.utils.checkpoint region in a compute step lies in one segment, recomputed in its backward.
-Memory: a tape keeps its tensors (an MoE layer's state at the dispatch, received rows) until the chunk's backward,
-not the sent payloads and combined rows (freed after their all-to-all). Rank r holds <= 2pp - r chunks of stage r
-and r + 1 of stage 2pp-1-r (2pp - r - 1, r + 1 after the warm-up; a steady forward may end before its pair frees).
-
-`running`: the chunk whose code runs now, set whenever the engine advances a generator (a recompute too).
+Overlap: a chunk's forward is a generator that yields right after starting an all-to-all; its backward runs autograd
+segment by segment (cut at the all-to-alls), yielding after starting a reverse one; the steady phase alternates the
+two, so each waits on a transfer only when it needs it. W steps run core.moe.weight_grads' queue, oldest chunk first;
+a checkpoint region in a compute step lies in one segment. Memory: a tape keeps its tensors (an MoE layer's state at
+the dispatch, received rows) until the chunk's backward, not the sent payloads and combined rows (freed after their
+all-to-all); rank r holds <= 2pp - r chunks of stage r and r + 1 of stage 2pp-1-r (a steady forward may end before
+its pair frees). `running`: the chunk whose code runs now, set whenever the engine advances a generator.
 """
 
 import time

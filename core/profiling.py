@@ -1,8 +1,7 @@
 """train.py --profile-steps A-B: torch.profiler over training steps A..B (skills/capture-profile/SKILL.md).
 
-Each rank writes one Chrome/Perfetto trace, <out>/profile/rank<N>.json: CPU ops always, CUDA kernels when on a
-GPU, every profiled step inside a `ProfilerStep#<step>` annotation. On CUDA the window is also bracketed by
-torch.cuda.profiler.start/stop, so `nsys profile --capture-range=cudaProfilerApi` records only those steps.
+Each rank writes a Chrome/Perfetto trace, <out>/profile/rank<N>.json (CPU ops, CUDA kernels on a GPU, each step in a
+`ProfilerStep#<step>` annotation); on CUDA torch.cuda.profiler.start/stop bracket the window (nsys cudaProfilerApi).
 """
 
 from pathlib import Path

@@ -227,8 +227,7 @@ class ParamRule:
     # matrices or None)}, whole dim-0 rows each (core/muon.py); {}: AdamW trains it
     init: typing.Callable  # init(tensor, generator) fills it in place (a routed expert's row at a time): normal(std),
     # constant(value) or a function of your own
-    decay: bool | None = None  # AdamW's weight decay on it; None: the default, on tensors of 2+ dims (matrices; norm
-    # weights, biases and other vectors not, as Megatron), filled in by parameter_rules
+    decay: bool | None = None  # AdamW's weight decay; None: by rank, matrices only (as Megatron; parameter_rules)
 
 
 def normal(std: float):

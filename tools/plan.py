@@ -81,7 +81,6 @@ from core.memory import (
     activation_calibration,
     estimate,
     handoff_bytes,
-    layer_parameters,
     meta_model,
     rank_hit_chance,
     saved_per_token_layer,
@@ -339,6 +338,12 @@ def layer_params(mod_name: str, cfg_path: str) -> tuple[list[int], list[int], in
             table = expert if rules[name].expert_ids is not None else dense  # (Model.parameter_rules)
             table[layer_of[name]] += p.numel()
     return dense, expert, embed, sum(p.numel() for p in model.parameters()) - sum(dense) - sum(expert) - embed
+
+
+def layer_parameters(model) -> dict[str, tuple[str, str]]:
+    """{name: (its decoder layer's key in model.layers, its name inside that layer)} of the layers' parameters."""
+    names = {m: n for n, m in model.named_modules()}
+    return {f"{names[layer]}.{n}": (i, n) for i, layer in model.layers.items() for n, _ in layer.named_parameters()}
 
 
 @functools.cache
