@@ -439,11 +439,15 @@ def test_skill_script(recipe, capsys, monkeypatch):
 
 @pytest.mark.parametrize("recipe", recipe_names())
 def test_train_refuses_before_allocating(recipe, monkeypatch):
-    """train.py on a (pretended) GPU with 0.2 GiB beyond the reserve stops with the one-line error before the mesh; on CPU it checks nothing."""
+    """train.py on a (pretended) GPU with half the estimate beyond the 4 GiB reserve stops with the one-line error
+    before the mesh; on CPU it checks nothing."""
     import importlib
     train = importlib.import_module(f"recipes.{recipe}.train")
+    mod, cfg = tiny(recipe)
+    need = memory.estimate(mod, cfg, memory.Layout(micro_batch=64, seq_len=64))["total"]  # (train.py's: bf16 on GPU)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 4.2 * memory.GIB}))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: type("P", (), {"total_memory": 4 * memory.GIB + need / 2}))
     argv = ["--seq-len", "64", "--micro-batch", "64", "--global-batch", "64", "--data", "/nonexistent"]
     with pytest.raises(ValueError, match="exceeds 4 GiB - 4 GiB reserve for .* layouts that fit: --pp 1"):
         train.main(argv)
