@@ -297,8 +297,8 @@ def attention(q_BNSD, k_BGSD, v_BGSE, mask=None, cp_group=None, scale=None, sink
         mask_mod = mask_mod(*whole) if mask_mod else None
     if mask is None and sinks_N is None and select_BNQJ is None and score_mod is None and mask_mod is None:
         D, E = q_BNSD.shape[-1], v_BGSE.shape[-1]
-        if not q_BNSD.is_cuda and D != E:  # CPU SDPA's fused kernel takes one head dim (its fallback keeps [B, N,
-            # S, S] for backward): zero columns to the widest, which change no score and no kept output column
+        if not q_BNSD.is_cuda and D != E and torch.is_grad_enabled():  # CPU SDPA's fused kernel takes one head dim
+            # (its fallback keeps [B, N, S, S] for backward): zero columns to the widest, changing no score or output
             q_BNSD, k_BGSD, v_BGSE = (F.pad(t, (0, max(D, E) - t.shape[-1])) for t in (q_BNSD, k_BGSD, v_BGSE))
         return F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSE, is_causal=True, enable_gqa=N != G,
                                               scale=D**-0.5 if scale is None else scale)[..., :E]
