@@ -44,12 +44,20 @@ class RenamedModel(qwen3.Model):
         return ParamRule(ids, muon, normal(self.cfg.initializer_range))
 
 
-class HalfSlotRouter(qwen3.Router):
+class DroppingRouter(qwen3.Router):
+    """The Qwen3 router, then the slots `dropped(ids_Tk)` marks emptied (id -1, weight 0: core's empty slot)."""
+
     def forward(self, x_TH):
         logits_TE, weights_Tk, ids_Tk = super().forward(x_TH)
+        drop_Tk = self.dropped(ids_Tk)
+        return logits_TE, weights_Tk.masked_fill(drop_Tk, 0), ids_Tk.masked_fill(drop_Tk, -1)
+
+
+class HalfSlotRouter(DroppingRouter):
+    def dropped(self, ids_Tk):
         drop_Tk = torch.zeros_like(ids_Tk, dtype=torch.bool)
         drop_Tk[1::2, self.k - self.k // 2:] = True
-        return logits_TE, weights_Tk.masked_fill(drop_Tk, 0), ids_Tk.masked_fill(drop_Tk, -1)
+        return drop_Tk
 
 
 @dataclasses.dataclass
@@ -57,20 +65,24 @@ class VariableKConfig(qwen3.ModelConfig):
     slots_per_token = property(lambda self: self.num_experts_per_tok - (self.num_experts_per_tok // 2) / 2)
 
 
+def use_router(model, router_cls) -> None:
+    """Every MoE layer's router becomes a router_cls (same parameters and buffers)."""
+    for layer in model.layers.values():
+        if isinstance(layer.mlp, qwen3.MoE):
+            layer.mlp.gate.__class__ = router_cls
+
+
 class VariableKModel(qwen3.Model):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        for layer in self.layers.values():
-            if isinstance(layer.mlp, qwen3.MoE):
-                layer.mlp.gate.__class__ = HalfSlotRouter
+        use_router(self, HalfSlotRouter)
 
 
-class OneSlotRouter(qwen3.Router):
-    def forward(self, x_TH):
-        logits_TE, weights_Tk, ids_Tk = super().forward(x_TH)
+class OneSlotRouter(DroppingRouter):
+    def dropped(self, ids_Tk):
         drop_Tk = torch.ones_like(ids_Tk, dtype=torch.bool)
         drop_Tk[:, 0] = False
-        return logits_TE, weights_Tk.masked_fill(drop_Tk, 0), ids_Tk.masked_fill(drop_Tk, -1)
+        return drop_Tk
 
 
 @dataclasses.dataclass
@@ -81,9 +93,7 @@ class OneSlotConfig(qwen3.ModelConfig):
 class TwoStreamsModel(qwen3.Model):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        for layer in self.layers.values():
-            if isinstance(layer.mlp, qwen3.MoE):
-                layer.mlp.gate.__class__ = OneSlotRouter
+        use_router(self, OneSlotRouter)
         if self.lm_head is not None:  # (with the head: the last stage's)
             self.stream_mix = nn.Parameter(torch.empty(2, 2, device=self.lm_head.weight.device))
             self.parameter_rules("stream_mix", self.stream_mix).init(self.stream_mix.data, None)

@@ -43,7 +43,8 @@ CATEGORIES = ("expert GEMMs", "attention", "all-to-all", "other collectives", "w
 
 
 def layers_that_fit(gpu_bytes: float, seq_len: int, micro_batch: int) -> int:
-    """Decoder layers of the real width that train on one GPU: 16 B/param + ~activations of one micro-batch."""
+    """Decoder layers of the real width that train on one GPU: 16 B/param + ~activations of one micro-batch (of the
+    Qwen3 recipe, the one this check benchmarks: its config's fields)."""
     cfg = ModelConfig.from_hf(real_config_path())
     H, I, E, V = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.vocab_size
     attn = H * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim * 2
