@@ -14,6 +14,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 
 from core import memory, moe
 from core.fsdp import FSDPAdamW, shard_model
@@ -79,6 +80,14 @@ def optimizer_bytes(model, mesh, optimizer: str) -> tuple[int, int]:
     return opt.state_bytes()[0] - momentum, momentum
 
 
+def unit_of_parameters(model, mesh) -> dict[str, str]:
+    """{parameter name: the name of the FSDP2 unit that shards it} as FSDP2 itself records it after shard_model."""
+    units, names = shard_model(model, mesh, bf16=False, once=False), {m: n for n, m in model.named_modules()}
+    params = {id(p): n for n, p in model.named_parameters()}
+    return {params[id(fp.sharded_param)]: names[unit] for unit in units
+            for group in fully_shard.state(unit)._fsdp_param_groups for fp in group.fsdp_params}
+
+
 @pytest.mark.parametrize("recipe", recipe_names())
 def test_params_and_optimizer_exact_one_process(recipe):
     """Each pp rank's weights/gradients with pp=2 and ep=2 equal that rank's share of the CPU-built full model
@@ -137,6 +146,7 @@ def _optimizers_on_two_ranks():
                 torch.manual_seed(0)
                 out[recipe, name, optimizer] = optimizer_bytes(mod.Model(cfg, ep_group=mesh.group("ep")), mesh,
                                                                optimizer)
+            out[recipe, name, "units"] = unit_of_parameters(mod.Model(cfg, ep_group=mesh.group("ep")), mesh)
     dist.destroy_process_group()
     return out
 
@@ -146,12 +156,15 @@ def test_optimizer_shards_exact_on_two_ranks():
     most that; Muon's momentum on each rank exactly what core/memory.py:muon_bytes places there (matrices inside a
     row on its holder, 2-D weights on FLOP-balanced owners), the estimate counting the most any rank holds. Also for
     routed experts named without `experts` (tests/model_variants.py: declared by Model.parameter_rules), which FSDP2
-    shards and the estimate counts as experts (over dp, not dp x ep)."""
+    shards and the estimate counts as experts (over dp, not dp x ep). The FSDP2 units whose sizes the estimate sums
+    (core/memory.py:param_units) are the ones FSDP2 records for each parameter."""
     ranks = run_ranks(2, _optimizers_on_two_ranks)
     for recipe in recipe_names() + ["renamed_experts"]:
         mod, cfg = tiny(recipe)
         for name, layout, experts in (("dp2", memory.Layout(dp=2, bf16=False), None),
                                       ("ep2", memory.Layout(ep=2, bf16=False), range(cfg.num_experts // 2))):
+            model = memory.meta_model(mod, cfg, **({} if experts is None else {"expert_ids": experts}))
+            assert ranks[0][recipe, name, "units"] == memory.param_units(model, parameter_rules(model)), (recipe, name)
             for optimizer in ("adamw", "muon"):
                 L = dataclasses.replace(layout, optimizer=optimizer)
                 model = memory.meta_model(mod, cfg, **({} if experts is None else {"expert_ids": experts}))
