@@ -21,6 +21,10 @@ def fsdp_units(model: torch.nn.Module, rules: dict) -> tuple[list[str], list[str
     """shard_model's units: the modules holding routed experts (ParamRule.expert_ids) over (dp, cp), and over (dp,
     cp, ep) the embedding, each decoder layer and the root ('') in forward order; by module name."""
     owners = {n.rsplit(".", 1)[0] for n, rule in rules.items() if rule.expert_ids is not None}
+    for owner in owners:
+        if dense := [n for n, rule in rules.items() if n.startswith(owner + ".") and rule.expert_ids is None]:
+            raise ValueError(f"{owner} holds routed experts and dense {dense[0]}: FSDP2 shards a module over one "
+                             f"mesh, so move the routed-expert parameters into a module of their own")
     names = {m: n for n, m in model.named_modules()}
     chain = [model.embed_tokens] if model.embed_tokens is not None else []
     return [n for n in names.values() if n in owners], [names[m] for m in chain + list(model.layers.values())] + [""]
@@ -29,12 +33,7 @@ def fsdp_units(model: torch.nn.Module, rules: dict) -> tuple[list[str], list[str
 def shard_model(model: torch.nn.Module, mesh, bf16: bool, once: bool) -> list[FSDPModule]:
     """fully_shard the model's units in place over core.mesh.Mesh `mesh` (world > 1), gathered once per step or
     per micro-batch (module docstring); returns them, root last."""
-    rules = parameter_rules(model)
-    owners, chain = fsdp_units(model, rules)
-    for owner in owners:
-        if dense := [n for n, rule in rules.items() if n.startswith(owner + ".") and rule.expert_ids is None]:
-            raise ValueError(f"{owner} holds routed experts and dense {dense[0]}: FSDP2 shards a module over one "
-                             f"mesh, so move the routed-expert parameters into a module of their own")
+    owners, chain = fsdp_units(model, parameter_rules(model))
     per_micro_batch, dense_mesh = not once, mesh.replica_mesh()  # (dp, cp, ep) flattened
     expert_mesh = mesh.device_mesh["dp", "cp"]._flatten("dp_cp")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
