@@ -77,7 +77,7 @@ def weight_errors(ranks, ref, ep: int = 1) -> dict[tuple[int, str], float]:
     """{(rank, name): relative error of the tensor against a one-process run}; a rank's routed experts (the model's
     declaration: ParamRule.expert_ids) are its ep-th slice (as in tests/test_train.py's assert_matches_single)."""
     ref_weights = ref[2]
-    routed = lambda name: ROUTED[name].expert_ids is not None
+    routed = lambda name: name in ROUTED and ROUTED[name].expert_ids is not None  # (buffers: none)
     return {(rank, name): rel_err(w, ref_weights[name].chunk(ep)[rank % ep] if routed(name) else ref_weights[name])
             for rank, (_, _, weights) in enumerate(ranks) for name, w in weights.items()}
 
