@@ -5,6 +5,7 @@ holds at its peak); the refusal with suggested layouts; and the skill's script (
 line) on every recipe."""
 
 import dataclasses
+import json
 import runpy
 import sys
 import types
@@ -117,12 +118,19 @@ def test_params_and_optimizer_exact_one_process(recipe):
 @pytest.mark.parametrize("recipe", recipe_names())
 def test_bf16_weight_copies_exact_one_process(recipe, tmp_path):
     """One process under --dtype bf16 keeps a bf16 copy of each weight its model hands core/weight_cache.py for the
-    step: one forward and backward of the recipe's check model (6 layers, not the tiny config from which the
-    estimate learns which weights those are) holds exactly the bytes the estimate counts."""
+    step: one forward and backward of the recipe's check model (6 layers) holds exactly the bytes the estimate
+    counts, which learns those weights from a run of the tiny config cut to 2 layers (here: the others by their
+    place in the model's structure, as a full config's 48)."""
     from tests.recipe_checks import load_recipe, write_config
 
     checked = load_recipe(recipe)
-    mod, cfg = checked.model, checked.model.ModelConfig.from_hf(write_config(tmp_path / "config.json", checked.config))
+    tiny = json.loads(checked.model.tiny_config_path().read_text())  # cut to 2 layers, a list per layer too
+    per_layer = {k: v[:2] for k, v in tiny.items() if isinstance(v, list) and len(v) == tiny["num_hidden_layers"]}
+    tiny_path = write_config(tmp_path / "tiny.json", {**tiny, **per_layer, "num_hidden_layers": 2})
+    mod = types.ModuleType(f"{checked.model.__name__}_2_layers")
+    mod.__dict__.update({k: v for k, v in vars(checked.model).items() if not k.startswith("__")},
+                        tiny_config_path=lambda: tiny_path)
+    cfg = mod.ModelConfig.from_hf(write_config(tmp_path / "config.json", checked.config))
     torch.manual_seed(0)
     model, ids = mod.Model(cfg), torch.randint(0, cfg.vocab_size, (2, checked.seq_len))
     CACHE.invalidate()
