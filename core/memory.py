@@ -177,8 +177,7 @@ def saved_bytes(model, input_ids_BS, stage_cls=None) -> dict:
                 widths=(received[0][0].shape[1], received[0][0].shape[1] - received[0][1]) if received else (0, 0))
 
 
-# bytes a tiny run (fp32, CPU) keeps per token of a dense layer (none in tiny: an MoE layer's), of an MoE layer but its
-# expert rows, per (row, local expert) pair step (3) expanded, per row received, per token and vocab entry of the head
+# fp32 bytes kept per token of a dense / MoE layer (expert rows apart), per expanded pair, per received row, per vocab
 Calibration = namedtuple("Calibration", "tiny per_dense per_moe per_slot per_row per_token_vocab widths")
 _CALIBRATION = {}
 
