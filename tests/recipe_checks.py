@@ -98,7 +98,8 @@ NEAR_BOUND = 0.1  # a row whose error is within 10% of its bound (either side) m
 # row over its bound, where rounding shrinks by 2^29 (float64's eps over fp32's) and a bug does not: rounding then
 # agrees within FLOAT64_TOLERANCE (1e-10: an fp32 error of ~1e-6 becomes ~1e-15 x the same amplification), a bug
 # keeps its fp32 size, >= 1e-8 even for one float32 cast in a float64 path (tools/hf_parity.py)
-BF16_SHARE = 0.25  # the bf16 rows' bound: this share of one bf16 process's own distance from fp32 (bf16_step1)
+BF16_SHARE = 0.25  # the bf16 grad-norm row's bound: this share of one bf16 process's own distance from fp32
+# (bf16_step1). The 5 recipes' pp2 and dp2 differ by 0 to 0.03 of it; a hand-off carried in fp32 moves it by 0.28
 
 
 @dataclass
@@ -134,13 +135,14 @@ class Result:
 
 
 def failure(e: BaseException) -> str:
-    """An exception as the one line a row that could not be computed shows."""
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+    """An exception as the one line a row that could not be computed shows (a rank's: its traceback's last line)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()] or [""]
+    return f"{type(e).__name__}: {lines[-1][:200]}"
 
 
 def float64_verdict(r: Result, near: float = NEAR_BOUND) -> str:
     """What a row over or near its bound is: rounding (its float64 comparison agrees: it passes) or a bug."""
-    head = f"fp32 {r.error:.1e} over its bound {r.tolerance:.1e}" if not r.error <= r.tolerance else \
+    head = f"{r.error:.1e} over its bound {r.tolerance:.1e}" if not r.error <= r.tolerance else \
         f"within {near:.0%} of its bound"
     if r.float64 is None:
         return f"{head}; no float64 run of this comparison" + (f" ({r.float64_missing})" if r.float64_missing else "")
@@ -632,14 +634,14 @@ class LayoutRow:
     """One row of the layout checks: the runs it reads (jobs of the rank groups, runs of this process) and
     compare(get, float64) -> (error, where, bound), get(name) giving a run's result. float64: the same comparison
     with every run it reads in float64 (its jobs again from the float64 reference's weights, a reference's float64
-    run for the reference: FLOAT64_OF); its bound is then unused. A row without a float64 form says so (float64
-    False: a bf16 row, or a check that the setup is what it should be, above its bound)."""
+    run for the reference: FLOAT64_OF); its bound is then unused. A row without a float64 form says why
+    (no_float64: a bf16 row; a check that the setup is what it should be, above its bound, needs none)."""
     id: str
     check: str
     reads: frozenset
     compare: typing.Callable
     above: bool = False
-    float64: bool = True
+    no_float64: str = ""  # why it has no float64 form ("": it has one)
 
 
 FLOAT64_OF = {"single": "single64", "docs single": "docs single64"}  # a one-process run's float64 twin
@@ -691,15 +693,22 @@ def export_of(job: str, folder: Path, single: Path):
     return compare
 
 
-def bf16_step1(quantity: int, name: str):
+def bf16_step1(quantity: int):
     """compare of the bf16 rows: pp2 in bf16 against dp2 in bf16 at step 1 (`quantity` 0: the loss, 1: the grad
-    norm), both computing each micro-batch on the same bf16 weights that FSDP2 gathers, bounded by a share of what
-    bf16 does to this model: BF16_SHARE of one bf16 process's distance from one fp32 process on the same quantity."""
+    norm). Both compute each micro-batch's forward with the same bf16 operations on the same bf16 weights (FSDP2
+    gathers them), so the loss differs only in the order of fp32 sums: its bound is noise_bound of the step-1 loss's
+    own fp32 rounding (the one-process fp32 run against its float64 twin), as the fp32 layout rows'. The grad norm
+    may differ more: where a parameter serves twice in one backward, dp2 adds the two gradients in bf16 and pp2 in
+    fp32 (two backward segments): its bound is that, or BF16_SHARE of the distance bf16 itself puts between one bf16
+    process's step-1 grad norm and one fp32 process's, if larger. A wrong dtype at a stage hand-off or a dropped term
+    moves either by a part of bf16's own effect (tests/test_skill_validate.py: PLANTS)."""
     def compare(get, float64):
         step1 = lambda run: run[quantity][0]
         pp2, dp2 = step1(get("pp2 bf16")[0]), step1(get("dp2 bf16")[0])
-        own = abs(step1(get("single bf16")) / step1(get("single")) - 1)
-        return abs(pp2 / dp2 - 1), f"{name}: one bf16 process is {own:.1e} from fp32", BF16_SHARE * own
+        fp32 = noise_bound(abs(step1(get("single")) / step1(get("single64")) - 1))
+        bf16 = abs(step1(get("single bf16")) / step1(get("single")) - 1)
+        bound = fp32 if quantity == 0 else max(fp32, BF16_SHARE * bf16)
+        return abs(pp2 / dp2 - 1), f"one bf16 process is {bf16:.1e} from fp32, its fp32 noise x16 {fp32:.1e}", bound
     return compare
 
 
@@ -708,7 +717,7 @@ def layout_rows(recipe: Recipe, workdir: Path, features, placements: dict) -> li
     documents, recompute = "document_mask" in features, "recompute" in features
     row = lambda id, check, reads, compare, **kw: LayoutRow(id, check, frozenset(reads), compare, **kw)
     rows = [row("clips", "1 process clips (global norm exercised): max grad norm", {"single"},
-                lambda get, _: (max(get("single")[1]), "", CLIP), above=True, float64=False)]
+                lambda get, _: (max(get("single")[1]), "", CLIP), above=True)]
     for name in [*LAYOUTS, *PLACED]:
         label = f"{name} {','.join(map(str, placements[name]))}" if name in placements else name
         rows.append(row(name.replace(" ", "-"), f"{label} = 1 process: losses, grad norms, weights, buffers",
@@ -716,7 +725,7 @@ def layout_rows(recipe: Recipe, workdir: Path, features, placements: dict) -> li
     if documents:
         rows.append(row("docs-mask-acts", "documents: the document mask changes the 1-process losses",
                         {"docs single", "docs unmasked"}, lambda get, _: (rel_err(torch.tensor(get("docs single")[0]),
-                        torch.tensor(get("docs unmasked")[0])), "", LAYOUT_TOLERANCE), above=True, float64=False))
+                        torch.tensor(get("docs unmasked")[0])), "", LAYOUT_TOLERANCE), above=True))
         rows += [row("docs-" + name, f"documents + loss masks {name} = 1 process: losses, grad norms, weights, buffers",
                      {"docs single", "docs single64", "docs " + name}, against_one_process("docs " + name, "docs single"))
                  for name in LAYOUTS]
@@ -732,13 +741,12 @@ def layout_rows(recipe: Recipe, workdir: Path, features, placements: dict) -> li
                      same_as("pp2xep2 recompute", "pp2xep2")),
                  row("cp2-recompute", "cp2 --recompute attention = cp2", {"cp2", "cp2 recompute"},
                      same_as("cp2 recompute", "cp2"))]
-    bf16 = {"pp2 bf16", "dp2 bf16", "single bf16", "single"}
-    rows += [row("pp2-bf16-loss", "pp2 bf16 = dp2 bf16 at step 1: loss", bf16, bf16_step1(0, "loss"), float64=False),
-             row("pp2-bf16-grad-norm", "pp2 bf16 = dp2 bf16 at step 1: grad norm", bf16, bf16_step1(1, "grad norm"),
-                 float64=False),
+    bf16 = {"pp2 bf16", "dp2 bf16", "single bf16", "single", "single64"}
+    rows += [row("pp2-bf16-loss", "pp2 bf16 = dp2 bf16 at step 1: loss", bf16, bf16_step1(0), no_float64="bf16"),
+             row("pp2-bf16-grad-norm", "pp2 bf16 = dp2 bf16 at step 1: grad norm", bf16, bf16_step1(1),
+                 no_float64="bf16"),
              row("bf16-differs", "bf16 runs in bf16: pp2's step-1 loss vs fp32", {"pp2 bf16", "single"},
-                 lambda get, _: (abs(get("pp2 bf16")[0][0][0] / get("single")[0][0] - 1), "", 0.0), above=True,
-                 float64=False)]
+                 lambda get, _: (abs(get("pp2 bf16")[0][0][0] / get("single")[0][0] - 1), "", 0.0), above=True)]
     rows += [row(f"{name.replace(' ', '-')}-export", f"{name} export = 1-process export", {"single", "single64", name},
                  export_of(name, workdir / f"hf_{name.replace(' ', '_')}", workdir / "hf_single"))
              for name in ("pp2xep2", "ep4 placed")]
@@ -850,7 +858,10 @@ def layout_results(recipe: Recipe, data, workdir: Path, meanwhile=lambda: [], pr
             made.append(Result(row.id, row.check, math.nan, 0.0, failed=failure(e)))
     # rows over their bound or near it: their jobs again in float64 from the float64 references' weights, each row's
     # comparison made again on them
-    again = [(row, r) for row, r in zip(chosen, made) if row.float64 and r.wants_float64(near)]
+    again = [(row, r) for row, r in zip(chosen, made) if r.wants_float64(near)]
+    for row, r in again:
+        r.float64_missing = row.no_float64 and f"{row.no_float64} by design"
+    again = [(row, r) for row, r in again if not row.no_float64]
     jobs64 = {}
     for row, _ in again:
         for name in row.reads:
