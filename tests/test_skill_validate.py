@@ -6,12 +6,14 @@ they were when it started; a row near its bound is told rounding (float64 agrees
 check_parity.py's table, and check_layout.py in a layout the shared checks do not run (dp2)."""
 
 import importlib.util
+import math
 import os
 import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import recipes
 from tests import recipe_checks
@@ -171,10 +173,10 @@ def test_validate_reads_the_recipes_as_they_were_at_its_start(tmp_path):
 
 
 def test_a_row_near_its_bound_is_told_rounding_or_bug(tmp_path, monkeypatch, capsys):
-    """--near 1e6 puts every noise-bounded row near its bound, so each gets its float64 comparison. A copy of Qwen3
-    whose routed experts' output is scaled by 1 + 1e-4 under ep only (a small ep bug): the model-level cp2 row is
-    rounding (its ranks, run again in float64, agree with one process in float64), cp2xep2 fails and is a bug (in
-    float64 it stays off)."""
+    """--near 1e6 puts every row near its bound, so each gets its float64 comparison. A copy of Qwen3 whose routed
+    experts' output is scaled by 1 + 1e-4 under ep only (a small ep bug): the model-level cp2 row is rounding (its
+    ranks, run again in float64, agree with one process in float64), cp2xep2 fails and is a bug (in float64 it stays
+    off)."""
     folder = tmp_path / "recipes/my_epbug"
     shutil.copytree(ROOT / "recipes/qwen3_30b_a3b", folder, ignore=shutil.ignore_patterns("__pycache__"))
     code = "h_BSH + out_TH.view_as(h_BSH)"
@@ -196,8 +198,9 @@ def test_a_row_near_its_bound_is_told_rounding_or_bug(tmp_path, monkeypatch, cap
 def test_validate_runs_every_check(recipe, capsys):
     assert script("validate").main(["--recipe", recipe]) == 0
     out = capsys.readouterr().out
-    # parity fp32 + float64, export, buffers, documents, layouts (a recipe with a transformers class, every feature)
-    assert len(table_rows(out, recipe)) == 4 + 3 + 2 + 1 + 3 + 25 and out.rstrip().endswith("ALL PASS"), out
+    # every row but the base ones (a recipe with a transformers class and every feature)
+    assert len(table_rows(out, recipe)) == len(recipe_checks.ROW_IDS) - len(recipe_checks.ROWS["base"]), out
+    assert out.rstrip().endswith("ALL PASS"), out
 
 
 def test_check_parity(capsys):
@@ -264,3 +267,38 @@ def test_planted_bugs_fail_their_rows(tmp_path, monkeypatch, capsys):
     finally:
         for name in [m for m in sys.modules if m.startswith("recipes.my_plant")]:
             del sys.modules[name]
+
+
+def test_every_layout_row_compares_in_fp32_and_in_float64(tmp_path):
+    """Every row of tests/recipe_checks.py:layout_rows (all of a recipe's features on), fed runs of the right form
+    made up here (no training: two ranks each, equal to one process), makes its comparison on the fp32 runs with
+    their bounds and, where it has one, on the float64 twins: the path every row over or near its bound takes, so
+    that no row can crash there; a row without a float64 form says why. LAYOUT_ROWS lists every row, in order."""
+    from safetensors.torch import save_file
+
+    recipe = recipe_checks.load_recipe("qwen3_30b_a3b")
+    features = recipe_checks.model_features(recipe)
+    placements = {name: table(4) for name, table in recipe_checks.PLACED.items()}
+    rows = recipe_checks.layout_rows(recipe, tmp_path, features, placements)
+    assert [row.id for row in rows] == list(recipe_checks.LAYOUT_ROWS)
+    state = {"w": torch.ones(3), "experts.w[0]": torch.ones(2), "expert_bias": torch.zeros(4)}
+    run = ([5.0, 4.0, 3.0], [1.0, 0.9, 0.8], state)  # losses, grad norms, state (tests/test_train.py:run_train)
+    for folder in ("hf_single", "hf_pp2xep2", "hf_ep4_placed"):
+        for name in (folder, folder + "_64"):
+            (tmp_path / name).mkdir()
+            save_file({"model.w": torch.ones(3)}, tmp_path / name / "model.safetensors")
+    reads = set().union(*(row.reads for row in rows))
+    single = {name for name in reads if name.startswith(("single", "docs single", "docs unmasked"))}
+    made = {name: run if name in single else [{"loss": (1e-8, 1e-9)}] * 2 if name.startswith("grads ") else [run] * 2
+            for name in reads}
+    get = made.__getitem__
+    get64 = lambda name: made[recipe_checks.FLOAT64_OF.get(name, name)]
+    # a float64 twin's flags: the float64 references' weights, its own folders, a resume from the twin's checkpoint
+    twin = recipe_checks.in_float64(["--out", "w/full", "--resume", "w/full/checkpoints/step_2"], tmp_path / "init")
+    assert twin[-6:] == ["--hf-checkpoint", str(tmp_path / "init"), "--out", "w/full_64", "--resume",
+                         "w/full_64/checkpoints/step_2"]
+    for row in rows:
+        error, where, bound = row.compare(get, False)
+        assert math.isfinite(error) and bound >= 0 and isinstance(where, str), row.id
+        if not row.no_float64:
+            assert math.isfinite(row.compare(get64, True)[0]), row.id
