@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,13 +91,12 @@ def test_launch_sh_and_a_copied_recipe(tmp_path):
     assert sample.startswith("def") and len(sample) > len("def "), sample  # the prompt, then generated text
     assert (copy.parents[2] / "runs/my_arch/checkpoints/step_00000004/.metadata").is_file()
 
-    # a bad flag: launch.sh checks the flags once (train.py --dry-run) before torchrun starts a rank: one line
-    start = time.time()
+    # a bad flag: launch.sh checks the flags once (train.py --dry-run) before torchrun starts a rank: one line, and
+    # nothing else printed (torchrun, traced by set -x, never ran; no time limit here: a busy machine is slow)
     out = launch(ROOT / "recipes/qwen3_30b_a3b/launch.sh", {"DATA": str(data), "OUT": str(tmp_path / "bad"),
                  "NPROC": "2", "PP": "1", "EP": "2"}, "--expert-placement", "0,1", returncode=2)
     assert out.strip() == ("error: expert placement lists 2 experts but the model has 8 routed experts; give one ep "
                            "rank per expert"), out
-    assert time.time() - start < 15
     assert not (tmp_path / "bad/checkpoints").exists()
 
     # a second launch into the same folder: caught by the same check, before torchrun

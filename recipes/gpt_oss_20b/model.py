@@ -580,7 +580,8 @@ class Model(nn.Module):
         stats = {"expert_load": (self.take_expert_load(), "sum")}
         if self.expert_bias_rate > 0:  # expert_bias_range: each MoE layer's bias max - min (-inf: another stage's)
             none = torch.tensor(-torch.inf, device=stats["expert_load"][0].device)
-            layers = [self.layers.get(str(i)) for i in range(self.cfg.num_hidden_layers)]
+            layers = [self.layers[str(i)] if str(i) in self.layers else None
+                      for i in range(self.cfg.num_hidden_layers)]
             stats["expert_bias_range"] = (torch.stack([none if layer is None else layer.mlp.router.expert_bias.max()
                                                        - layer.mlp.router.expert_bias.min() for layer in layers]), "max")
         return stats
