@@ -6,7 +6,8 @@ Each check returns Result rows (check, worst error, tolerance, where the worst w
   parity   logits, gradients and export against transformers' TRANSFORMERS_CLASS (tools/hf_parity.py:check_recipe),
            in fp32 and with both models in float64 (the whole model runs in float64 on CPU)
   base     a variant equals BASE_RECIPE when both train on check_setup()["base_config"] (its feature switched off);
-           and, both in float64, the same logits and gradients (float64_base_results)
+           and, both in float64, the same logits and gradients (float64_base_results); a variant whose feature
+           cannot be switched off declares no base_config and has no base rows
   export   a Hugging Face folder through train.py --lr 0 comes back bit for bit
   buffers  every buffer of a meta-device build + init_weights + load_hf_checkpoint equals a fresh build's
   documents a packed micro-batch under the document mask gives each document's loss and every gradient as
@@ -14,9 +15,12 @@ Each check returns Result rows (check, worst error, tolerance, where the worst w
   layouts  ep2, pp2, cp2, pp2xep2, cp2xep2, and ep2 / ep4 under uneven expert placements (PLACED) equal one
            process (losses, grad norms, every weight after 2 steps); the model-level loss, aux loss, expert load,
            logits and gradients at cp2 and cp2xep2; resume at ep2; --recompute (layer at pp2xep2 and in the ep4
-           placement); pp2 in bf16 against dp2 at step 1; an export at pp2xep2 and at ep4 under an uneven placement; the same five layouts on conversations (whole documents, loss
-           masks, --document-mask) and pp2 --recompute layer on them. One process group per world size runs all
-           of its jobs, both side by side with the one-process references.
+           placement); pp2 in bf16 against dp2 at step 1; an export at pp2xep2 and at ep4 under an uneven
+           placement; the same five layouts on conversations (whole documents, loss masks, --document-mask) and pp2
+           --recompute layer on them. One process group per world size runs all of its jobs, both side by side
+           with the one-process references.
+Every bound comes from the model under test (see the bounds below); a row over or near its bound makes its
+comparison again in float64, and passes as rounding if float64 agrees; a row that cannot be computed says why.
 
 Also the helpers other per-recipe tests share: a partial model reads only its tensors, transformers' aux loss and
 router gradients, and the counting dataset the tests train on."""
@@ -28,6 +32,8 @@ import json
 import math
 import random
 import tempfile
+import traceback
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -60,12 +66,11 @@ from tests.test_train import (
 from tools.hf_parity import FLOAT64_TOLERANCE, check_recipe, folder_tensors, make_tiny_hf_model
 
 GROUPS = ("parity", "base", "export", "buffers", "documents", "layouts")
-# Tolerances, as relative norms ||a - b|| / ||b|| per tensor; 0 is bitwise: the same operations in the same order.
-# Parity: tools/hf_parity.py's 1e-4 (fp32) and FLOAT64_TOLERANCE (float64); layouts: each tensor's own rounding
-# noise, tests/test_train.py:noise_bound; each with its reason.
-BASE_TOLERANCE = 1e-6  # a switched-off feature may leave an operation whose rounding differs (a multiply by 1, an
-# add of 0 in another place): ~1e-7 per op in fp32, amplified a little by the Adam steps; a real difference (another
-# norm epsilon) is >= 1e-4 (tests/test_skill_validate.py)
+# Bounds, as relative norms ||a - b|| / ||b|| per tensor unless a row says otherwise, each from the model under test:
+# an fp32 comparison within noise_bound (tests/test_train.py) of the quantity's own rounding noise, its fp32 run's
+# distance from a float64 run from the same weights (parity: transformers', tools/hf_parity.py); float64 rows within
+# FLOAT64_TOLERANCE; bf16 rows a share of what bf16 does to this model (BF16_SHARE); 0 is bitwise: the same
+# operations in the same order. Each with its reason where it is made.
 STEPS = 2  # of every trained check (check_args): the second step's update is the first that depends on the
 # gradients' size (Adam's first step is ~lr x sign(g)), and it runs on weights the optimizer step wrote into the
 # shards and FSDP2 gathered again, routed by expert biases the first step updated. A third step repeats that
@@ -77,31 +82,25 @@ LAYOUTS = {"ep2": {"ep": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2}, "pp2xep2": {"pp
 PLACED = {"ep2 placed": lambda E: [0 if e == 1 else 1 for e in range(E)],
           "ep4 placed": lambda E: [(3, 0, 0, 1)[e] if e < 4 else (0, 1, 3)[e % 3] for e in range(E)]}
 AUX_COEF = 0.1  # model-level cp check: large enough that the aux loss's gradient is visible in the router's
-# The layout rows by id (the table's first column, validate.py --rows) and what each reads: jobs of the rank groups
-# (by name) and one-process runs ("single": fp32, "single64": float64 from the same weights, ...); a selection of
-# rows starts only these
-LAYOUT_ROWS = {"clips": {"single"}, "expert-bias": {"single", "single64", *LAYOUTS, *PLACED},
-               **{name.replace(" ", "-"): {"single", "single64", name} for name in [*LAYOUTS, *PLACED]},
-               "docs-mask-acts": {"docs single", "docs unmasked"},
-               **{"docs-" + name: {"docs single", "docs single64", "docs " + name} for name in LAYOUTS},
-               "docs-pp2-recompute": {"docs pp2", "docs pp2 recompute"}, "cp2-model": {"grads cp2"},
-               "cp2xep2-model": {"grads cp2xep2"}, "resume": {"full", "resumed"},
-               "pp2xep2-recompute": {"pp2xep2", "pp2xep2 recompute"}, "cp2-recompute": {"cp2", "cp2 recompute"},
-               "pp2-bf16-loss": {"pp2 bf16", "dp2 bf16"}, "pp2-bf16-grad-norm": {"pp2 bf16", "dp2 bf16"},
-               "bf16-differs": {"pp2 bf16", "dp2 bf16", "single"},
-               "pp2xep2-export": {"single", "single64", "pp2xep2"},
-               "ep4-placed-export": {"single", "single64", "ep4 placed"}}
+# The layout rows' ids, in the table's order (validate.py --rows; what each reads and compares: layout_rows)
+LAYOUT_ROWS = ("clips", *[name.replace(" ", "-") for name in [*LAYOUTS, *PLACED]], "docs-mask-acts",
+               *["docs-" + name for name in LAYOUTS], "docs-pp2-recompute", "cp2-model", "cp2xep2-model", "resume",
+               "pp2xep2-recompute", "cp2-recompute", "pp2-bf16-loss", "pp2-bf16-grad-norm", "bf16-differs",
+               "pp2xep2-export", "ep4-placed-export")
 ROWS = {"parity": ("parity-logits", "parity-grads", "parity-grad-worst", "parity-export", "parity64-logits",
                    "parity64-grads", "parity64-grad-worst"),
-        "base": ("base-losses", "base-grad-norms", "base-weights", "base-expert-bias", "base64-logits", "base64-grads"),
+        "base": ("base-losses", "base-grad-norms", "base-weights", "base64-logits", "base64-grads"),
         "export": ("export", "export-model-type"), "buffers": ("buffers",),
-        "documents": ("documents-losses", "documents-grads", "documents-grad-tensors"), "layouts": tuple(LAYOUT_ROWS)}
+        "documents": ("documents-losses", "documents-grads", "documents-grad-tensors"), "layouts": LAYOUT_ROWS}
 ROW_IDS = tuple(row for ids in ROWS.values() for row in ids)
 NEAR_BOUND = 0.1  # a row whose error is within 10% of its bound (either side) may be rounding at the edge of its
-# bound or a small bug: the table then says what the same comparison gives in float64 (Result.float64), where
-# rounding shrinks by 2^29 (float64's eps over fp32's) and a bug does not. Rounding then agrees within
-# FLOAT64_TOLERANCE (1e-10; a near-bound fp32 error is >= 9e-7, 0.9 x the smallest bound, so ~2e-15 x the same
-# amplification in float64); a bug keeps its fp32 size, >= 9e-7, 4 orders above
+# bound or a small bug: the table then says what the same comparison gives in float64 (Result.float64), as for a
+# row over its bound, where rounding shrinks by 2^29 (float64's eps over fp32's) and a bug does not: rounding then
+# agrees within FLOAT64_TOLERANCE (1e-10: an fp32 error of ~1e-6 becomes ~1e-15 x the same amplification), a bug
+# keeps its fp32 size, >= 1e-8 even for one float32 cast in a float64 path (tools/hf_parity.py)
+BF16_SHARE = 1.0  # the bf16 grad-norm row's bound: this share of one bf16 process's own distance from fp32
+# (bf16_step1): no further apart than bf16 itself moves the grad norm. The 5 recipes' pp2 and dp2 differ by 0 to 0.39
+# of it (DeepSeek-V2-Lite, 1.1e-5 of 2.8e-5); a dropped gradient term moves it by the term's share of the norm
 
 
 @dataclass
@@ -113,37 +112,60 @@ class Result:
     where: str = ""
     above: bool = False  # True: the quantity must exceed `tolerance` (a sanity check of the setup), not stay below
     float64: float | None = None  # the same comparison with every run in float64, where there is one
+    failed: str = ""  # the row could not be computed: why (it fails, and the table says so)
+    float64_missing: str = ""  # its float64 comparison could not be made: why
+
+    @property
+    def rounding(self) -> bool:
+        """Over its bound in fp32 while the same comparison in float64 agrees: rounding, not a bug."""
+        return (not self.above and self.error > self.tolerance and self.float64 is not None
+                and self.float64 <= FLOAT64_TOLERANCE)
 
     @property
     def ok(self) -> bool:
-        return self.error > self.tolerance if self.above else self.error <= self.tolerance
+        if self.failed:
+            return False
+        return self.error > self.tolerance if self.above else self.error <= self.tolerance or self.rounding
 
     def near_bound(self, near: float = NEAR_BOUND) -> bool:
         return not self.above and self.tolerance > 0 and abs(self.error / self.tolerance - 1) <= near
 
+    def wants_float64(self, near: float = NEAR_BOUND) -> bool:
+        """Over its bound (NaN included) or near it: its float64 comparison tells rounding from a bug."""
+        return not self.above and not self.failed and (not self.error <= self.tolerance or self.near_bound(near))
+
+
+def failure(e: BaseException) -> str:
+    """An exception as the one line a row that could not be computed shows (a rank's: its traceback's last line)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()] or [""]
+    return f"{type(e).__name__}: {lines[-1][:200]}"
+
 
 def float64_verdict(r: Result, near: float = NEAR_BOUND) -> str:
-    """What a row near its bound is: rounding (its float64 comparison agrees) or a bug (it does not)."""
-    head = f"within {near:.0%} of its bound"
+    """What a row over or near its bound is: rounding (its float64 comparison agrees: it passes) or a bug."""
+    head = f"{r.error:.1e} over its bound {r.tolerance:.1e}" if not r.error <= r.tolerance else \
+        f"within {near:.0%} of its bound"
     if r.float64 is None:
-        return f"{head}; no float64 run of this comparison"
+        return f"{head}; no float64 run of this comparison" + (f" ({r.float64_missing})" if r.float64_missing else "")
     if r.float64 <= FLOAT64_TOLERANCE:
         return f"{head}; in float64 {r.float64:.1e} (<= {FLOAT64_TOLERANCE:.0e}): rounding, not a bug"
     return f"{head}; in float64 still {r.float64:.1e} (> {FLOAT64_TOLERANCE:.0e}): not rounding, a bug"
 
 
 def format_table(results: list[Result], near: float = NEAR_BOUND) -> str:
-    """One line per row: id, check, error, bound, error / bound, PASS/FAIL, where the worst error was; under a row
-    within `near` of its bound, whether its float64 comparison agrees (float64_verdict)."""
+    """One line per row: id, check, error, bound, error / bound, PASS / FAIL / ERROR (could not be computed: why),
+    where the worst error was; under a row over or within `near` of its bound, what its float64 comparison says
+    (float64_verdict: rounding passes)."""
     idw, width = max(len(r.id) for r in results), max(len(r.check) for r in results)
     header = f"{'row':<{idw}}  {'check':<{width}}  {'error':>8}  {'bound':>11}  error/bound  result  where"
     lines = [header, "-" * len(header)]
     for r in results:
         bound = f"{'>' if r.above else '<='} {r.tolerance:.1e}" if r.tolerance or r.above else "0 (bitwise)"
         ratio = f"{r.error / r.tolerance:.2f}" if r.tolerance else "-"
+        verdict = "ERROR" if r.failed else "PASS" if r.ok else "FAIL"
         lines.append(f"{r.id:<{idw}}  {r.check:<{width}}  {r.error:>8.2e}  {bound:>11}  {ratio:>11}  "
-                     f"{'PASS' if r.ok else 'FAIL':<6}  {r.where}".rstrip())
-        if r.near_bound(near):
+                     f"{verdict:<6}  {r.failed or r.where}".rstrip())
+        if r.wants_float64(near):
             lines.append(f"{'':<{idw}}  ^ {float64_verdict(r, near)}")
     return "\n".join(lines)
 
@@ -176,9 +198,6 @@ def load_recipe(name: str, vocab_size: int = 0) -> Recipe:
     if not model.TRANSFORMERS_CLASS and not model.BASE_RECIPE:
         raise ValueError(f"recipes/{name}/model.py: TRANSFORMERS_CLASS and BASE_RECIPE are both None, so nothing "
                          f"checks its numerics; name the recipe it was copied from in BASE_RECIPE")
-    if model.BASE_RECIPE and not setup.get("base_config"):
-        raise ValueError(f"recipes/{name}/model.py: BASE_RECIPE is {model.BASE_RECIPE!r} but check_setup() has no "
-                         f"base_config (the config with the new feature switched off)")
     if not all(split_layers(setup["config"]["num_hidden_layers"], 2)):
         raise ValueError(f"recipes/{name}/model.py: with the {setup['config']['num_hidden_layers']} layers of "
                          f"check_setup()['config'] pp=2 leaves a pipeline stage without layers, so the pp2 checks would "
@@ -266,26 +285,31 @@ def run_checks(name: str, data, workdir, groups=GROUPS, progress=lambda group: N
     recipe, workdir = load_recipe(name, data_vocab(data)), Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
 
+    made = {}  # the reference folder, made once (parity, export and buffers read it)
+
+    def hf_in() -> Path:
+        made.setdefault("hf_in", reference_folder(recipe, workdir / "hf_in") if "hf_in" not in made else None)
+        return made["hf_in"]
+
+    checks = {"parity": lambda: parity_results(recipe, hf_in()) if recipe.transformers_class else [],
+              "base": lambda: base_equality_results(recipe, data, workdir) + float64_base_results(recipe)
+              if recipe.base and recipe.base_config else [],
+              "export": lambda: export_results(recipe, data, workdir, hf_in()),
+              "buffers": lambda: buffer_results(recipe, hf_in()),
+              # (Model.features: a model may decline document masks)
+              "documents": lambda: document_results(recipe) if "document_mask" in model_features(recipe) else []}
+
     def in_this_process() -> list[Result]:
-        hf_in = None
-        if {"parity", "export", "buffers"} & set(groups):
-            hf_in = reference_folder(recipe, workdir / "hf_in")
         results = []
         for group in [g for g in GROUPS if g in groups and g != "layouts"]:
             progress(group)
-            if group == "parity" and recipe.transformers_class:
-                results += parity_results(recipe, hf_in)
-            if group == "base" and recipe.base:
-                trained, float64 = base_equality_results(recipe, data, workdir), float64_base_results(recipe)
-                for r in trained:  # their float64 comparison: the same two models, the feature off, in float64
-                    r.float64 = max(f.error for f in float64)
-                results += trained + float64
-            if group == "export":
-                results += export_results(recipe, data, workdir, hf_in)
-            if group == "buffers":
-                results += buffer_results(recipe, hf_in)
-            if group == "documents" and "document_mask" in model_features(recipe):  # (a model may decline it)
-                results += document_results(recipe)
+            try:
+                results += checks[group]()
+            except (ValueError, FileNotFoundError):  # bad input (a check block, a config): one line, at once
+                raise
+            except Exception as e:  # a group that cannot run fails its rows, says why, and the rest still runs
+                traceback.print_exc()  # (validate.py: into runs.log)
+                results += [Result(row, f"{group} checks", math.nan, 0.0, failed=failure(e)) for row in ROWS[group]]
         return [r for r in results if rows is None or r.id in rows]
 
     results = layout_results(recipe, data, workdir, meanwhile=in_this_process, progress=progress, rows=rows, near=near) \
@@ -382,15 +406,25 @@ def float64_base_results(recipe: Recipe, seed: int = 0) -> list[Result]:
 
 
 def base_equality_results(recipe: Recipe, data, workdir: Path) -> list[Result]:
-    """One process each, the layout checks' flags, on base_config: every weight of the base equals the variant's
-    (weights only the variant has belong to its feature, which is switched off)."""
+    """One process each, the layout checks' flags, on base_config: every weight and buffer of the base equals the
+    variant's (those only the variant has belong to its feature, which is switched off), each within noise_bound of
+    its own rounding noise (the base's fp32 run against a float64 run from the same weights: a switched-off feature
+    may leave an operation that rounds otherwise, a multiply by 1, an add of 0 in another place); their float64:
+    both again in float64 from those weights. A real difference (another norm epsilon) is >= 1e-4."""
     base = load_recipe(recipe.base)
     config = write_config(workdir / "base_config.json", recipe.base_config)
-    ref = run_train(check_args(recipe, config, data, workdir / "base_ref"), base.train.main)
-    got = run_train(check_args(recipe, config, data, workdir / "base_variant"), recipe.train.main)
-    errors = layout_errors(ref, [(got[0], got[1], {k: v for k, v in got[2].items() if k in ref[2]})])
-    return [Result("base-" + what.replace(" ", "-"), f"= {recipe.base} with the feature off: {what}", error,
-                   BASE_TOLERANCE, where) for what, (error, where, _) in errors.items()]
+    args = lambda out, **extra: check_args(recipe, config, data, workdir / out, **extra)
+    ref, got = (run_train(args(out), main) for out, main in (("base_ref", base.train.main),
+                                                              ("base_variant", recipe.train.main)))
+    base.train.main(args("base_init", steps=1, lr=0.0, expert_bias_rate=0.0, export_hf=workdir / "base_init_hf"))
+    with float64_default():  # (the float64 twins start from the fp32 runs' weights: float64 draws other numbers)
+        ref64, got64 = (run_train(args(out, hf_checkpoint=workdir / "base_init_hf"), main) for out, main in
+                        (("base_ref64", base.train.main), ("base_variant64", recipe.train.main)))
+    base_part = lambda run, of: (run[0], run[1], {k: v for k, v in run[2].items() if k in of[2]})
+    errors = layout_errors(ref, [base_part(got, ref)], reference64=ref64)
+    errors64 = layout_errors(ref64, [base_part(got64, ref64)])
+    return [Result("base-" + what.replace(" ", "-"), f"= {recipe.base} with the feature off: {what}", error, bound,
+                   where, float64=errors64[what][0]) for what, (error, where, bound) in errors.items()]
 
 
 def export_results(recipe: Recipe, data, workdir: Path, hf_in: Path) -> list[Result]:
@@ -433,19 +467,15 @@ def buffer_results(recipe: Recipe, hf_dir: Path) -> list[Result]:
 
 # ---------------------------------------------------------------------------------------------- documents
 
-DOCUMENT_TOLERANCE = 1e-6  # packed vs alone: the same operations on the same numbers, except that attention and
-# the norms run on other shapes (sums in another order, ~1e-7 relative in fp32) and masked keys add exact zeros;
-# measured <= 3e-8 (losses) and <= 4e-7 (all gradients together); a key leaking across a document boundary or a
-# position not restarting changes the losses by >= 1e-3
-DOCUMENT_TENSOR_TOLERANCE = 1e-5  # one gradient tensor on its own: a small one (a norm weight's, summed over the
-# tokens with cancellation) keeps the same absolute rounding, so its relative error is larger (measured <= 1.6e-6)
-
-
 def document_results(recipe: Recipe) -> list[Result]:
     """Two packed rows of documents (lengths chosen to span GPT-OSS's window and leave padding in one row) through
     forward_train's trunk under the document mask, with rope positions restarting per document: each document's
     cross-entropy and the gradients of their sum equal each document run alone (a batch of one short sequence,
-    default positions, plain causal attention), fp32."""
+    default positions, plain causal attention), fp32, each quantity within noise_bound of its own rounding (the
+    documents run alone in fp32 against the same in float64): packed and alone run the same operations on other
+    shapes (sums in another order; masked keys add exact zeros). Measured: losses <= 3e-8, all gradients <= 4e-7,
+    one tensor <= 1.6e-6 (a norm weight's gradient, a sum over tokens that cancels), the floor 2e-6; a key leaking
+    across a document boundary or a position not restarting moves the losses by >= 1e-3."""
     cfg = recipe.model.ModelConfig.from_hf(write_config(Path(tempfile.mkdtemp()) / "c.json", recipe.config))
     S = recipe.seq_len
     lengths = [[S // 2 - 3, 5, S - S // 2 - 2], [S // 4, S - S // 4 - 3, 3]]  # the last of row 1: padding
@@ -475,20 +505,18 @@ def document_results(recipe: Recipe) -> list[Result]:
     model64 = copy.deepcopy(model).double()  # float64, the same weights: each row's float64 comparison
     (alone64, alone64_grads), (packed64, packed64_grads) = losses_and_grads(model64, False), losses_and_grads(model64, True)
     flat = lambda grads: torch.cat([grads[n].flatten() for n in sorted(alone_grads)])
-    # a tensor's bound: DOCUMENT_TENSOR_TOLERANCE, or noise_bound of its own fp32 rounding (against float64) where
-    # that is larger: an ill-conditioned gradient (Gated DeltaNet's dt_bias and A_log, a sum over tokens that
-    # cancels) moves by ~5e-4 under any regrouping of the same sums (the delta rule's chunk 8 instead of 64, no
-    # documents) and by ~1e-11 in float64 packed vs alone, so fp32 packed vs alone cannot hold 1e-5 there
+    # per tensor, its own noise: an ill-conditioned gradient (Gated DeltaNet's dt_bias and A_log, a sum over tokens
+    # that cancels) moves by ~5e-4 under any regrouping of the same sums (the delta rule's chunk 8 instead of 64, no
+    # documents) and by ~1e-11 in float64 packed vs alone; its fp32 noise is as large
     tensors = worst_bounded([(rel_err(packed_grads[n], g) if n in packed_grads else math.inf, n,
-                              max(DOCUMENT_TENSOR_TOLERANCE, noise_bound(rel_err(g, alone64_grads[n]))))
-                             for n, g in alone_grads.items()]
+                              noise_bound(rel_err(g, alone64_grads[n]))) for n, g in alone_grads.items()]
                             + [(math.inf, f"only packed: {n}", 0.0) for n in packed_grads.keys() - alone_grads.keys()])
     all_grads = lambda packed, alone: rel_err(flat(packed), flat(alone)) if packed.keys() == alone.keys() else math.inf
     tensor64 = rel_err(packed64_grads[tensors[1]], alone64_grads[tensors[1]]) if tensors[1] in alone64_grads else None
     return [Result("documents-losses", "documents: packed + document mask = each alone: losses", rel_err(packed, alone),
-                   DOCUMENT_TOLERANCE, float64=rel_err(packed64, alone64)),
+                   noise_bound(rel_err(alone, alone64)), float64=rel_err(packed64, alone64)),
             Result("documents-grads", "documents: ... all gradients together", all_grads(packed_grads, alone_grads),
-                   DOCUMENT_TOLERANCE, float64=all_grads(packed64_grads, alone64_grads)),
+                   noise_bound(all_grads(alone_grads, alone64_grads)), float64=all_grads(packed64_grads, alone64_grads)),
             Result("documents-grad-tensors", "documents: ... each gradient tensor", tensors[0], tensors[2], tensors[1],
                    float64=tensor64)]
 
@@ -590,31 +618,164 @@ def layouts_worker(recipe: str, jobs: dict, recipes_path: list[str] | None = Non
 
 def in_float64(argv: list[str], hf_init: Path) -> list[str]:
     """A train.py run's argv again from hf_init's weights (where the float64 references start), its --out and
-    --export-hf beside the fp32 run's (argparse keeps a repeated flag's last value); layouts_worker's "train64"."""
+    --export-hf beside the fp32 run's, and a --resume from the float64 twin of the run it names (argparse keeps a
+    repeated flag's last value); layouts_worker's "train64"."""
     extra = ["--hf-checkpoint", str(hf_init)]
     for flag in ("--out", "--export-hf"):
         if flag in argv:
             extra += [flag, argv[argv.index(flag) + 1] + "_64"]
+    if "--resume" in argv:  # <run>/checkpoints/step_N -> <run>_64/checkpoints/step_N
+        step = Path(argv[argv.index("--resume") + 1])
+        extra += ["--resume", str(step.parents[1].with_name(step.parents[1].name + "_64") / "checkpoints" / step.name)]
     return argv + extra
+
+
+@dataclass
+class LayoutRow:
+    """One row of the layout checks: the runs it reads (jobs of the rank groups, runs of this process) and
+    compare(get, float64) -> (error, where, bound), get(name) giving a run's result. float64: the same comparison
+    with every run it reads in float64 (its jobs again from the float64 reference's weights, a reference's float64
+    run for the reference: FLOAT64_OF); its bound is then unused. A row without a float64 form says why
+    (no_float64: a bf16 row; a check that the setup is what it should be, above its bound, needs none)."""
+    id: str
+    check: str
+    reads: frozenset
+    compare: typing.Callable
+    above: bool = False
+    no_float64: str = ""  # why it has no float64 form ("": it has one)
+
+
+FLOAT64_OF = {"single": "single64", "docs single": "docs single64"}  # a one-process run's float64 twin
+
+
+def against_one_process(job: str, reference: str):
+    """A layout's compare: every rank's losses, grad norms and state against one process's (layout_errors), each
+    tensor within noise_bound of its own rounding noise (the fp32 reference against its float64 twin)."""
+    def compare(get, float64):
+        worst = layout_errors(get(reference), get(job), reference64=None if float64 else get(FLOAT64_OF[reference]))
+        return worst_bounded((e, f"{what} {w}", b) for what, (e, w, b) in worst.items())
+    return compare
+
+
+def same_as(job: str, other: str, first_step: int = 0):
+    """compare of two runs of one layout that must agree bit for bit, rank by rank (from `first_step` of `other`):
+    the same operations in the same order. In float64 their relative error (rounding: ~1e-16)."""
+    def compare(get, float64):
+        error, where = worst_error((e, f"rank {rank} {what} {w}") for rank, ((losses, norms, state), result) in
+                                   enumerate(zip(get(other), get(job))) for what, (e, w, _) in layout_errors(
+                                       (losses[first_step:], norms[first_step:], state), [result],
+                                       error=rel_err if float64 else bitwise_error).items())
+        return error, where, 0.0
+    return compare
+
+
+def model_level(job: str):
+    """compare of model_grads_worker's errors: each quantity within noise_bound of its own noise."""
+    def compare(get, float64):
+        errors = [(e, f"rank {rank} {k}", noise_bound(noise)) for rank, found in enumerate(get(job))
+                  for k, (e, noise) in found.items()]
+        return max(errors)[:2] + (0.0,) if float64 else worst_bounded(errors)
+    return compare
+
+
+def export_of(job: str, folder: Path, single: Path):
+    """compare of the Hugging Face folder a layout's run exported against one process's export, each tensor within
+    noise_bound of its noise (float64: both runs' float64 twins' folders, `_64`)."""
+    twin = lambda path: path.with_name(path.name + "_64")
+
+    def compare(get, float64):
+        get(job)  # (the run that wrote it)
+        exported, reference = (folder_tensors(twin(path) if float64 else path) for path in (folder, single))
+        reference64 = None if float64 else folder_tensors(twin(single))
+        return worst_bounded(
+            [(rel_err(exported[n], t) if n in exported else math.inf, n,
+              0.0 if float64 else noise_bound(rel_err(t, reference64[n]))) for n, t in reference.items()]
+            + [(math.inf, f"exported, not in 1 process's: {n}", 0.0) for n in exported.keys() - reference.keys()])
+    return compare
+
+
+def bf16_step1(quantity: int):
+    """compare of the bf16 rows: pp2 in bf16 against dp2 in bf16 at step 1 (`quantity` 0: the loss, 1: the grad
+    norm). Both compute each micro-batch's forward with the same bf16 operations on the same bf16 weights (FSDP2
+    gathers them), so the loss differs only in the order of fp32 sums: its bound is noise_bound of the step-1 loss's
+    own fp32 rounding (the one-process fp32 run against its float64 twin), as the fp32 layout rows'. The grad norm
+    may differ more: where a parameter serves twice in one backward, dp2 adds the two gradients in bf16 and pp2 in
+    fp32 (two backward segments): its bound is that, or BF16_SHARE of the distance bf16 itself puts between one bf16
+    process's step-1 grad norm and one fp32 process's, if larger. A hidden state carried on in fp32 after a stage
+    hand-off moves the loss by 1.6x its bound, a dropped term the grad norm by the term's share of it
+    (tests/test_skill_validate.py: PLANTS)."""
+    def compare(get, float64):
+        step1 = lambda run: run[quantity][0]
+        pp2, dp2 = step1(get("pp2 bf16")[0]), step1(get("dp2 bf16")[0])
+        fp32 = noise_bound(abs(step1(get("single")) / step1(get("single64")) - 1))
+        bf16 = abs(step1(get("single bf16")) / step1(get("single")) - 1)
+        bound = fp32 if quantity == 0 else max(fp32, BF16_SHARE * bf16)
+        return abs(pp2 / dp2 - 1), f"one bf16 process is {bf16:.1e} from fp32, its fp32 noise x16 {fp32:.1e}", bound
+    return compare
+
+
+def layout_rows(recipe: Recipe, workdir: Path, features, placements: dict) -> list[LayoutRow]:
+    """Every layout row the recipe's features allow, in the table's order (LAYOUT_ROWS' ids)."""
+    documents, recompute = "document_mask" in features, "recompute" in features
+    row = lambda id, check, reads, compare, **kw: LayoutRow(id, check, frozenset(reads), compare, **kw)
+    rows = [row("clips", "1 process clips (global norm exercised): max grad norm", {"single"},
+                lambda get, _: (max(get("single")[1]), "", CLIP), above=True)]
+    for name in [*LAYOUTS, *PLACED]:
+        label = f"{name} {','.join(map(str, placements[name]))}" if name in placements else name
+        rows.append(row(name.replace(" ", "-"), f"{label} = 1 process: losses, grad norms, weights, buffers",
+                        {"single", "single64", name}, against_one_process(name, "single")))
+    if documents:
+        rows.append(row("docs-mask-acts", "documents: the document mask changes the 1-process losses",
+                        {"docs single", "docs unmasked"}, lambda get, _: (rel_err(torch.tensor(get("docs single")[0]),
+                        torch.tensor(get("docs unmasked")[0])), "", LAYOUT_TOLERANCE), above=True))
+        rows += [row("docs-" + name, f"documents + loss masks {name} = 1 process: losses, grad norms, weights, buffers",
+                     {"docs single", "docs single64", "docs " + name}, against_one_process("docs " + name, "docs single"))
+                 for name in LAYOUTS]
+        if recompute:
+            rows.append(row("docs-pp2-recompute", "documents pp2 --recompute layer = pp2", {"docs pp2", "docs pp2 recompute"},
+                            same_as("docs pp2 recompute", "docs pp2")))
+    rows += [row(f"{name}-model", f"{name} model: loss, aux, load, logits, grads", {f"grads {name}"},
+                 model_level(f"grads {name}")) for name in ("cp2", "cp2xep2")]
+    rows.append(row("resume", "resume at ep2 from step 2 = uninterrupted run", {"full", "resumed"},
+                    same_as("resumed", "full", first_step=2)))
+    if recompute:
+        rows += [row("pp2xep2-recompute", "pp2xep2 --recompute layer = pp2xep2", {"pp2xep2", "pp2xep2 recompute"},
+                     same_as("pp2xep2 recompute", "pp2xep2")),
+                 row("cp2-recompute", "cp2 --recompute attention = cp2", {"cp2", "cp2 recompute"},
+                     same_as("cp2 recompute", "cp2"))]
+    bf16 = {"pp2 bf16", "dp2 bf16", "single bf16", "single", "single64"}
+    rows += [row("pp2-bf16-loss", "pp2 bf16 = dp2 bf16 at step 1: loss", bf16, bf16_step1(0), no_float64="bf16"),
+             row("pp2-bf16-grad-norm", "pp2 bf16 = dp2 bf16 at step 1: grad norm", bf16, bf16_step1(1),
+                 no_float64="bf16"),
+             row("bf16-differs", "bf16 runs in bf16: pp2's step-1 loss vs fp32", {"pp2 bf16", "single"},
+                 lambda get, _: (abs(get("pp2 bf16")[0][0][0] / get("single")[0][0] - 1), "", 0.0), above=True)]
+    rows += [row(f"{name.replace(' ', '-')}-export", f"{name} export = 1-process export", {"single", "single64", name},
+                 export_of(name, workdir / f"hf_{name.replace(' ', '_')}", workdir / "hf_single"))
+             for name in ("pp2xep2", "ep4 placed")]
+    return rows
 
 
 def layout_results(recipe: Recipe, data, workdir: Path, meanwhile=lambda: [], progress=lambda group: None, rows=None,
                    near: float = NEAR_BOUND) -> list[Result]:
     """One group of 2 ranks and one of 4, started together, each running all of its jobs in one process group, and
     meanwhile the references in this process (fp32; float64 from the same weights, whose distance from the fp32 run
-    is each tensor's rounding noise), after `meanwhile()`'s rows (other checks this process runs
-    while the ranks start and run; they come first in the result). The jobs: the five layouts and the two placements
-    (PLACED) against fp32 (pp2xep2 and ep4 placed also exporting), the model-level cp checks, resume at ep2,
-    recompute at pp2xep2 and cp2 against the same layout without, pp2 in bf16 against dp2 in bf16. A fp32 layout's tensor passes within tests/test_train.py:noise_bound of its noise
-    (the derivation and the measured noise are there). With `rows` (ids of LAYOUT_ROWS) only the jobs and
-    references those rows read run. A row within `near` of its bound runs its jobs again in float64, from the
-    float64 reference's weights, and is compared with that reference (Result.float64)."""
+    is each tensor's rounding noise; bf16), after `meanwhile()`'s rows (other checks this process runs while the
+    ranks start and run; they come first in the result). The rows (layout_rows): the five layouts and the two
+    placements (PLACED) against fp32 (pp2xep2 and ep4 placed also exporting), the same on conversations, the
+    model-level cp checks, resume at ep2, recompute at pp2xep2 and cp2 against the same layout without, pp2 in bf16
+    against dp2 in bf16. With `rows` (ids of LAYOUT_ROWS) only the jobs and references those rows read run. A row
+    over its bound or within `near` of it runs its jobs again in float64, from the float64 reference's weights, and
+    makes its comparison again on them (Result.float64). A row that cannot be computed, or whose ranks failed, says
+    so (Result.failed); the others are still made."""
     wanted = lambda row: rows is None or row in rows
-    need = set().union(*(runs for row, runs in LAYOUT_ROWS.items() if wanted(row)))
-    config = write_config(workdir / "check_config.json", recipe.config)
+    features = model_features(recipe)
+    num_experts = recipe.model.ModelConfig.from_hf(write_config(workdir / "check_config.json", recipe.config)).num_experts
+    placements = {name: table(num_experts) for name, table in PLACED.items()}
+    chosen = [r for r in layout_rows(recipe, workdir, features, placements) if wanted(r.id)]
+    need = set().union(*(r.reads for r in chosen))
+    config = workdir / "check_config.json"
     args = lambda out, **extra: check_args(recipe, config, data, workdir / out, **extra)
     # conversations: whole documents with loss masks, --document-mask on by default for them (core/data.py)
-    documents = "document_mask" in model_features(recipe)  # (Model.features: what the model declines is skipped)
     chats = write_counting_chats(workdir / "chats", recipe.seq_len)
     chat_args = lambda out, **extra: check_args(recipe, config, chats, workdir / out, **extra)
     jobs = {2: {"cp2 recompute": ("train", args("cp2r", cp=2, recompute="attention")),
@@ -628,23 +789,15 @@ def layout_results(recipe: Recipe, data, workdir: Path, meanwhile=lambda: [], pr
             4: {"grads cp2xep2": ("grads", (config, 2, 2, recipe.seq_len)),
                 # DualPipeV with the experts' rows dispatched again in backward (core/moe.py recompute_dispatch)
                 "pp2xep2 recompute": ("train", args("pp2xep2r", pp=2, ep=2, recompute="layer"))}}
-    recompute = "recompute" in model_features(recipe)  # (Model.features: what the model declines is skipped)
-    if not recompute:
-        del jobs[4]["pp2xep2 recompute"], jobs[2]["cp2 recompute"]
-    if not (recompute and documents):
-        del jobs[2]["docs pp2 recompute"]
     for name, layout in LAYOUTS.items():
         export = {"export_hf": workdir / "hf_pp2xep2"} if name == "pp2xep2" else {}
         jobs[math.prod(layout.values())][name] = ("train", args(name, **layout, **export))
-        if documents:
-            jobs[math.prod(layout.values())]["docs " + name] = ("train", chat_args("docs_" + name, **layout))
-    num_experts = recipe.model.ModelConfig.from_hf(config).num_experts
-    placements = {name: table(num_experts) for name, table in PLACED.items()}
+        jobs[math.prod(layout.values())]["docs " + name] = ("train", chat_args("docs_" + name, **layout))
     for name, table in placements.items():
         ep = int(name[2])
         # ep4: a rank without experts, whose backward dispatches again under --recompute layer like the others'
-        export = {"export_hf": workdir / "hf_ep4_placed", **({"recompute": "layer"} if recompute else {})} \
-            if ep == 4 else {}
+        export = {"export_hf": workdir / "hf_ep4_placed",
+                  **({"recompute": "layer"} if "recompute" in features else {})} if ep == 4 else {}
         jobs[ep][name] = ("train", args(name.replace(" ", "_"), ep=ep, expert_placement=",".join(map(str, table)),
                                         **export))
     jobs = {world: {name: job for name, job in world_jobs.items() if name in need} for world, world_jobs in jobs.items()}
@@ -653,153 +806,89 @@ def layout_results(recipe: Recipe, data, workdir: Path, meanwhile=lambda: [], pr
     # cores busy. Their deadline doubles multiproc's (they share the cores)
     start = lambda jobs: {world: start_ranks(world, layouts_worker, recipe.name, world_jobs, list(recipes.__path__),
                                              timeout=2 * TIMEOUT_S) for world, world_jobs in jobs.items() if world_jobs}
-    groups = start(jobs)
+    hf_init = workdir / "hf_init"  # where every float64 run starts: the fp32 runs' initial weights, exported after
+    # one step at lr 0 (float64 draws other random numbers), then loaded into a model built in float64 (torch's default
+    # dtype, which train.py's model, optimizer and loss follow)
+    init = lambda: hf_init.exists() or recipe.train.main(args("init", steps=1, lr=0.0, expert_bias_rate=0.0,
+                                                              export_hf=hf_init))
+    groups, refs = start(jobs), {}
     # this process computes beside the ranks (one thread each, tests/multiproc.py) on the same cores: with one thread
     # too, its idle workers do not spin
     try:
         with one_thread():
             results = meanwhile()
             progress("layouts")
-            single = run_train(args("single", export_hf=workdir / "hf_single"), recipe.train.main) if "single" in need else None
-            # the float64 run starts from the fp32 run's initial weights (float64 draws other random numbers): exported
-            # after one step at lr 0, then loaded into a model built in float64 (torch's default dtype, which train.py's
-            # model, optimizer and loss follow)
-            if need & {"single64", "docs single64"}:
-                recipe.train.main(args("init", steps=1, lr=0.0, expert_bias_rate=0.0, export_hf=workdir / "hf_init"))
-            if "single64" in need:
-                with float64_default():
-                    single64 = run_train(args("single64", hf_checkpoint=workdir / "hf_init", export_hf=workdir / "hf_single64"),
-                                         recipe.train.main)
-            if documents and "docs single" in need:
-                single_docs = run_train(chat_args("docs_single"), recipe.train.main)
-            if documents and "docs single64" in need:
-                with float64_default():  # the same initial weights (hf_init), float64: each tensor's rounding noise
-                    single_docs64 = run_train(chat_args("docs_single64", hf_checkpoint=workdir / "hf_init"), recipe.train.main)
-            if documents and "docs unmasked" in need:
-                unmasked = run_train(chat_args("docs_unmasked", no_document_mask=True), recipe.train.main)
+            references = {"single": args("single", export_hf=workdir / "hf_single"),
+                          "single bf16": args("single_bf16", dtype="bf16", steps=1),
+                          "docs single": chat_args("docs_single"),
+                          "docs unmasked": chat_args("docs_unmasked", no_document_mask=True)}
+            references64 = {"single64": args("single64", export_hf=workdir / "hf_single_64"),
+                            "docs single64": chat_args("docs_single64")}
+            for name, argv in references.items():
+                if name in need:
+                    refs[name] = run_train(argv, recipe.train.main)
+            for name, argv in references64.items():
+                if name in need:
+                    init()
+                    with float64_default():
+                        refs[name] = run_train(argv + ["--hf-checkpoint", str(hf_init)], recipe.train.main)
     except BaseException:
         for group in groups.values():
             group.kill()
         raise
-    runs = {}
+    runs, failed = {}, {}
     for world, group in groups.items():  # per job: every rank's result
-        per_rank = group.join()
-        runs.update({name: [rank[name] for rank in per_rank] for name in jobs[world]})
+        try:
+            per_rank = group.join()
+            runs.update({name: [rank[name] for rank in per_rank] for name in jobs[world]})
+        except Exception as e:  # (its ranks' output is the caller's: runs.log under validate.py)
+            failed.update(dict.fromkeys(jobs[world], f"its {world} ranks failed ({failure(e)}); their output: runs.log"))
+    get = lambda name: refs[name] if name in refs else runs[name]
 
-    # the reference trains: gradients flow and the global norm clips (lr > 0 is in the flags). Whether its loss falls
-    # in 3 warm-up steps is no check: a new architecture's may rise (a centered norm's did) and still be right
-    if wanted("clips"):
-        results.append(Result("clips", "1 process clips (global norm exercised): max grad norm", max(single[1]), CLIP,
-                              above=True))
-    bias = (0.0, "")
-    every_layout = {**LAYOUTS, **{name: {"ep": int(name[2])} for name in PLACED}}
-    for name, layout in every_layout.items():
-        if not (wanted(name.replace(" ", "-")) or wanted("expert-bias")):
-            continue
-        worst = layout_errors(single, runs[name], ep=layout.get("ep", 1), placement=placements.get(name),
-                              reference64=single64)
-        error, where, bound = worst_bounded((e, f"{what} {w}", b) for what, (e, w, b) in worst.items()
-                                            if what != "expert bias")
-        label = f"{name} {','.join(map(str, placements[name]))}" if name in placements else name
-        if wanted(name.replace(" ", "-")):
-            results.append(Result(name.replace(" ", "-"), f"{label} = 1 process: losses, grad norms, weights", error,
-                                  bound, where))
-        bias = worst_error([bias, (worst["expert bias"][0], f"{name} {worst['expert bias'][1]}")])
-    if "expert_bias" in model_features(recipe) and wanted("expert-bias"):
-        results.append(Result("expert-bias", "expert bias in every layout = 1 process", bias[0], 0.0, bias[1]))
-    if documents and wanted("docs-mask-acts"):
-        results.append(Result("docs-mask-acts", "documents: the document mask changes the 1-process losses", rel_err(
-            torch.tensor(single_docs[0]), torch.tensor(unmasked[0])), LAYOUT_TOLERANCE, above=True))
-    for name, layout in LAYOUTS.items() if documents else ():  # conversations: document masks, loss masks, whole-document packing
-        if not wanted("docs-" + name):
-            continue
-        # bound: LAYOUT_TOLERANCE (measured <= 3e-6), or a tensor's noise_bound against the float64 run where that is
-        # larger (Qwen3.5's in_proj_a at cp2: the decay's gradient regrouped by the chunk summaries, 1.5e-5)
-        worst = layout_errors(single_docs, runs["docs " + name], ep=layout.get("ep", 1), reference64=single_docs64,
-                              floor=LAYOUT_TOLERANCE)
-        error, where, bound = worst_bounded((e, f"{what} {w}", b) for what, (e, w, b) in worst.items())
-        results.append(Result("docs-" + name, f"documents + loss masks {name} = 1 process: losses, grad norms, "
-                              f"weights, expert bias", error, bound, where))
-    if recompute and documents and wanted("docs-pp2-recompute"):
-        results.append(same_runs_result("docs-pp2-recompute", "documents pp2 --recompute layer = pp2", runs["docs pp2"],
-                                        runs["docs pp2 recompute"]))
-    for name in ("cp2", "cp2xep2"):
-        if wanted(f"{name}-model"):
-            error, where, bound = worst_bounded((e, f"rank {rank} {k}", noise_bound(noise)) for rank, errors in
-                                                enumerate(runs[f"grads {name}"]) for k, (e, noise) in errors.items())
-            results.append(Result(f"{name}-model", f"{name} model: loss, aux, load, logits, grads", error, bound, where))
+    def compared(row: LayoutRow, get, float64: bool, failed: dict) -> tuple:
+        broken = [failed[name] for name in sorted(row.reads) if name in failed]
+        if broken:
+            raise RuntimeError(broken[0])
+        return row.compare(get, float64)
 
-    if wanted("resume"):
-        uninterrupted = [(losses[2:], norms[2:], weights) for losses, norms, weights in runs["full"]]
-        results.append(same_runs_result("resume", "resume at ep2 from step 2 = uninterrupted run", uninterrupted,
-                                        runs["resumed"]))
-    if recompute and wanted("pp2xep2-recompute"):
-        results.append(same_runs_result("pp2xep2-recompute", "pp2xep2 --recompute layer = pp2xep2", runs["pp2xep2"],
-                                        runs["pp2xep2 recompute"]))
-    if recompute and wanted("cp2-recompute"):
-        results.append(same_runs_result("cp2-recompute", "cp2 --recompute attention = cp2", runs["cp2"],
-                                        runs["cp2 recompute"]))
-    # pp2 and dp2 in bf16 gather the same bf16 weights (FSDP2) and compute each micro-batch alike: at step 1 the loss
-    # differs only in the order of its 8 micro-batches' fp32 terms (at most 8 x 2^-24 = 5e-7 relative), the gradients
-    # in the order of fp32 sums (<= 3e-10 per tensor, tests/test_fsdp.py) except where autograd adds two uses of a
-    # bf16 parameter in one backward: DeepSeek-V3's embedding, read again by its MTP layer, is summed in bf16 at dp2
-    # (2^-9 relative on that gradient) and in fp32 at pp2, whose two uses are two backward segments: 7.2e-6 in the
-    # grad norm. A wrong dtype at a stage hand-off or a dropped term moves either by bf16's 2^-9 = 2e-3 or more.
-    # Later steps drift apart (a rounding that flips one bf16 weight changes a routing), so step 1 is compared; and
-    # it is bf16: not the fp32 run's
-    if {"pp2-bf16-loss", "pp2-bf16-grad-norm", "bf16-differs"} & set(rows or LAYOUT_ROWS):
-        (pp2_loss, pp2_norm), (dp2_loss, dp2_norm) = ((r[0][0][0], r[0][1][0]) for r in (runs["pp2 bf16"],
-                                                                                          runs["dp2 bf16"]))
-    if wanted("pp2-bf16-loss"):
-        results.append(Result("pp2-bf16-loss", "pp2 bf16 = dp2 bf16 at step 1: loss", abs(pp2_loss / dp2_loss - 1),
-                              1e-6))
-    if wanted("pp2-bf16-grad-norm"):
-        results.append(Result("pp2-bf16-grad-norm", "pp2 bf16 = dp2 bf16 at step 1: grad norm",
-                              abs(pp2_norm / dp2_norm - 1), 1e-4))
-    if wanted("bf16-differs"):
-        results.append(Result("bf16-differs", "bf16 runs in bf16: pp2's step-1 loss vs fp32",
-                              abs(pp2_loss / single[0][0] - 1), 0.0, above=True))
-    if wanted("pp2xep2-export") or wanted("ep4-placed-export"):
-        reference, reference64 = folder_tensors(workdir / "hf_single"), folder_tensors(workdir / "hf_single64")
-    for name in ("pp2xep2", "ep4_placed"):
-        if not wanted(f"{name.replace('_', '-')}-export"):
-            continue
-        exported = folder_tensors(workdir / f"hf_{name}")
-        error, where, bound = worst_bounded(
-            [(rel_err(exported[n], t) if n in exported else math.inf, n, noise_bound(rel_err(t, reference64[n])))
-             for n, t in reference.items()]
-            + [(math.inf, f"exported, not in 1 process's: {n}", 0.0) for n in exported.keys() - reference.keys()])
-        results.append(Result(f"{name.replace('_', '-')}-export", f"{name.replace('_', ' ')} export = 1-process export",
-                              error, bound, where))
-
-    # rows near their bound (every one a noise-bounded row: layouts, documents, model-level, exports): their jobs
-    # again in float64 from the float64 references' weights, each row's comparison made against those references
-    near_rows = [r for r in results if r.near_bound(near) and r.id in LAYOUT_ROWS]
-    every_job = {name: (world, job) for world, world_jobs in jobs.items() for name, job in world_jobs.items()}
+    made = []
+    for row in chosen:
+        try:
+            error, where, bound = compared(row, get, False, failed)
+            made.append(Result(row.id, row.check, error, bound, where, row.above))
+        except Exception as e:
+            made.append(Result(row.id, row.check, math.nan, 0.0, failed=failure(e)))
+    # rows over their bound or near it: their jobs again in float64 from the float64 references' weights, each row's
+    # comparison made again on them
+    again = [(row, r) for row, r in zip(chosen, made) if r.wants_float64(near)]
+    for row, r in again:
+        r.float64_missing = row.no_float64 and f"{row.no_float64} by design"
+    again = [(row, r) for row, r in again if not row.no_float64]
     jobs64 = {}
-    for r in near_rows:
-        for name in LAYOUT_ROWS[r.id] & every_job.keys():
-            world, (kind, arg) = every_job[name]
-            jobs64.setdefault(world, {})[name] = \
-                ("train64", in_float64(arg, workdir / "hf_init")) if kind == "train" else ("grads64", arg)
+    for row, _ in again:
+        for name in row.reads:
+            world = next((world for world, world_jobs in jobs.items() if name in world_jobs), None)
+            if world is not None:
+                kind, arg = jobs[world][name]
+                jobs64.setdefault(world, {})[name] = ("train64", in_float64(arg, hf_init)) if kind == "train" \
+                    else ("grads64", arg)
     if jobs64:
-        progress(f"float64 runs of the rows near their bound ({', '.join(r.id for r in near_rows)})")
-    runs64 = {}
+        progress(f"float64 runs of the rows over or near their bound ({', '.join(r.id for _, r in again)})")
+        init()
+    runs64, failed64 = {}, {}
     for world, group in start(jobs64).items():
-        per_rank = group.join()
-        runs64.update({name: [rank[name] for rank in per_rank] for name in jobs64[world]})
-    for r in near_rows:
-        if r.id.endswith("-model"):
-            r.float64 = max(e for errors in runs64[f"grads {r.id[:-6]}"] for e, _ in errors.values())
-        elif r.id.endswith("-export"):
-            exported = folder_tensors(workdir / f"hf_{r.id[:-7].replace('-', '_')}_64")
-            r.float64 = max(rel_err(exported[n], t) if n in exported else math.inf for n, t in reference64.items())
-        else:  # the weights: train.py logs losses and grad norms through fp32 all-reduces, which round in float64 too
-            name = r.id.removeprefix("docs-").replace("-", " ")
-            r.float64 = layout_errors(single_docs64 if r.id.startswith("docs-") else single64,
-                                      runs64[("docs " if r.id.startswith("docs-") else "") + name],
-                                      ep=every_layout[name].get("ep", 1), placement=placements.get(name))["weights"][0]
-    return results
+        try:
+            per_rank = group.join()
+            runs64.update({name: [rank[name] for rank in per_rank] for name in jobs64[world]})
+        except Exception as e:
+            failed64.update(dict.fromkeys(jobs64[world], f"its {world} ranks failed in float64 ({failure(e)})"))
+    get64 = lambda name: refs[FLOAT64_OF[name]] if name in FLOAT64_OF else runs64[name]
+    for row, r in again:  # (a row whose float64 comparison cannot be made says why in the table)
+        try:
+            r.float64 = compared(row, get64, True, failed64)[0]
+        except Exception as e:
+            r.float64_missing = failure(e)
+    return results + made
 
 
 @contextlib.contextmanager
@@ -810,14 +899,6 @@ def float64_default():
         yield
     finally:
         torch.set_default_dtype(torch.float32)
-
-
-def same_runs_result(row: str, check: str, references: list, results: list) -> Result:
-    """Each rank's (losses, grad norms, weights) bit for bit equal to the same rank's in a run of the same layout."""
-    error, where = worst_error((e, f"rank {rank} {what} {w}") for rank, (reference, result) in
-                               enumerate(zip(references, results)) for what, (e, w, _) in
-                               layout_errors(reference, [result], error=bitwise_error).items())
-    return Result(row, check, error, 0.0, where)
 
 
 # ------------------------------------------------------------------------- helpers of per-recipe tests

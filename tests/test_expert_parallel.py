@@ -176,7 +176,7 @@ def test_training_at_dp2_ep2_equals_single_process(tiny_train_setup, tmp_path):
     assert len(biases) == 2 and all(b.any() for b in biases)
     assert run_train(train_args(config, data, tmp_path / "no_bias", steps=2))[0][1] != single_losses[1]
     results = run_ranks(4, run_train, args("dp2ep2", ep=2, dp=2))
-    assert_matches_single((single_losses, single_norms, single_weights), results, ep=2)
+    assert_matches_single((single_losses, single_norms, single_weights), results)
 
 
 def test_checkpoint_reshards_across_dp_and_ep(tiny_train_setup, tmp_path):
@@ -188,7 +188,7 @@ def test_checkpoint_reshards_across_dp_and_ep(tiny_train_setup, tmp_path):
     at_dp2 = run_ranks(2, run_train, train_args(config, data, tmp_path / "b", steps=4, ckpt_every=2, resume=checkpoint))
     at_one = run_train(train_args(config, data, tmp_path / "c", steps=4, ckpt_every=2, resume=checkpoint))
     for resumed in (*at_dp2, at_one):  # losses, grad norms, and each ep rank's weights vs the resumed full model
-        assert_matches_single(resumed, [(losses[2:], norms[2:], w) for losses, norms, w in full], ep=2)
+        assert_matches_single(resumed, [(losses[2:], norms[2:], w) for losses, norms, w in full])
     for run in ("b", "c"):
         assert_same_checkpoint(tmp_path / run / "checkpoints/step_00000004", tmp_path / "a/checkpoints/step_00000004",
                                tmp_path, tol=1e-5)

@@ -15,15 +15,18 @@ import torch
 from core.placement import Placement
 from core.training import parse_args
 from recipes.qwen3_30b_a3b import train
-from recipes.qwen3_30b_a3b.model import Model, ModelConfig
+from recipes.qwen3_30b_a3b.model import Model, ModelConfig, load_hf_checkpoint
 from tests.conftest import TINY_TRAIN_CONFIG
 from tests.multiproc import run_ranks
 from tests.recipe_checks import layouts_worker, write_counting_data
 from tests.test_launch import copy_recipe
-from tests.test_train import assert_matches_single, assert_same_checkpoint, rel_err, run_train, train_args
+from tests.test_train import assert_matches_single, assert_same_checkpoint, held_experts, rel_err, run_train, train_args
 
 ZERO_RANK = "3,0,3,1,0,1"  # 6 experts over ep=4: rank 0 holds 1 and 4, rank 1 holds 3 and 5, rank 2 none, rank 3 0 and 2
 ODD = "1,0,1,0,1"  # 5 experts over ep=2, not contiguous: rank 0 holds 1 and 3, rank 1 holds 0, 2 and 4
+
+
+DOWN = "layers.1.mlp.experts.down_proj"  # one routed-expert tensor of the Qwen3 model these tests train
 
 
 def ranks(table: str) -> list[int]:
@@ -82,16 +85,18 @@ def placed_runs(tmp_path_factory):
 
 def test_uneven_placements_equal_one_process(placed_runs):
     """6 experts at ep=4 with a rank holding none (and not contiguous), 6 evenly at dp2 x ep2, 5 at pp2 x ep2
-    (3 + 2): losses, grad norms and every weight as one process (tests/test_train.py's
-    LAYOUT_TOLERANCE), expert biases bit for bit. Each rank's experts are picked from the one-process weights by
-    the table as written here (held_experts), so a wrong local index or a wrong owner fails."""
+    (3 + 2): losses, grad norms, every weight and expert bias as one process (tests/test_train.py's
+    LAYOUT_TOLERANCE), each routed expert by its global id; and each rank holds the experts of the table as written
+    here (held_experts), so a wrong local index or a wrong owner fails."""
     _, _, single, runs = placed_runs
-    assert_matches_single(single[6], runs["A"], ep=4, placement=ranks(ZERO_RANK))
-    assert_matches_single(single[6], runs["B"], ep=2)
-    assert_matches_single(single[5], runs["5 pp2xep2"], ep=2)
-    held = lambda run: [{w[k].shape[0] for k in w if k.endswith("experts.down_proj")} for _, _, w in runs[run]]
+    assert_matches_single(single[6], runs["A"])
+    assert_matches_single(single[6], runs["B"])
+    assert_matches_single(single[5], runs["5 pp2xep2"])
+    # each rank's experts by global id (run_train's state: `name[e]`), against the table as written here
+    held = lambda run: [sorted(int(k[len(DOWN) + 1:-1]) for k in w if k.startswith(DOWN + "[")) for _, _, w in runs[run]]
     # (pp rank 0 holds stages 0 and 3, which get no layer of 2: its ranks hold no experts)
-    assert held("5 pp2xep2")[2:] == [{3}, {2}] and held("A") == [{2}, {2}, {0}, {2}]
+    assert held("5 pp2xep2") == [[], [], held_experts(5, 2, 0), held_experts(5, 2, 1)]
+    assert held("A") == [held_experts(6, 4, r, ranks(ZERO_RANK)) for r in range(4)] and held("A")[2] == []
 
 
 def test_checkpoint_resumes_under_another_placement(placed_runs):
@@ -101,8 +106,8 @@ def test_checkpoint_resumes_under_another_placement(placed_runs):
     data position) as the uninterrupted run of the other placement, within layout rounding."""
     tmp, _, single, runs = placed_runs
     resumed_part = (single[6][0][2:], single[6][1][2:], single[6][2])
-    assert_matches_single(resumed_part, runs["C"], ep=2)
-    assert_matches_single(resumed_part, runs["D"], ep=4)
+    assert_matches_single(resumed_part, runs["C"])
+    assert_matches_single(resumed_part, runs["D"])
     for resumed, uninterrupted in (("C", "B"), ("D", "A")):
         assert_same_checkpoint(tmp / resumed / "checkpoints/step_00000004",
                                tmp / uninterrupted / "checkpoints/step_00000004", tmp, tol=1e-5)
@@ -122,9 +127,7 @@ def test_export_from_uneven_placement_loads_in_transformers(placed_runs):
         assert rel_err(exported[name], t) <= 1e-5, name  # LAYOUT_TOLERANCE: the weights after 4 steps
     torch.manual_seed(0)
     model = Model(ModelConfig.from_hf(configs[6]))
-    model.load_state_dict(single[6][2])
-    for layer in model.layers.values():  # the export holds no expert bias (transformers' router has none)
-        layer.mlp.gate.expert_bias.zero_()
+    load_hf_checkpoint(model, tmp / "hf_single6")  # (holds no expert bias: transformers' router has none)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = Qwen3MoeForCausalLM.from_pretrained(tmp / "hf_A")(input_ids=ids).logits
@@ -151,9 +154,7 @@ def test_uneven_placements_on_eight_ranks_and_at_ep2(tmp_path):
     for world, jobs, experts in ((8, eight, 6), (2, two, 5), (4, four, 5)):
         per_rank = run_ranks(world, layouts_worker, "qwen3_30b_a3b", jobs)
         for name in jobs:
-            placement = ranks(ZERO_RANK if "zero" in name else ODD) if "zero" in name or "odd" in name else None
-            assert_matches_single(single[experts], [rank[name] for rank in per_rank],
-                                  ep=4 if experts == 6 else 2, placement=placement)
+            assert_matches_single(single[experts], [rank[name] for rank in per_rank])
 
 
 # ------------------------------------------------------------------------- done: 5 experts over ep=2 hold 3 + 2

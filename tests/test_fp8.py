@@ -255,14 +255,14 @@ FP8_TILES = 1e-3  # step-1 blockwise grad norm: the norm averages those rounding
 FP8_LATER = {"losses": 1e-3, "grad norms": 2e-2, "weights": 0.2}
 
 
-def fp8_layout_errors(single, results, scaling: str, ep: int = 1, placement=None) -> dict:
+def fp8_layout_errors(single, results, scaling: str) -> dict:
     """{check: (worst error, where, bound)} of an FP8 run under a layout (every rank's (losses, grad norms,
     weights), tests/test_train.py:run_train) against the same FP8 run in one process (the bounds above)."""
     first = lambda what: worst_error((rel_err(torch.tensor(run[what][:1]), torch.tensor(single[what][:1])),
                                       f"rank {rank}") for rank, run in enumerate(results))
     errors = {"step-1 loss": (*first(0), LAYOUT_TOLERANCE),
               "step-1 grad norm": (*first(1), LAYOUT_TOLERANCE if scaling == "rowwise" else FP8_TILES)}
-    for what, (error, where, _) in layout_errors(single, results, ep, placement=placement).items():
+    for what, (error, where, _) in layout_errors(single, results).items():
         if what in FP8_LATER:  # (expert bias: --expert-bias-rate 0)
             errors[what] = (error, where, FP8_LATER[what])
     return errors

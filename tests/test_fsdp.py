@@ -174,14 +174,13 @@ def check_layouts(tiny_train_setup, tmp_path, world: int, layouts: dict, more: d
         placement = [int(r) for r in layout["expert_placement"].split(",")] if "expert_placement" in layout else None
         results = [rank[job][0] for rank in runs]
         if v in FP8:
-            errors = fp8_layout_errors(single[v], results, flags["fp8_recipe"], ep=layout.get("ep", 1),
-                                       placement=placement)
+            errors = fp8_layout_errors(single[v], results, flags["fp8_recipe"])
             print(f"{job}: " + ", ".join(f"{what} {e:.1e} (<= {b:.0e})" for what, (e, _, b) in errors.items()))
             failed = {what: found for what, found in errors.items() if not found[0] <= found[2]}
             assert not failed, f"{job} differs from one process (error, where, bound): {failed}"
         else:
             try:
-                worst = assert_matches_single(single[v], results, ep=layout.get("ep", 1), placement=placement)
+                worst = assert_matches_single(single[v], results)
             except AssertionError as e:
                 raise AssertionError(f"{job}: {e}") from None
             print(f"{job} vs one process: losses / grad norms / weights {' / '.join(f'{e:.1e}' for e in worst)}")

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from core.checkpoint import resolve_resume
+from core.fsdp import expert_checkpoint_entries
 from core.mesh import resolve_layout
+from core.training import parameter_rules
 from recipes.qwen3_30b_a3b import train
 from tests.multiproc import run_ranks
 
@@ -58,8 +60,16 @@ def train_args(config, data, out, steps=5, **extra):
 
 
 def run_train(argv, main=train.main):
+    """(losses, grad norms, state) of a train.py run. state: every parameter and buffer the run's model holds, by
+    name; a routed-expert tensor (Model.parameter_rules' expert_ids) as one entry per global expert, `name[e]` (as
+    checkpoints hold them, core/fsdp.py:expert_checkpoint_entries), so that each ep rank's experts meet one
+    process's by id under any placement."""
     history, model = main(argv)
-    return [h["loss"] for h in history], [h["grad_norm"] for h in history], {k: v.detach().clone() for k, v in model.state_dict().items()}
+    rules, state = parameter_rules(model), {}
+    for name, t in model.state_dict().items():
+        ids = rules[name].expert_ids if name in rules else None
+        state.update({name: t} if ids is None else expert_checkpoint_entries(name, t, ids))
+    return [h["loss"] for h in history], [h["grad_norm"] for h in history], {k: v.detach().clone() for k, v in state.items()}
 
 
 def held_experts(num_experts: int, ep: int, ep_rank: int, placement=None) -> list[int]:
@@ -73,25 +83,20 @@ def held_experts(num_experts: int, ep: int, ep_rank: int, placement=None) -> lis
     return [e for e, rank in enumerate(placement) if rank == ep_rank]
 
 
-def rank_part(run, what: str, name: str, rank: int, ep: int = 1, placement=None) -> torch.Tensor:
-    """What rank `rank` of a layout holds of one process's run (losses, grad norms, weights): the losses, the grad
-    norms, or weight `name`, of a routed expert tensor only the experts of its ep rank (ep is the innermost mesh
-    dim, so ep rank = rank % ep) under `placement` (held_experts)."""
-    losses, norms, weights = run
-    if what != "weights":
-        return torch.tensor(losses if what == "losses" else norms)
-    ref = weights[name]
-    return ref[held_experts(ref.shape[0], ep, rank % ep, placement)] if ".mlp.experts." in name else ref
-
-
-def layout_items(reference, results, ep: int = 1, placement=None):
-    """(what, where, rank's tensor, name) of every rank's losses, grad norms and weights; what: "losses", "grad
-    norms", "weights" or "expert bias" (expert-selection biases, --expert-bias-rate), name the weight's."""
+def layout_items(results):
+    """(what, where, rank's tensor, name) of every rank's losses, grad norms and state (run_train's: parameters,
+    buffers, each routed expert by its global id); what: "losses", "grad norms" or "weights"."""
     for rank, (losses, norms, weights) in enumerate(results):
         yield "losses", f"rank {rank}", torch.tensor(losses), ""
         yield "grad norms", f"rank {rank}", torch.tensor(norms), ""
         for name, w in weights.items():
-            yield "expert bias" if name.endswith("expert_bias") else "weights", f"rank {rank} {name}", w, name
+            yield "weights", f"rank {rank} {name}", w, name
+
+
+def one_process_part(run, what: str, name: str) -> torch.Tensor | None:
+    """One process's losses, grad norms or state entry `name` (None: it has no such entry)."""
+    losses, norms, weights = run
+    return torch.tensor(losses if what == "losses" else norms) if what != "weights" else weights.get(name)
 
 
 def noise_bound(noise: float) -> float:
@@ -100,26 +105,23 @@ def noise_bound(noise: float) -> float:
     return max(NOISE_FLOOR, NOISE_FACTOR * noise)
 
 
-def layout_errors(reference, results, ep: int = 1, error=rel_err, placement=None, reference64=None,
-                  tolerance: float = LAYOUT_TOLERANCE, floor: float = 0.0) -> dict[str, tuple[float, str, float]]:
-    """Every rank's losses, grad norms and weights against one process's `reference` (rank_part), the worst
-    of each kind with where it was and its bound: {"losses", "grad norms", "weights", "expert bias": (error,
-    where, bound)}. The bound is `tolerance`, or, given the float64 run of the same one process (reference64),
-    each tensor's own: noise_bound of its fp32 run's distance from the float64 run; the worst is the tensor with
-    the largest error / bound (at least `floor`). All ranks together must hold every weight (a weight none holds:
-    inf).
-    Expert-selection biases are compared bit for bit (bound 0), the rest by `error`."""
-    found = {"losses": [], "grad norms": [], "weights": [], "expert bias": []}
+def layout_errors(reference, results, error=rel_err, reference64=None,
+                  tolerance: float = LAYOUT_TOLERANCE) -> dict[str, tuple[float, str, float]]:
+    """Every rank's losses, grad norms and state (parameters, buffers, routed experts by global id: run_train's)
+    against one process's `reference`, the worst of each kind with where it was and its bound: {"losses", "grad
+    norms", "weights": (error, where, bound)}. The bound is `tolerance`, or, given the float64 run of the same one
+    process (reference64), each tensor's own: noise_bound of its fp32 run's distance from the float64 run; the worst
+    is the tensor with the largest error / bound. All ranks together must hold every entry of the reference, and
+    none it lacks (either: inf)."""
+    found = {"losses": [], "grad norms": [], "weights": []}
     held = set()
-    for what, where, got, name in layout_items(reference, results, ep, placement):
-        rank = int(where.split()[1])
-        ref = rank_part(reference, "weights" if name else what, name, rank, ep, placement)
+    for what, where, got, name in layout_items(results):
+        ref = one_process_part(reference, what, name)
         held.add(name)
-        if what == "expert bias":
-            found[what].append((bitwise_error(got, ref), where, 0.0))
+        if ref is None:
+            found[what].append((math.inf, f"{where}: not in one process's run", 0.0))
             continue
-        bound = tolerance if reference64 is None else max(floor, noise_bound(
-            rel_err(ref, rank_part(reference64, "weights" if name else what, name, rank, ep, placement))))
+        bound = tolerance if reference64 is None else noise_bound(rel_err(ref, one_process_part(reference64, what, name)))
         found[what].append((error(got, ref), where, bound))
     found["weights"] += [(math.inf, f"held by no rank: {name}", 0.0) for name in sorted(set(reference[2]) - held)]
     return {what: worst_bounded(errors) for what, errors in found.items()}
@@ -135,10 +137,10 @@ def worst_bounded(errors) -> tuple[float, str, float]:
     return worst if worst[0] != 0 else (0.0, "", min((e[2] for e in errors), default=0.0))
 
 
-def assert_matches_single(reference, results, ep: int = 1, placement=None) -> list[float]:
-    """Every rank's (losses, grad norms, weights) equal one process's within LAYOUT_TOLERANCE (relative), the
-    expert biases bit for bit (layout_errors). Returns the worst relative errors [losses, grad norms, weights]."""
-    errors = layout_errors(reference, results, ep, placement=placement)
+def assert_matches_single(reference, results) -> list[float]:
+    """Every rank's (losses, grad norms, state) equal one process's within LAYOUT_TOLERANCE (relative; layout_errors).
+    Returns the worst relative errors [losses, grad norms, weights]."""
+    errors = layout_errors(reference, results)
     failed = {what: errors[what] for what in errors if not errors[what][0] <= errors[what][2]}
     assert not failed, f"differ from one process (error, where, bound): {failed}"
     return [errors[what][0] for what in ("losses", "grad norms", "weights")]
@@ -285,21 +287,29 @@ def test_lr_schedules(schedule):
 
 def test_each_tensor_is_held_to_its_own_noise():
     """layout_errors with a float64 run: a tensor whose fp32 run is far from float64 (a near-cancelling sum) may
-    differ by up to NOISE_FACTOR times that, one that is not by no more than NOISE_FLOOR; experts per ep rank."""
+    differ by up to NOISE_FACTOR times that, one that is not by no more than NOISE_FLOOR; routed experts by global
+    id, wherever a rank holds them; an entry no rank holds, or one the reference lacks, fails."""
     ones = torch.ones(4, 3)
     noisy, quiet = ones.clone(), ones.clone()
     noisy[0, 0] += 2e-4  # the fp32 run's rounding, seen against float64: relative noise 2e-4 / sqrt(12) = 5.8e-5
-    reference64 = ([1.0], [1.0], {"lam": ones, "w": ones, "layers.0.mlp.experts.w": ones})
-    reference = ([1.0], [1.0], {"lam": noisy, "w": quiet, "layers.0.mlp.experts.w": quiet})
-    layout = lambda lam, w, experts: ([1.0], [1.0], {"lam": lam, "w": w, "layers.0.mlp.experts.w": experts})
-    within = layout(noisy + 5e-4, quiet, quiet[:2])
-    errors = layout_errors(reference, [within, within], ep=2, reference64=reference64)
+    experts = lambda t, ids: {f"experts.w[{e}]": t[e] for e in ids}
+    reference64 = ([1.0], [1.0], {"lam": ones, "w": ones, **experts(ones, range(4))})
+    reference = ([1.0], [1.0], {"lam": noisy, "w": quiet, **experts(quiet, range(4))})
+    layout = lambda lam, w, held: ([1.0], [1.0], {"lam": lam, "w": w, **held})
+    within = [layout(noisy + 5e-4, quiet, experts(quiet, ids)) for ids in ([0, 1], [2, 3])]
+    errors = layout_errors(reference, within, reference64=reference64)
     assert errors["weights"][0] == pytest.approx(5e-4, rel=1e-3)  # every element off by 5e-4: 9 x the floor
     assert errors["weights"][2] == pytest.approx(NOISE_FACTOR * 2e-4 / math.sqrt(12), rel=1e-3)
     assert errors["weights"][0] <= errors["weights"][2] and errors["losses"] == (0.0, "", NOISE_FLOOR)
-    above_floor = layout_errors(reference, [layout(noisy, quiet * (1 + 3e-6), quiet)], reference64=reference64)
+    above_floor = layout_errors(reference, [layout(noisy, quiet * (1 + 3e-6), experts(quiet, range(4)))],
+                                reference64=reference64)
     assert above_floor["weights"][1:] == ("rank 0 w", NOISE_FLOOR)  # 3e-6 > NOISE_FLOOR: fails
-    wrong_expert = quiet[:2].clone()
-    wrong_expert[1] += 1e-5  # rank 1's second expert (global 3): compared with expert 3 of one process's
-    errors = layout_errors(reference, [within, layout(noisy, quiet, wrong_expert)], ep=2, reference64=reference64)
-    assert errors["weights"][1] == "rank 1 layers.0.mlp.experts.w" and errors["weights"][0] > NOISE_FLOOR
+    wrong_expert = quiet.clone()
+    wrong_expert[3] += 1e-5  # rank 1's expert 3 (held second): compared with expert 3 of one process's
+    errors = layout_errors(reference, [within[0], layout(noisy, quiet, experts(wrong_expert, [3, 2]))],
+                           reference64=reference64)
+    assert errors["weights"][1] == "rank 1 experts.w[3]" and errors["weights"][0] > NOISE_FLOOR
+    unheld = layout_errors(reference, [within[0], layout(noisy, quiet, experts(quiet, [2]))])
+    assert unheld["weights"][:2] == (math.inf, "held by no rank: experts.w[3]")
+    extra = layout_errors(reference, [layout(noisy, quiet, {**experts(quiet, range(4)), "bias": ones})])
+    assert extra["weights"][:2] == (math.inf, "rank 0 bias: not in one process's run")

@@ -44,7 +44,7 @@ def check_layout(recipe: str, layout: dict[str, int], data, out_dir, config="", 
     single = run_train(argv("single"), setup.train.main)
     ranks = run_ranks(math.prod(layout.values()), run_train, argv(name, **layout), setup.train.main)
     try:
-        verdict = assert_matches_single(single, ranks, ep=layout.get("ep", 1))
+        verdict = assert_matches_single(single, ranks)
     except AssertionError as e:
         verdict = f"FAIL: {str(e).splitlines()[0]}"
     lines = [f"layout {name} ({len(ranks)} ranks) vs one process: recipe {recipe}, {steps} steps",

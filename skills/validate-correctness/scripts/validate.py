@@ -1,6 +1,6 @@
 """A recipe's whole correctness set in one command, printed as one table (row id, check, worst error, its bound,
-error / bound, PASS/FAIL, where the worst error was). Exit code 0 only if every check passes; 1 on a FAIL; 2 on bad
-input (one line).
+error / bound, PASS / FAIL / ERROR, where the worst error was). Exit code 0 only if every check passes; 1 on a FAIL;
+2 on bad input (one line); 3 when a row could not be computed (ERROR: the row says why, runs.log has the traceback).
 
     python skills/validate-correctness/scripts/validate.py --recipe NAME [--only GROUP,... | --rows ID,...]
         [--data DIR] [--workdir DIR] [--near FRACTION]
@@ -17,8 +17,9 @@ work those rows need runs, e.g. one layout's ranks):
   layouts  ep2, pp2, cp2, pp2xep2, cp2xep2 against one process; model-level cp2 and cp2xep2; resume at ep2;
            --recompute; pp2 in bf16; the export at pp2xep2 (2 and 4 gloo ranks on CPU, started first: they run
            while this process checks the other groups)
-A row whose error is within 10% of its bound (--near) gets a line saying what the same comparison gives in float64:
-rounding if it vanishes there, a bug if it stays (a layout row's ranks run again in float64 for it).
+Every bound comes from the recipe's model (its float64 or bf16 noise). A row over its bound, or within 10% of it
+(--near), gets a line saying what the same comparison gives in float64: rounding if it vanishes there (the row then
+passes), a bug if it stays (a layout row's ranks run again in float64 for it).
 
 The run reads a copy of recipes/ taken as it starts (every process, the ranks included), so the recipe can be
 edited while it runs. Without --data the tiny counting dataset of the tests is written to the scratch folder;
@@ -134,8 +135,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="", help="comma-separated row ids (the table's first column): only these")
     parser.add_argument("--data", default="", help="token shards (default: the tests' counting dataset, written here)")
     parser.add_argument("--workdir", default="", help="a folder (any) in which a new folder keeps the runs and runs.log")
-    parser.add_argument("--near", type=float, default=None, help="a row within this fraction of its bound gets its "
-                        "float64 comparison (a layout's ranks run again in float64; default 0.1)")
+    parser.add_argument("--near", type=float, default=None, help="a row over its bound or within this fraction of "
+                        "it gets its float64 comparison (a layout's ranks run again in float64; default 0.1)")
     args = parser.parse_args(argv)
     recipes.check_recipe_name(args.recipe)
     if args.data and not (Path(args.data) / "meta.json").is_file():
@@ -171,9 +172,10 @@ def main(argv=None) -> int:
                   f"BASE_RECIPE, documents and some layout rows need the model's features")
             return 1
         print(format_table(results, near))
-    ok = all(r.ok for r in results)
-    print("ALL PASS" if ok else f"SOME CHECKS FAILED ({sum(not r.ok for r in results)} of {len(results)})")
-    return 0 if ok else 1
+    ok, errors = all(r.ok for r in results), sum(bool(r.failed) for r in results)
+    print("ALL PASS" if ok else f"SOME CHECKS FAILED ({sum(not r.ok for r in results)} of {len(results)}"
+          + (f"; {errors} could not be computed: ERROR)" if errors else ")"))
+    return 0 if ok else 3 if errors else 1
 
 
 if __name__ == "__main__":
