@@ -7,7 +7,6 @@ import json
 import torch
 import torch.distributed as dist
 
-from core.training import parameter_rules
 from recipes.qwen3_30b_a3b import train
 from recipes.qwen3_30b_a3b.model import Model, ModelConfig
 from tests.conftest import TINY_TRAIN_CONFIG
@@ -73,25 +72,18 @@ def recorded_runs(runs: list[list[str]]):
     return out
 
 
-def weight_errors(ranks, ref, ep: int = 1) -> dict[tuple[int, str], float]:
-    """{(rank, name): relative error of the tensor against a one-process run}; a rank's routed experts (the model's
-    declaration: ParamRule.expert_ids) are its ep-th slice (as in tests/test_train.py's assert_matches_single)."""
-    ref_weights = ref[2]
-    routed = lambda name: name in ROUTED and ROUTED[name].expert_ids is not None  # (buffers: none)
-    return {(rank, name): rel_err(w, ref_weights[name].chunk(ep)[rank % ep] if routed(name) else ref_weights[name])
-            for rank, (_, _, weights) in enumerate(ranks) for name, w in weights.items()}
+def weight_errors(ranks, ref) -> dict[tuple[int, str], float]:
+    """{(rank, name): relative error of the tensor against a one-process run}; routed experts by global id, as every
+    run holds them (tests/test_train.py:run_train's `name[e]`)."""
+    return {(rank, name): rel_err(w, ref[2][name]) for rank, (_, _, weights) in enumerate(ranks)
+            for name, w in weights.items()}
 
 
-with torch.device("meta"):  # the rules of the 6-layer model this file trains (those of 2 layers among them)
-    ROUTED = parameter_rules(Model(ModelConfig(**{**{k: v for k, v in TINY_TRAIN_CONFIG.items() if k != "model_type"},
-                                                  "num_hidden_layers": 6})))
-
-
-def errors(ranks, ref, ep: int = 1) -> tuple[float, float, float]:
+def errors(ranks, ref) -> tuple[float, float, float]:
     """(losses, grad norms, worst weight) relative errors of a run's ranks against a one-process run."""
     (ref_losses, ref_norms, _), (losses, norms, _) = ref, ranks[0]
     return rel_err(torch.tensor(losses), torch.tensor(ref_losses)), \
-        rel_err(torch.tensor(norms), torch.tensor(ref_norms)), max(weight_errors(ranks, ref, ep).values())
+        rel_err(torch.tensor(norms), torch.tensor(ref_norms)), max(weight_errors(ranks, ref).values())
 
 
 def test_bf16_layouts_match_one_process_and_differ_from_fp32(tmp_path, tiny_train_setup):
@@ -119,13 +111,13 @@ def test_bf16_layouts_match_one_process_and_differ_from_fp32(tmp_path, tiny_trai
     layouts = {2: {"pp2": dict(pp=2), "ep2": dict(ep=2), "cp2": dict(cp=2),
                    "pp2 recompute": dict(pp=2, recompute="layer"), "cp2 recompute": dict(cp=2, recompute="attention")},
                4: {"pp2xep2": dict(pp=2, ep=2), "cp2xep2": dict(cp=2, ep=2)}}
-    results = {"single": ([bf16], [], 1)}
+    results = {"single": ([bf16], [])}
     for world, runs in layouts.items():
         per_rank = run_ranks(world, recorded_runs, [args(name, **extra) for name, extra in runs.items()])
-        results.update({name: ([rank[i][0] for rank in per_rank], [r for rank in per_rank for r in rank[i][1]],
-                               extra.get("ep", 1)) for i, (name, extra) in enumerate(runs.items())})
-    for name, (ranks, records, ep) in results.items():
-        (loss, norm, weight), (loss32, norm32, _) = errors(ranks, bf16, ep), errors(ranks, fp32, ep)
+        results.update({name: ([rank[i][0] for rank in per_rank], [r for rank in per_rank for r in rank[i][1]])
+                        for i, name in enumerate(runs)})
+    for name, (ranks, records) in results.items():
+        (loss, norm, weight), (loss32, norm32, _) = errors(ranks, bf16), errors(ranks, fp32)
         print(f"{name}: vs one-process bf16: losses {loss:.1e} grad norms {norm:.1e} worst weight {weight:.1e}; "
               f"vs fp32: losses {loss32:.1e} grad norms {norm32:.1e}")
         if name != "single":
@@ -143,7 +135,7 @@ def test_bf16_layouts_match_one_process_and_differ_from_fp32(tmp_path, tiny_trai
             # so the router, whose gradients are smallest, moves 15% in 3 steps under bf16 alone; both distances come
             # from the same rounding (measured: at most 0.92x, the layer-0 router at cp2 on AVX2), and a tensor whose
             # gradient is wrong moves by whole Adam steps in every element.
-            for (rank, tensor), err in weight_errors(ranks, bf16, ep).items():
+            for (rank, tensor), err in weight_errors(ranks, bf16).items():
                 assert err <= 2 * noise_weight[tensor], (name, rank, tensor, err, noise_weight[tensor])
         # not the aux statistics: Qwen3's state entry [2, E] (Model.initial_state), fp32 by design
         activations = [r for r in records if r[2] != (2, TINY_TRAIN_CONFIG["num_experts"])]
@@ -182,7 +174,6 @@ def saved_tensor_bytes(model, fn, *args) -> tuple:
 def test_recompute_changes_no_number_and_keeps_fewer_tensors():
     """One process, 2 MoE layers and 1 dense layer: loss and every gradient bitwise equal with --recompute attention
     and layer; the saved-tensor bytes fall from none to attention to layer."""
-    from recipes.qwen3_30b_a3b.model import Model, ModelConfig
 
     fields = {k: v for k, v in TINY_TRAIN_CONFIG.items() if k != "model_type"}
     cfg = ModelConfig(**{**fields, "num_hidden_layers": 3, "mlp_only_layers": [1]})
