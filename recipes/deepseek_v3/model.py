@@ -14,23 +14,9 @@ q/k head, R rope part (one rope key shared by all heads), U v head dim, C kv lat
 (held by this rank), k experts per token, G expert groups, M routed rows (token, expert), I expert ffn width,
 J = 2*I.
 
-A Model may be partial: `layers` picks which decoder layers it holds (parameter names keep the global
-layer index, `layers.7.…`), `expert_ids` which routed experts (global ids; with `ep_group` given, this rank's
-experts of the `placement`, core/placement.py, and tokens reach them through core/moe.py's all-to-all), `embed`/`head` whether it
-holds the embedding and the final norm + LM head (and the MTP module, which shares both). Checkpoint I/O then
-touches only those tensors.
-
-Seams (skills/add-new-architecture/SKILL.md's table, in this file's order): a config field `ModelConfig`,
-`load_config`; attention `Attention.forward` (through core.attention.attention) and its masks `Model.set_positions`;
-the router `Router`, `MoE.route`; expert kinds `ModelConfig.num_choices` (the router's choices) vs `num_experts`
-(the dispatched ones), `DecoderLayer.finish`; the layer's step order `DecoderLayer.before_mlp` (recompute:
-`DecoderLayer._run`); state crossing pipeline stages: the `state` list of `DecoderLayer` (entries after the first
-two pass through every base layer) made by `Model.initial_state` (what crosses pp ranks follows it); the running
-micro-batch `DecoderLayer.current_rope` (core.pipeline.running); loss terms `Model.loss_terms` (name -> weight,
-denominator) and their sums `Model.loss_sums`; per-token inputs made from whole sequences `Model.prepare_batch`;
-optional flags `Model.features`; statistics `Model.take_stats`; after each step `Model.after_step`; each parameter's
-group, Muon matrices and init `Model.parameter_rules`; slots a token fills `ModelConfig.slots_per_token`; the shared
-checks' config `check_setup` (end of file).
+A Model may be partial as in recipes/qwen3_30b_a3b/model.py's docstring (`embed`/`head` also decide the MTP
+module, which shares both); the seams follow skills/add-new-architecture/SKILL.md's table in this file's order;
+the layer protocol and router contract: AGENTS.md.
 """
 
 import json
@@ -153,22 +139,15 @@ class ModelConfig:
 
     @property
     def num_choices(self) -> int:
-        """The router's choice space: the ids it scores and picks, 0..num_choices-1 (its weight rows, expert
-        bias, load and aux statistics). num_experts (config.json's n_routed_experts) counts the routed experts
-        core dispatches, ids 0..num_experts-1, held by the ep ranks. They are the same here; a router that also picks
-        choices computed on the token's own rank (zero-computation experts, ids num_experts..num_choices-1)
-        returns more, and hands those slots to core as -1 (core/moe.py: router contract)."""
+        """The router's choice space (AGENTS.md: router contract): n_routed_experts, the same as num_experts here."""
         return self.num_experts
 
     @property
     def slots_per_token(self) -> float:
-        """Routed-expert slots a token fills, on average over tokens (kept ids < num_experts: core/moe.py's router
-        contract): what the memory estimate, the FLOPs, the planner and the shared checks count per token. Every
-        token fills num_experts_per_tok here; a router that keeps a variable number returns its mean."""
+        """Mean routed-expert slots a token fills (AGENTS.md): every token fills num_experts_per_tok here."""
         return float(self.num_experts_per_tok)
 
-    calibration_seq_len = 64  # tokens per sequence of core/memory.py's activation calibration (64: whole
-    # linear-attention chunks); a feature that acts only on longer sequences (block sparsity) asks for more
+    calibration_seq_len = 64  # tokens per sequence of core/memory.py's activation calibration
 
     @property
     def router_aux_loss_coef(self) -> float:
@@ -208,8 +187,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # statistics in fp32, output in the input dtype (bf16 on the bf16 path), as transformers does for a model
-        # of that dtype
+        # statistics in fp32, output in the input dtype (bf16 on the bf16 path), as transformers does
         x32 = upcast(x)  # fp32, or float64 kept (a float64 reference model)
         return self.weight.to(x.dtype) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
@@ -352,8 +330,7 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stacked for grouped GEMMs: gate_up_proj [E, H, J], down_proj [E, I, H]; local expert j is
-    global expert expert_ids[j]."""
+    """Routed experts stacked for grouped GEMMs: gate_up_proj [E, H, J], down_proj [E, I, H]; expert_ids: global ids."""
 
     def __init__(self, cfg: ModelConfig, expert_ids: list[int]):
         super().__init__()
@@ -406,21 +383,10 @@ MTP_WEIGHT = 0.3  # lambda of the MTP loss (Model.loss_terms)
 
 
 class DecoderLayer(nn.Module):
-    """One decoder layer. Its step order is written once, in `before_mlp` (the attention block with its residual
-    add, then the MLP's input norm), followed by the MLP: routed and shared experts as the three compute steps that
-    core/pipeline.py interleaves (its contract): (1) `attention` (before_mlp, router, shared experts), (3)
-    `routed_experts`, (5) `finish` (residual add), the dispatch and combine all-to-alls (2) and (4) running between
-    them in core/moe.py; or a dense MLP (`dense`). The shared experts run in (1), so under the pipeline's overlap
-    they compute while another micro-batch's all-to-all is in flight. `state` is [hidden x_BSH, balance loss aux_1,
-    *more] (more: whatever a variant's Model.initial_state adds, passed through untouched). `rope` holds (cos, sin,
-    attention mask) of each micro-batch of the step, set by Model.set_positions (one entry: the same for every
-    micro-batch); `current_rope` picks the running one.
-
-    recompute (RECOMPUTE) wraps these same functions (`_run`): "attention" keeps only the input of each attention
-    block (input norm, projections, latent norm, rope, expansion, attention, output projection) and recomputes the
-    rest in backward; "layer" keeps only the inputs of before_mlp and of the router, of the shared experts, or of a
-    dense layer: in backward the dispatch all-to-all runs again (core/moe.py recompute_dispatch), then step (3) (the
-    expert GEMMs and SwiGLU). The router (whose expert counts are statistics) and the combine run once; with cp,
+    """One decoder layer: AGENTS.md's layer protocol, its steps and recompute as recipes/qwen3_30b_a3b/model.py's
+    DecoderLayer. Step (1) also runs the shared experts, so under the pipeline's overlap they compute while another
+    micro-batch's all-to-all is in flight. `state` is [hidden x_BSH, balance loss aux_1, *more]. --recompute
+    "attention" also recomputes the latent norm and the per-head expansion, "layer" the shared experts too; with cp
     the latent gather runs again with its attention block (on every cp rank alike)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, expert_ids: list[int], ep_group, cp_group=None,
@@ -437,17 +403,14 @@ class DecoderLayer(nn.Module):
         self.rope = None
 
     def _run(self, mode: str, fn, *args):
-        """fn(*args); under --recompute `mode` the tensors fn saves for backward are dropped and fn runs again in
-        backward (torch.utils.checkpoint, non-reentrant: it nests in core/pipeline.py's autograd segments, replays
-        the autocast state, and the delayed expert weight gradients capture the recomputed tensors). Nothing in fn
-        draws random numbers, so no RNG state is kept."""
+        """fn(*args); under --recompute `mode` fn runs again in backward (non-reentrant checkpoint; no RNG state:
+        nothing in fn draws random numbers)."""
         if self.recompute == mode and torch.is_grad_enabled():
             return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
         return fn(*args)
 
     def current_rope(self):
-        """(cos, sin, mask...) of the micro-batch computing now (core.pipeline.running: under the pipeline's
-        overlap and in a recompute inside a backward too)."""
+        """(cos, sin, mask) of the micro-batch computing now (core.pipeline.running), set by Model.set_positions."""
         return self.rope[0] if len(self.rope) == 1 else self.rope[running.micro_batch]
 
     def attention_block(self, x_BSH):
@@ -527,17 +490,12 @@ class TrainOutput:
 
     @property
     def aux_loss(self) -> torch.Tensor:
-        # "aux": sequence-wise balance loss (unscaled, see Model.aux_loss); with cp, this rank's part of the
-        # micro-batch's loss (the cp ranks' parts sum to it)
+        # "aux": the balance loss, unscaled (Model.aux_loss); with cp this rank's part (the cp ranks' parts sum to it)
         return self.terms["aux"]
 
 
 class Model(nn.Module):
-    # optional training features this model has; train.py's check_run refuses a flag asking for another (one
-    # error: line before any rank starts) and tests/recipe_checks.py skips its checks: expert_bias
-    # (--expert-bias-rate, after_step), aux_loss (--aux-loss-coef), recompute (--recompute), fp8 (--fp8), muon
-    # (--optimizer muon: parameter_rules), document_mask (--document-mask). A variant whose features depend on the
-    # config makes this a property of self.cfg (train.py and the checks ask a model built on the meta device)
+    # optional training features this model has (core/training.py:check_features; recipes/qwen3_30b_a3b/model.py)
     features = frozenset({"expert_bias", "aux_loss", "recompute", "fp8", "muon", "document_mask"})
     expert_bias_rate = 0.0  # after_step's --expert-bias-rate; > 0: take_stats reports each router's bias range
 
@@ -583,27 +541,16 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """Every parameter by its rule's init (parameter_rules; core/training.py:init_parameters: each tensor, each
-        routed expert's row, from a generator seeded by base_seed and its name, so a partial model (pipeline stage,
-        any expert placement) gets exactly its part of the full model's weights; seed the default generator the
-        same on every rank). Every buffer starts at zero (expert_bias): a buffer that needs another start value gets
-        its rule here, since a model built on the meta device (the --hf-checkpoint path) has nothing else to fill it
-        (tests/test_recipes.py checks every buffer)."""
+        """Every parameter by its rule's init (parameter_rules, core/training.py:init_parameters: a partial model gets
+        its part of the full model's weights), every buffer (expert_bias) zero: as recipes/qwen3_30b_a3b/model.py."""
         for buf in self.buffers():
             buf.zero_()
         init_parameters(self, self.base_seed)
 
     def set_positions(self, position_ids_BS, cp_split: bool = True, doc_ids_BK=None) -> None:
-        """Rope at these positions, and the attention mask, for every layer: one micro-batch's tensors for every
-        micro-batch, or lists of them, one per micro-batch of the step, of which each layer takes the running
-        one (DecoderLayer.current_rope).
-
-        With a cp group and cp_split, a micro-batch holds this rank's split_for_cp part of each sequence (S =
-        seq_len / cp): latents are gathered over the cp group and masked causally by global position (CPMask,
-        S x S * cp). doc_ids_BK (train.py --document-mask): the document of each token of the WHOLE
-        sequences [B, S * cp] (every cp rank knows them), so that attention stays inside each document; rope's
-        positions then restart at each document (core.data.positions_in_documents), as if each ran alone. The sequence-wise balance loss stays per packed sequence.
-        cp_split=False: whole sequences, computed by every cp rank alone (generation, evaluation)."""
+        """Rope and the attention mask for every layer (the MTP module's too), as recipes/qwen3_30b_a3b/model.py's
+        (micro-batch lists, cp_split, doc_ids_BK of the WHOLE sequences); under cp the latents are gathered
+        (Attention.forward). With documents rope restarts at each; the balance loss stays per packed sequence."""
         many = isinstance(position_ids_BS, list)
         pairs = zip(position_ids_BS, doc_ids_BK or [None] * len(position_ids_BS)) if many else [(position_ids_BS, doc_ids_BK)]
         cp, cp_rank = (1, 0) if self.cp_group is None or not cp_split else \
@@ -625,23 +572,18 @@ class Model(nn.Module):
         return cp_positions(S * cp, cp_rank, cp, device).expand(B, S)
 
     def loss_terms(self, args) -> dict[str, LossTerm]:
-        """The terms of the training objective by name (core/training.py:LossTerm; train.py --loss-weight NAME=W
-        overrides a weight): "lm" the cross-entropy per trained token, "aux" the sequence-wise balance loss per
-        micro-batch (--aux-loss-coef; ModelConfig.router_aux_loss_coef), and with an MTP module "mtp": its
-        cross-entropy per valid MTP target (the paper's L_MTP, eq. 25, depth 1), weight lambda = MTP_WEIGHT (the
-        paper's 0.3 of its first 10T tokens; it then used 0.1: --loss-weight mtp=0.1). Their sums: loss_sums."""
+        """The objective's terms (core/training.py:LossTerm; --loss-weight NAME=W): "lm" per trained token, "aux" the
+        sequence-wise balance loss per micro-batch (--aux-loss-coef; ModelConfig.router_aux_loss_coef), with an MTP
+        module "mtp": its cross-entropy per valid MTP target (the paper's L_MTP, eq. 25, depth 1), weight lambda =
+        MTP_WEIGHT (the paper's 0.3 of its first 10T tokens; it then used 0.1: --loss-weight mtp=0.1)."""
         aux = self.cfg.router_aux_loss_coef if args.aux_loss_coef < 0 else args.aux_loss_coef
         mtp = {"mtp": LossTerm(MTP_WEIGHT, "mtp_targets")} if self.cfg.num_nextn_predict_layers else {}
         return {"lm": LossTerm(1.0, "tokens"), "aux": LossTerm(aux, "micro_batches"), **mtp}
 
     def initial_state(self, input_ids_BS, extras: dict):
-        """[embedding, balance loss 0 [1]]: the state the first decoder layer reads, as the first pipeline stage
-        creates it; a variant appends entries here (base layers pass them through, and what crosses pp ranks is
-        what this returns: core/pipeline.py takes its shapes and dtypes from it). The embedding is in the compute
-        dtype: under bf16 autocast (which leaves the lookup in fp32) that is bf16, and with it the residual stream,
-        every norm's output and all that crosses ranks (hidden states between pipeline stages, dispatched and
-        combined rows, the cp-gathered latents); fp32 stays where numerics need it: norm statistics, rope, router
-        softmax, loss, the balance loss."""
+        """[embedding, balance loss 0 [1]]: the state stage 0 creates, what crosses pp ranks (a variant appends
+        entries: recipes/qwen3_30b_a3b/model.py). The embedding is in the compute dtype, and with it the cp-gathered
+        latents; rope and the balance loss are computed in fp32 (AGENTS.md's bf16 path)."""
         return [self.embed(input_ids_BS), torch.zeros(1, device=input_ids_BS.device)]
 
     def embed(self, input_ids_BS):
@@ -649,8 +591,7 @@ class Model(nn.Module):
         return h_BSH.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else h_BSH
 
     def trunk(self, input_ids_BS, position_ids_BS=None, cp_split: bool = True, doc_ids_BK=None, extras=None):
-        """Embedding + decoder layers + final norm: the final state, its hidden state normed: [h_BSH, balance loss
-        [1], ...]."""
+        """Embedding + decoder layers + final norm: the final state [h_BSH normed, balance loss [1], ...]."""
         B, S = input_ids_BS.shape
         if position_ids_BS is None:
             position_ids_BS = self.default_positions(B, S, input_ids_BS.device, cp_split)
@@ -695,9 +636,8 @@ class Model(nn.Module):
 
     def mtp_loss_sum(self, h_BSH, mtp_input_ids_BS, mtp_labels_BS, aux_1):
         """The MTP module's summed cross-entropy over its valid targets (mtp_labels != -100) and aux_1 with its MoE
-        layer's balance term: h_BSH the main model's final-normed hidden state, mtp_input_ids the token after each
-        position, mtp_labels the one after that (prepare_batch). Same positions and mask as the main layers
-        (set_positions), the shared embedding and head."""
+        layer's balance term, from the main model's final-normed h_BSH and prepare_batch's tensors; the main layers'
+        positions and mask (set_positions), the shared embedding and head."""
         e_BSH = self.embed(mtp_input_ids_BS)
         g_BSH, aux_1 = self.mtp(h_BSH, e_BSH, aux_1)
         return self.cross_entropy_sum(g_BSH, mtp_labels_BS), aux_1
@@ -724,21 +664,14 @@ class Model(nn.Module):
         multiplies by --aux-loss-coef; off by default, ModelConfig.router_aux_loss_coef), summed over the MoE layers:
         per layer, the mean over the micro-batch's sequences of sum_e f_e * P_e, with f_e = E / (k * T) * (slots of
         the sequence routed to e) and P_e = mean over the sequence's T tokens (all tokens, every label) of the
-        token's sigmoid score of e divided by the sum of its scores over all experts (Router.forward). Each layer adds its term to the carried aux_1 (MoE.route),
-        so it crosses pipeline stages as one number; with cp, a rank's part uses the whole sequence's counts and
-        its own tokens' probabilities: the parts add up to the loss and each part's gradient is exact."""
+        token's sigmoid score of e divided by the sum of its scores over all experts (Router.forward). Each layer
+        adds its term to aux_1 (MoE.route), which crosses pipeline stages as one number; with cp, a rank's part uses
+        the whole sequence's counts and its own tokens' probabilities: the parts add up, each part's gradient exact."""
         return aux_1.sum()
 
     def take_stats(self) -> dict[str, tuple[torch.Tensor, str]]:
-        """This rank's statistics since the last call, for the log line, TensorBoard and metrics.jsonl: name ->
-        (tensor, "sum" | "max": how core/metrics.py:reduce_stats combines the ranks, which hold other tokens (dp,
-        cp, ep) or other layers (pp)). Every rank returns the same names and shapes (rows of layers held by other
-        pipeline stages are 0, or -inf for "max"). expert_load [MoE layers, num_choices] is required (the expert
-        bias and the load heatmap use it); a new router adds its own entries. Scalars and 1-D tensors are logged.
-        "gather" (core/metrics.py:reduce_stats) concatenates the ranks' rows instead (per-token records for an
-        after_step file; not logged). Optional expert_live [MoE layers, num_choices] ("max"; 1 where the router
-        can choose the expert now, 0 elsewhere and on rows of other stages' layers): the load max/mean and the
-        collapse warning then count only those; absent: every choice is live."""
+        """This rank's statistics since the last call, name -> (tensor, "sum" | "max" | "gather"): the seam of
+        recipes/qwen3_30b_a3b/model.py's take_stats; expert_load has a row per MoE layer, the MTP module's last."""
         stats = {"expert_load": (self.take_expert_load(), "sum")}
         if self.expert_bias_rate > 0:  # expert_bias_range: each MoE layer's bias max - min (-inf: another stage's)
             none = torch.tensor(-torch.inf, device=stats["expert_load"][0].device)
@@ -748,18 +681,15 @@ class Model(nn.Module):
         return stats
 
     def after_step(self, done) -> None:
-        """The post-step seam: train.py calls it on every rank after each optimizer step (a skipped step too) with a
-        core.training.StepDone: step, stats (take_stats reduced over all ranks), optimizer (reinit_ for re-initialised
-        rows), out (the run's folder), args, skipped, mesh. What every rank does here must be the same (the stats
-        are), so replicas stay identical. Here: the aux-loss-free expert-bias update (--expert-bias-rate)."""
+        """The post-step seam (AGENTS.md, core.training.StepDone): the aux-loss-free expert-bias update
+        (--expert-bias-rate), none at lr 0 or on a skipped step."""
         self.expert_bias_rate = done.args.expert_bias_rate
         if done.args.expert_bias_rate > 0 and done.args.lr > 0 and not done.skipped:
             self.update_expert_bias(done.stats["expert_load"], done.args.expert_bias_rate)
 
     @torch.no_grad()
     def update_expert_bias(self, load_LE: torch.Tensor, rate: float) -> None:
-        """Aux-loss-free balancing step of every router this rank holds, from the global expert load [MoE layers, E]
-        (identical on every rank, so the biases stay identical too)."""
+        """Aux-loss-free balancing step of every router this rank holds, from the global expert load [MoE layers, E]."""
         for (_, layer), load_E in zip(self.moe_layers(), load_LE):
             if layer is not None:
                 update_expert_bias(layer.mlp.gate.expert_bias, load_E, rate)
@@ -777,12 +707,8 @@ class Model(nn.Module):
         return load_LE
 
     def parameter_rules(self, name: str, t: torch.Tensor) -> ParamRule:
-        """What core does with parameter `name` (t: it, or a tensor of its shape; core/training.py:ParamRule): its
-        routed experts' global ids (FSDP2 mesh, gradient sums, checkpoint entries, memory estimate), the matrices
-        --optimizer muon orthogonalises (views of t; {}: AdamW) and its init. By name (core default_rule): routed
-        experts under `.mlp.experts.`, ones for norm weights, zeros for biases, Normal(0, initializer_range) for the
-        rest; Muon for the 2-D weights but the embedding, LM head and router. A parameter of another name or rule
-        is declared here."""
+        """What core does with parameter `name` (core/training.py:ParamRule, default_rule by name: AGENTS.md); the
+        stacked experts' Muon matrices are each expert's gate, up and down."""
         rule = default_rule(self, name, t, self.cfg.initializer_range)
         if rule.expert_ids is not None and name.endswith("gate_up_proj"):  # [E, H, J]: gate = [..., :I], up = [..., I:]
             gate, up = t.chunk(2, dim=-1)  # transformers' layout: one matrix per expert, gate and up apart
@@ -793,13 +719,7 @@ class Model(nn.Module):
 
 
 class PipelineStage:
-    """One pipeline stage over this rank's Model, as core/pipeline.py drives it: the initial state (embedding) on
-    the first stage, a run of decoder layers, and the final norm, LM head and loss terms on the last. Before each
-    step train.py sets `input_ids` / `labels` / `extras` (per micro-batch: Model.prepare_batch's tensors) and
-    `loss_fn(terms) -> loss`; the last stage adds each micro-batch's detached term sums to `stats` by name. What
-    crosses pp ranks is the state stage 0 creates (Model.initial_state: core/pipeline.py takes its shapes and
-    dtypes). A loss term computed at a middle stage (a regulariser over its layers' parameters) rides in a state
-    entry to the last stage, so its gradient flows back through the stage hand-offs like the hidden state's."""
+    """One pipeline stage over this rank's Model (AGENTS.md's layer protocol; recipes/qwen3_30b_a3b/model.py)."""
 
     def __init__(self, model: Model, layer_ids, first: bool, last: bool):
         self.model, self.first, self.last = model, first, last
@@ -819,15 +739,13 @@ class PipelineStage:
 
 
 def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str, float]]:
-    """Training FLOPs per token (forward + backward = 3x forward) by operation class: one dict per decoder layer,
-    {attention: causal QK^T over D = P + R dims and AV over U, 3 * S * N * (D + U) (2 * S/2 * N * dims each, x3);
-    dense: the MLA projections (q or q_a/q_b, kv_a, kv_b, o), router, shared experts and dense MLP, 6 x their
-    parameters; experts: the k routed experts, 6 x k x 3HI}, then the first stage's own modules {embedding: 0 (a
-    lookup)} and the last stage's {head: 6 x V x H} (final norm: no GEMM; core/pipeline.py:split_layers counts
-    both), with the MTP module there too (it runs on the last stage, Model.mtp): {mtp_layer: its MoE layer's
-    three classes, mtp_eh_proj: 6 x 2H x H, mtp_head: 6 x V x H}. tools/plan.py times each class; flops_per_token
-    is their sum. cp > 1: every cp rank expands the gathered latent of the whole sequence (kv_b_proj on cp x its
-    own tokens, Attention.forward), so that projection counts cp times per local token."""
+    """Training FLOPs per token (forward + backward = 3x forward) by class as in recipes/qwen3_30b_a3b/model.py:
+    per decoder layer {attention: causal QK^T over D = P + R dims and AV over U, 3 * S * N * (D + U)
+    (2 * S/2 * N * dims each, x3); dense: the MLA projections (q or q_a/q_b, kv_a, kv_b, o), router, shared experts
+    and dense MLP, 6 x their parameters; experts: 6 x k x 3HI}, then {embedding: 0} and the last stage's {head:
+    6 x V x H}, with the MTP module there too (Model.mtp): {mtp_layer: its MoE layer's three classes, mtp_eh_proj:
+    6 x 2H x H, mtp_head: 6 x V x H}. cp > 1: every cp rank expands the gathered latent of the whole sequence
+    (kv_b_proj on cp x its own tokens, Attention.forward), so that projection counts cp times per local token."""
     H, N, C, P, R, U = (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
                         cfg.qk_rope_head_dim, cfg.v_head_dim)
     Q, I = cfg.q_lora_rank, cfg.moe_intermediate_size
@@ -846,15 +764,13 @@ def flops_by_layer(cfg: ModelConfig, seq_len: int, cp: int = 1) -> list[dict[str
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward): 6 x active matmul parameters (the k routed
-    experts and the shared ones, not all E; LM head included, embedding lookup excluded), plus causal
-    attention, 3 * S * N * (D + U) per layer (QK^T over D dims and AV over U, 2 * S/2 * N * dims each, x3)."""
+    """Training FLOPs per token, flops_by_layer's classes summed: 6 x active matmul parameters (the k routed experts
+    and the shared ones; LM head and MTP module included, embedding lookup excluded), plus causal attention."""
     return sum(sum(part.values()) for part in flops_by_layer(cfg, seq_len))
 
 
 def cp_gather_width(cfg: ModelConfig) -> int:
-    """Numbers per token and layer that attention all-gathers over cp (Attention.forward): the MLA latent and
-    the shared rope key, C + R. tools/plan.py times the gather from it."""
+    """Numbers per token and layer all-gathered over cp (Attention.forward): the MLA latent and shared rope key."""
     return cfg.kv_lora_rank + cfg.qk_rope_head_dim
 
 
@@ -862,11 +778,9 @@ def cp_gather_width(cfg: ModelConfig) -> int:
 
 
 def compile_dense_parts(model: Model, document_mask: bool = False) -> None:
-    """torch.compile(fullgraph=True) the dense parts of every decoder layer, in place (parameter names unchanged):
-    the norms, the attention block (projections, norms, rope, expansion, SDPA), the router, shared experts and
-    dense MLPs. Left eager: the routed experts and the dispatch/combine around them, the residual adds, and
-    attention with a cp group (it all-gathers the latents) or with document_mask (a CPMask). One layer's graphs
-    serve all layers (same shapes)."""
+    """torch.compile(fullgraph=True) each decoder layer's norms, attention block (not with a cp group, which
+    all-gathers the latents, nor with document_mask: a CPMask), router, shared experts and dense MLPs, in place;
+    the routed experts, dispatch/combine and residual adds stay eager (as recipes/qwen3_30b_a3b/model.py)."""
     for layer in model.decoder_layers():
         for module in (layer.input_layernorm, layer.post_attention_layernorm):
             module.compile(fullgraph=True)
@@ -877,9 +791,8 @@ def compile_dense_parts(model: Model, document_mask: bool = False) -> None:
 
 
 def enable_fp8(model: Model) -> None:
-    """FP8 GEMMs (core/fp8.py) for the attention projections, dense and shared MLPs and routed experts, in place.
-    The embedding, router (fp32 softmax) and LM head stay in high precision. Call core.fp8.CACHE.invalidate()
-    after every optimizer step (the FP8 weight copies are made once per step). The MTP module's layer and eh_proj too."""
+    """FP8 GEMMs (core/fp8.py), in place, for the attention projections, dense and shared MLPs, routed experts and
+    the MTP module's eh_proj; the rest as recipes/qwen3_30b_a3b/model.py's enable_fp8."""
     if model.mtp is not None:
         convert_linears(model.mtp)  # eh_proj and its layer's projections
     for layer in model.decoder_layers():
@@ -960,9 +873,8 @@ def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
 
 
 def save_hf_checkpoint(model: Model, path, dtype: torch.dtype | None = None, dense: bool = True, experts: bool = True) -> None:
-    """Write `model` as a folder that transformers' DeepseekV3ForCausalLM.from_pretrained loads. In a distributed
-    run every rank calls it (see core.hf_io.write_hf_folder) and writes what it owns: `dense` / `experts` say
-    whether this rank is the first replica of its dense / routed-expert tensors."""
+    """Write `model` as a folder that transformers' DeepseekV3ForCausalLM.from_pretrained loads; every rank calls it
+    (core.hf_io.write_hf_folder), `dense` / `experts`: whether it is the first replica of those tensors."""
     fp32 = ("e_score_correction_bias", "mlp.gate.weight")  # kept in fp32 (transformers' _keep_in_fp32_modules_strict)
     tensors = {k: (v.to(dtype) if dtype and not k.endswith(fp32) else v) for k, v in hf_state_dict(model).items()
                if (experts if ".mlp.experts." in k else dense)}
@@ -983,19 +895,7 @@ def real_config_path() -> Path:
 
 
 # ------------------------------------------------------------------------------------------- recipe checks
-# What the shared correctness checks need to know about this recipe. tests/test_recipes.py runs them for every
-# folder under recipes/ (a copy of this folder is checked with no test file added) and
-# skills/validate-correctness/scripts/validate.py --recipe <folder> prints them as one table: parity with
-# transformers (or equality with BASE_RECIPE), every parallel layout against one process, resume, recompute, bf16,
-# export round trip, buffers. No name here starts with "test" (pytest would collect it where a test imports it).
-#   TRANSFORMERS_CLASS  the transformers class this model equals (logits, gradients, checkpoint names); None once
-#                       the model departs from it, and then BASE_RECIPE must name the recipe it was copied from.
-#   BASE_RECIPE         None, or the recipe folder this one is a variant of: trained on check_setup()["base_config"]
-#                       (the new feature switched off) both give the same losses, grad norms and weights.
-#   check_setup()       "config": the small model every check builds and trains (config.json fields; vocab_size
-#                       >= 256, the test data's); "seq_len": tokens per sequence, a multiple of 4 (cp2 cuts it into
-#                       4 chunks) and long enough for the attention's blocks and windows (64 or 128 if it needs);
-#                       "base_config": config.json fields both this recipe and BASE_RECIPE read, or None.
+# what the shared checks need (meanings: recipes/qwen3_30b_a3b/model.py's block, skills/validate-correctness/SKILL.md)
 TRANSFORMERS_CLASS = "DeepseekV3ForCausalLM"
 BASE_RECIPE = None
 SHARED_TRAIN_PY = True  # train.py is the shared file (tests/test_layers.py)
