@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from core.context import doc_ids_from_eos, document_starts
-from core.shards import FORMAT, FORMAT_DOCUMENTS, MASK_DTYPE, load_tokenizer, token_dtype, write_shards  # noqa: F401
+from core.shards import FORMAT, FORMAT_DOCUMENTS, MASK_DTYPE, load_tokenizer, token_dtype  # noqa: F401
 
 PREPARE_HINT = "run `python -m tools.prepare_data --default` (or with --input FILES --out DIR) first"
 
