@@ -108,9 +108,8 @@ def gather_kv(k_BGSD, v_BGSE, cp_group=None) -> tuple[torch.Tensor, torch.Tensor
     return kv_BGKX[..., :D], kv_BGKX[..., D:]
 
 
-# MLA (recipes/deepseek_v2_lite/model.py) gathers its normed latent + roped key (512 + 64 per token) instead of K/V
-# and expands them on every cp rank (a matmul small next to attention; its weight gradient is partial per rank,
-# summed with the other dense gradients), then hands attention whole keys (no second gather).
+# MLA (recipes/deepseek_v2_lite/model.py) gathers its latent + rope key (512 + 64 per token) and expands them on every
+# cp rank (a matmul small next to attention; its weight gradient partial per rank, summed with the dense gradients).
 
 
 # ------------------------------------------------------------------------------------------- documents
