@@ -1,8 +1,7 @@
 """Training checkpoints with torch.distributed.checkpoint (DCP): step_00000100/ holds model, optimizer, scheduler,
 data position, each rank's RNG and step, written as step_00000100.tmp/ (maybe in the background) and renamed once every
-rank is done. Loading checks every shard first (check_files); `--resume auto` falls back past a damaged newest one
-with a warning, an explicit folder fails in one line; an empty --resume means auto after a torchrun restart, else it
-refuses a folder holding checkpoints. Loading unpickles only DCP metadata classes, torch.Size and dtypes.
+rank is done. A damaged one (check_files): README "Running on a cluster". An empty --resume means auto after a torchrun
+restart, else it refuses a folder holding checkpoints. Loading unpickles only DCP metadata classes, torch.Size, dtypes.
 """
 
 import io

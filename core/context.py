@@ -108,9 +108,8 @@ def gather_kv(k_BGSD, v_BGSE, cp_group=None) -> tuple[torch.Tensor, torch.Tensor
     return kv_BGKX[..., :D], kv_BGKX[..., D:]
 
 
-# MLA (recipes/deepseek_v2_lite/model.py) gathers its normed latent + roped key (512 + 64 per token) instead of K/V
-# and expands them on every cp rank (a matmul small next to attention; its weight gradient is partial per rank,
-# summed with the other dense gradients), then hands attention whole keys (no second gather).
+# MLA (recipes/deepseek_v2_lite/model.py) gathers its latent + rope key (512 + 64 per token) and expands them on every
+# cp rank (a matmul small next to attention; its weight gradient partial per rank, summed with the dense gradients).
 
 
 # ------------------------------------------------------------------------------------------- documents
@@ -128,31 +127,3 @@ def doc_ids_from_eos(input_ids_BK: torch.Tensor, eos_id: int) -> torch.Tensor:
     """Document index [B, K] of each token of packed sequences, each document ended by (and holding) eos."""
     is_eos = (input_ids_BK == eos_id).long()
     return is_eos.cumsum(1) - is_eos
-
-
-# ------------------------------------------------------------------------------------- communication
-
-
-def cp_bytes_received_per_layer(seq_len: int, cp: int, numbers_per_token: int, bytes_per_element: int = 2) -> int:
-    """Bytes one cp rank receives per layer in forward (backward sends as much back): the other ranks' (cp-1)/cp of
-    the sequence, numbers_per_token values each (G * (D + E) for K and V, or the MLA latent width)."""
-    _check_seq_len(seq_len, cp)
-    return (cp - 1) * (seq_len // cp) * numbers_per_token * bytes_per_element
-
-
-def print_cp_bytes_table(seq_len: int = 32768, cps=(2, 4, 8), bytes_per_element: int = 2) -> None:
-    models = [  # (name, numbers gathered per token per layer)
-        ("Qwen3-30B-A3B     K,V: 4 x (128+128)", 4 * (128 + 128)),
-        ("GPT-OSS-20B       K,V: 8 x (64+64)", 8 * (64 + 64)),
-        ("DeepSeek-V2-Lite  K,V: 16 x (192+128)", 16 * (192 + 128)),
-        ("DeepSeek-V2-Lite  latent: 512+64", 512 + 64),
-    ]
-    print(f"MiB received per cp rank per layer (forward), {seq_len} tokens, {8 * bytes_per_element}-bit")
-    print(f"{'model / what is gathered':38s} {'numbers/token':>13s}" + "".join(f"{'cp=' + str(c):>10s}" for c in cps))
-    for name, per_token in models:
-        mib = [cp_bytes_received_per_layer(seq_len, c, per_token, bytes_per_element) / 2**20 for c in cps]
-        print(f"{name:38s} {per_token:13d}" + "".join(f"{m:10.2f}" for m in mib))
-
-
-if __name__ == "__main__":
-    print_cp_bytes_table()

@@ -1,8 +1,7 @@
 """The loader every train.py uses, over the datasets of core/shards.py. Raw text (format 1): windows of seq_len+1 tokens
-(stride seq_len). Documents with loss masks (format 2) are never split: a seeded permutation packed into windows of
-seq_len (next fit), padded with untrained eos_id tokens (their own document); label of t: token t+1 if trained and in
-t's document, else -100. Windows shuffled per epoch (seeded), each data rank its slice: batches depend only on (seed,
-step), exact resume on any rank count. documents=True: next_batch also gives document ids (format 1: doc_ids_from_eos).
+(stride seq_len). Documents with loss masks (format 2): never split, packed and shuffled as README "Conversations and
+fine-tuning" says, padded with untrained eos_id tokens (their own document); label of t: token t+1 if trained and in t's
+document, else -100. documents=True: next_batch also gives document ids (format 1: doc_ids_from_eos).
 """
 
 import json
@@ -14,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from core.context import doc_ids_from_eos, document_starts
-from core.shards import FORMAT, FORMAT_DOCUMENTS, MASK_DTYPE, load_tokenizer, token_dtype, write_shards  # noqa: F401
+from core.shards import FORMAT, FORMAT_DOCUMENTS, MASK_DTYPE, load_tokenizer, token_dtype  # noqa: F401
 
 PREPARE_HINT = "run `python -m tools.prepare_data --default` (or with --input FILES --out DIR) first"
 

@@ -3,8 +3,7 @@ J] experts split by whole experts; gradients reduce-scattered in fp32 and summed
 
 When units are gathered: README "Data parallelism: FSDP2" (--fsdp-gather; once per step: `FSDPAdamW.gather`, the
 gradients unsharded, in fp32 on the bf16 path, `_in_fp32`, and reduced by hand, as torch.distributed.pipelining's
-perform_reduce_grad does). `FSDPAdamW`: torch's AdamW on the local shards (views of FSDP2's storage), checkpoints as
-AGENTS.md's design says (flat Adam moments of older checkpoints: core/checkpoint.py).
+perform_reduce_grad does). Checkpoints: AGENTS.md's design (older flat Adam moments: core/checkpoint.py).
 """
 
 import math

@@ -143,11 +143,9 @@ def dequantize_fp8_blocks(q_NK: torch.Tensor, scale_inv_nk: torch.Tensor, block=
 
 def write_hf_folder(path: str | os.PathLike, tensors: dict[str, torch.Tensor], config: dict,
                     max_shard_bytes: int = 4 << 30) -> None:
-    """Write config.json plus tensors as size-capped shards and an index, the layout transformers loads.
-
-    Collective when torch.distributed is initialised: every rank passes the tensors it owns (a sharded model
-    writes each tensor from exactly one rank), writes them to its own files, and rank 0 writes the index
-    that joins them, so no rank ever holds the whole model."""
+    """Config.json, the tensors as size-capped shards and an index: the layout transformers loads. Collective when
+    torch.distributed is initialised: each rank passes the tensors it owns (a sharded model writes each tensor from
+    one rank) to its own files, rank 0 writes the index joining them: no rank ever holds the whole model."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]

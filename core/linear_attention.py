@@ -18,7 +18,7 @@ Documents (doc_ids_BK, int [B, K], ids of the WHOLE sequence): the state enterin
 earlier document's input. A chunk's pass gets the resets at its global positions: one inside chunk j zeroes M_j's
 columns from there on (the composition carries nothing across it), a conv tap before its document start adds 0.
 Cost: the kernel at value width V + K (~2x the FLOPs at K = V) plus 2cp [K, K] x [K, V] matmuls per head; bytes:
-`cp_linear_attention_bytes_received_per_layer` (grows with cp - 1, not S).
+tools/cp_traffic.py (grows with cp - 1, not S).
 
 Legend: B batch, S local sequence (the rank's two chunks side by side, 2 * h), h tokens of one chunk, Hk key
 heads, Hv value heads, K key dim, V value dim, X = V + K, Ch conv channels, W conv width, R = 2 cp chunks.
@@ -135,34 +135,3 @@ def gated_delta_rule(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale: float | Non
     o0_2BhHV, P_2BhHK = o_2BhHX[..., :V], o_2BhHX[..., V:]
     o_2BhHV = o0_2BhHV.to(st) + torch.einsum("bshk,bhkv->bshv", P_2BhHK.to(st), S_in_2BHKV)
     return _one_sequence(o_2BhHV.to(v_BSHV.dtype)), (S_BHKV if output_final_state else None)
-
-
-def cp_linear_attention_bytes_received_per_layer(cp: int, value_heads: int, key_dim: int, value_dim: int,
-                                                 conv_channels: int, conv_width: int, batch: int = 1,
-                                                 state_bytes: int = 4, activation_bytes: int = 2) -> int:
-    """Bytes one cp rank receives per linear-attention layer in forward (backward sends as much back): 2 (cp - 1)
-    chunk summaries [K, K + V] per value head in fp32 and 2 (cp - 1) conv tails of W - 1 inputs per channel."""
-    summaries = 2 * (cp - 1) * batch * value_heads * key_dim * (key_dim + value_dim) * state_bytes
-    tails = 2 * (cp - 1) * batch * (conv_width - 1) * conv_channels * activation_bytes
-    return summaries + tails
-
-
-def print_cp_linear_bytes_table(cps=(2, 4, 8), seq_len: int = 32768) -> None:
-    """Qwen3.5-35B-A3B's Gated DeltaNet layer (Qwen3_5MoeTextConfig: 16 key heads, 32 value heads, K = V = 128,
-    conv width 4 over q, k, v = 2*16*128 + 32*128 = 8192 channels), per sequence, next to an all-gather of the
-    conv inputs (what a gathered-activation scheme would move, bf16)."""
-    Hk, Hv, K, V, W = 16, 32, 128, 128, 4
-    channels = 2 * Hk * K + Hv * V
-    print(f"KiB received per cp rank per Gated DeltaNet layer and sequence (forward), Qwen3.5-35B-A3B; "
-          f"gathering the {channels} conv inputs of {seq_len} tokens instead, bf16")
-    print(f"{'':28s}" + "".join(f"{'cp=' + str(c):>12s}" for c in cps))
-    rows = [("summaries + tails", [cp_linear_attention_bytes_received_per_layer(c, Hv, K, V, channels, W)
-                                   for c in cps]),
-            ("  of which conv tails", [2 * (c - 1) * (W - 1) * channels * 2 for c in cps]),
-            (f"all-gather {seq_len} tokens", [(c - 1) * (seq_len // c) * channels * 2 for c in cps])]
-    for name, values in rows:
-        print(f"{name:28s}" + "".join(f"{b / 2**10:12.0f}" for b in values))
-
-
-if __name__ == "__main__":
-    print_cp_linear_bytes_table()

@@ -1,13 +1,12 @@
 """Per-rank peak training memory of a recipe's model under a layout, by component, and whether it fits a GPU
 (`check_train_args`: train.py's guard). It reads what the model declares (Model.parameter_rules, slots_per_token,
 Model.initial_state) and what core sees a tiny run do. Components of the most loaded pp rank (each built on `meta`):
-  weights, gradients  fp32, of the rank's part (its two DualPipeV stages, the ep rank holding the most experts);
-               FSDP2's shards at world > 1 (ceil(d0 / n) rows; routed experts over dp*cp, the rest over dp*cp*ep)
+  weights, gradients  fp32, the rank's part (its two DualPipeV stages, the ep rank with the most experts); FSDP2's
+               shards at world > 1 (ceil(d0 / n) rows; routed experts over dp*cp, the rest over dp*cp*ep)
   optimizer    AdamW's two fp32 moments; --optimizer muon: Muon's momentum on its owners (the most: `muon_bytes`)
   weight cache one process: the bf16 casts and FP8 operands its model hands core/weight_cache.py (weight_copies)
-  activations  what a tiny run keeps for backward (activation_calibration) scaled by tokens, slots_per_token,
-               hidden_size / tiny's and dtype; pp > 1: the chunks DualPipeV holds at rank r's peak with the states
-               they handed on (handoff_bytes)
+  activations  what a tiny run keeps for backward (activation_calibration) x tokens, slots_per_token, dtype,
+               hidden_size / tiny's; pp > 1: the chunks DualPipeV holds at its peak + states handed on (handoff_bytes)
   comm buffers the all-to-all rows, FSDP2's units in flight (fsdp_bytes), Muon's largest bucket
 Gathered once per step (pp > 1, --fsdp-gather step) the weight cache is the stage in the compute dtype with its FP8
 operands. Weights, gradients, optimizer and cache exact (tested against a built model, the optimizers, FSDP2, the
@@ -305,8 +304,7 @@ def fsdp_bytes(mod, model, layout: Layout) -> dict:
 
 
 def param_bytes(mod, model, layout: Layout) -> dict:
-    """Exact bytes of weights, gradients and optimizer state (fsdp_bytes at world > 1) of this model (mod: its
-    recipe's model module)."""
+    """Exact bytes of weights, gradients, optimizer state (world > 1: fsdp_bytes) of `model` (mod: its model.py)."""
     if layout.fsdp:
         return fsdp_bytes(mod, model, layout)
     weights = adam = cache = 0
@@ -358,8 +356,7 @@ def handoff_bytes(mod, cfg, layout: Layout) -> int:
 
 
 def estimate(mod, cfg, layout: Layout, pp_rank: int | None = None) -> dict:
-    """Bytes per component on the most loaded pp rank (or on pp_rank), plus 'total' and 'pp_rank'. mod: the recipe's
-    model module."""
+    """Bytes per component on the most loaded pp rank (or pp_rank), 'total', 'pp_rank'; mod: the recipe's model.py."""
     if layout.seq_len % (2 * layout.cp):
         raise ValueError(f"--seq-len {layout.seq_len} is not divisible by 2*cp = {2 * layout.cp}")
     pp, pipeline = layout.pp, layout.pp > 1

@@ -12,10 +12,9 @@ import torch
 import torch.distributed as dist
 
 # Dense bf16 tensor-core peaks (NVIDIA datasheets) by device name, MFU's reference on a GPU; the best bf16 matmul
-# measured on one H200 reached ~790 TFLOP/s (shown beside, not used).
+# measured on one H200 reached ~790 TFLOP/s.
 DATASHEET_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("H100", 989e12),
                         ("H200", 989e12), ("A100", 312e12))  # first match wins: "GH200" reads as H200 (989)
-MEASURED_H200_BF16_FLOPS = 790e12
 
 
 def measure_matmul_flops(device: torch.device, dtype=torch.float32, size: int = 512, repeats: int = 8) -> float:

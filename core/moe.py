@@ -8,10 +8,9 @@ Legend: T tokens on this rank, H hidden, k slots per token, E experts in the mod
 experts on this rank (core/placement.py; may be 0), P (token, destination rank) pairs sent, Q pairs received, R
 (received row, local expert) pairs = grouped GEMM rows, X = H + k (a row carries the token and its k weights).
 
-Dispatch deduplicated and dropless (AGENTS.md's design): one layer on one micro-batch in the five steps a pipeline
-schedule can interleave, `moe_forward` back to back (`start_*` returns at once, `.wait()` gives the result with
-autograd attached). ep_group None skips the all-to-alls. Host syncs: one per layer and micro-batch, in DispatchPlan
-(the row counts that size the all-to-alls and GEMMs); the backward reuses them (grouped-GEMM path: `grouped_mm`).
+Dispatch deduplicated and dropless (AGENTS.md's design) in the five steps a schedule can interleave (`moe_forward`: back
+to back; `start_*` returns at once, `.wait()` gives the result with autograd); ep_group None: no all-to-all. One host
+sync per layer and micro-batch, in DispatchPlan: the row counts sizing all-to-alls and GEMMs (reused in backward).
 
 recompute_dispatch (--recompute layer): the received [Q, X] rows are freed once the experts ran and dispatched again
 in backward (`DispatchPlan.refill`, same splits) on every ep rank at the same point: one more dispatch, Q x X saved.
@@ -208,8 +207,7 @@ class DispatchPlan:
 
     def __init__(self, topk_ids_Tk: torch.Tensor, num_experts: int, group, placement: Placement | None = None,
                  recompute_dispatch: bool = False):
-        """placement: which rank holds each expert (None: Placement.even over the group); recompute_dispatch: see
-        the module docstring."""
+        """placement: which rank holds each expert (None: Placement.even); recompute_dispatch: module docstring."""
         n = 1 if group is None else dist.get_world_size(group)
         me = 0 if group is None else dist.get_rank(group)
         placement = Placement.even(num_experts, n) if placement is None else placement
@@ -267,8 +265,7 @@ class DispatchPlan:
         return AllToAll(self.dispatch_payload(x_TH, topk_weights_Tk), self.send_splits, self.recv_splits, self.group)
 
     def run_experts(self, x_QX: torch.Tensor, experts_fn) -> torch.Tensor:
-        """(3) Expand received rows to one row per local expert (grouped by expert), run the experts, and sum
-        each received row's weighted expert outputs: [Q, H]."""
+        """(3) Received rows expanded per local expert (grouped by expert), experts run, weighted sums: [Q, H]."""
         if step3.on:
             step3.received.append((x_QX, self.k))
             step3.rows += self.order_R.numel()

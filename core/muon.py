@@ -8,12 +8,9 @@ Muon (Moonlight's variant: torch.optim.Muon, adjust_lr_fn="match_rms_adamw") upd
     O <- NS5(U / ||U||_F)                           5 quintic Newton-Schulz steps (3.4445, -4.7750, 2.0315): ~U V^T
     W <- W (1 - lr wd) - lr 0.2 sqrt(max(A, B)) O   decoupled weight decay; the update's RMS matched to AdamW's
 
-so one learning rate and schedule serve both groups (matrices: `ParamRule.muon`). Newton-Schulz in bf16 on GPU, fp32
-on CPU; weights and momentum fp32. Distribution (README "Muon"): a matrix inside one dim-0 row of FSDP2's shards (a
-stacked expert's gate, up or down) is owned by the row's holder, nothing moves; one of whole rows has an owner chosen
-greedily by Newton-Schulz FLOPs (`assign_owners`), two all-to-alls per bucket move its gradient and update rows; any
-other (a column split) is refused. An owner orthogonalises all its matrices of one shape as one batched stack and
-checkpoints their momentum as `muon_momentum.<parameter name>[.<kind>][.expert<global id>]`.
+so one learning rate and schedule serve both groups (matrices: `ParamRule.muon`). Which rank owns a matrix, how its
+rows move (`assign_owners`, two all-to-alls per bucket), precisions and batching: README "Muon". An owner checkpoints
+each matrix's momentum as `muon_momentum.<parameter name>[.<kind>][.expert<global id>]`.
 
 Tensor names: S matrices stacked (the experts of one parameter, or 1), k of them in one entry, A x B a matrix.
 """

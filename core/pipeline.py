@@ -1,8 +1,6 @@
 """DualPipeV (after DeepSeek's schedule): 2*pp pipeline stages in a V, one micro-batch's forward overlapped with
-another's backward, delayed weight gradients (zero bubble).
-
-Layout and contract with a model.py: AGENTS.md's design (phase 0: stage r, down; phase 1: 2*pp-1-r, back; the last
-rank hands stage pp-1's output on locally) and layer protocol; a chunk: a micro-batch on a stage.
+another's backward, delayed weight gradients (zero bubble). Layout and layer protocol: AGENTS.md (phase 0: stage r,
+down; phase 1: 2*pp-1-r, back; the last rank hands stage pp-1's output on locally); a chunk: a micro-batch on a stage.
 
 Overlap: a chunk's forward is a generator that yields right after starting an all-to-all; its backward runs autograd
 segment by segment (cut at the all-to-alls), yielding after starting a reverse one; the steady phase alternates the
@@ -13,6 +11,7 @@ all-to-all); rank r holds <= 2pp - r chunks of stage r and r + 1 of stage 2pp-1-
 its pair frees). `running`: the chunk whose code runs now, set whenever the engine advances a generator.
 """
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -76,10 +75,7 @@ def _running_as(steps, micro_batch: int, stage: int, backward: bool):
 def _split_by_cost(costs: list, stages: int, first: float, last: float) -> list[list[int]]:
     """The contiguous split into `stages` (middle ones hold a layer) whose largest stage cost, the end stages' own
     modules costing `first` and `last`, is smallest: dynamic programming over (stage, layers so far), ties earliest."""
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    n, prefix = len(costs), list(itertools.accumulate(costs, initial=0.0))  # prefix[i]: cost of layers 0..i-1
     best = [[first + prefix[i] for i in range(n + 1)]]  # best[s][i]: layers 0..i-1 on stages 0..s
     cut = [[0] * (n + 1)]
     for s in range(1, stages):
@@ -206,10 +202,7 @@ class DualPipeV:
         chunk = self.b_chunk[phase]
         self.b_chunk[phase] += 1
         outputs = self.outputs[phase][chunk]
-        if self.first and phase == 1:
-            grads = [torch.ones_like(outputs[0])]
-        else:
-            grads = self.output_grads[phase][chunk]
+        grads = [torch.ones_like(outputs[0])] if self.first and phase == 1 else self.output_grads[phase][chunk]
         steps = _backward_steps(self.tapes[phase][chunk], outputs, grads)
         return chunk, _running_as(steps, chunk, self._stage_id(phase), backward=True)
 

@@ -172,8 +172,7 @@ def _where(thread_id: int) -> str:
             ours = f"{Path(path).relative_to(ROOT)}:{frame.f_lineno} {name}"
         if phase is None and name == "run" and path.endswith("pipeline.py"):
             for line in range(frame.f_lineno, 0, -1):  # the schedule's '# phase N: ...' comment above this line
-                m = re.search(r"# (phase \d+)", linecache.getline(path, line))
-                if m:
+                if m := re.search(r"# (phase \d+)", linecache.getline(path, line)):
                     phase = m.group(1)
                     break
         frame = frame.f_back

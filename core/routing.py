@@ -81,8 +81,7 @@ class RoutingStats:
     def step_done(self, stats: dict) -> dict:
         """The step's reduced statistics (routing's own popped) -> per-MoE-layer lists for the log: dead_experts (share
         of the live choices with no token in the last DEAD_WINDOW steps), empty_slots (share of slots; once a router
-        left one empty), router_entropy (mean over tokens, nats; where reported); a traced step's file written by the
-        main rank (tmp file, os.replace)."""
+        left one empty), router_entropy (mean over tokens, nats; where reported); the main rank writes a traced step."""
         slots_L, empty_L, entropy_L, measured_L = stats.pop("routing_counts").unbind(-1)
         load_LE, live_LE = stats["expert_load"], stats.get("expert_live")
         live_LE = torch.ones_like(load_LE, dtype=torch.bool) if live_LE is None else live_LE.bool()

@@ -69,9 +69,7 @@ def field_comments(cls) -> dict[str, str]:
 
 def _shown(value) -> str:
     """A default as --help shows it: strings bare (runs/my_arch), quoted only when empty or padded ('', 'def ')."""
-    if isinstance(value, str) and (not value or value != value.strip()):
-        return repr(value)
-    return str(value)
+    return repr(value) if isinstance(value, str) and (not value or value != value.strip()) else str(value)
 
 
 def build_parser(cls) -> argparse.ArgumentParser:

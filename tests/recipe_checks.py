@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 
 import recipes
 from core.context import cp_positions, split_for_cp
-from core.data import TokenLoader, positions_in_documents, write_shards
+from core.data import TokenLoader, positions_in_documents
 from core.hf_io import CheckpointReader
 from core.mesh import build_mesh
 from core.pipeline import split_layers
@@ -64,6 +64,7 @@ from tests.test_train import (
     worst_error,
 )
 from tools.hf_parity import FLOAT64_TOLERANCE, check_recipe, folder_tensors, make_tiny_hf_model
+from tools.shards import write_shards
 
 GROUPS = ("parity", "base", "export", "buffers", "documents", "layouts")
 # Bounds, as relative norms ||a - b|| / ||b|| per tensor unless a row says otherwise, each from the model under test:

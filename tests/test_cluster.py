@@ -16,13 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.data import MixtureLoader, TokenLoader, mixture_counts, parse_mixture, write_shards
+from core.data import MixtureLoader, TokenLoader, mixture_counts, parse_mixture
 from recipes.qwen3_30b_a3b import train
 from tests.multiproc import run_ranks
 from tests.recipe_checks import write_counting_chats, write_counting_data
 from tests.test_launch import launch_env
 from tests.test_reliability import checkpoint_tensors, flat, records
 from tests.test_train import run_train, train_args
+from tools.shards import write_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,16 +8,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from core.attention import attention, attention_reference, cp_attention_mask
-from core.context import (
-    cp_bytes_received_per_layer,
-    cp_positions,
-    doc_ids_from_eos,
-    gather_sequence,
-    merge_from_cp,
-    split_for_cp,
-)
+from core.context import cp_positions, doc_ids_from_eos, gather_sequence, merge_from_cp, split_for_cp
 from core.mesh import build_mesh, destroy_mesh
 from tests.multiproc import run_ranks
+from tools.cp_traffic import cp_bytes_received_per_layer
 
 B, S, EOS = 2, 32, 2
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from core.data import TokenLoader, load_tokenizer, write_shards
+from core.data import TokenLoader, load_tokenizer
 from tools.prepare_data import main as prepare
+from tools.shards import write_shards
 
 DUMMY_TOK = {"kind": "sentencepiece", "path": "/nonexistent.model"}
 

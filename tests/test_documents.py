@@ -10,12 +10,13 @@ import re
 import pytest
 import torch
 
-from core.data import TokenLoader, positions_in_documents, write_shards
+from core.data import TokenLoader, positions_in_documents
 from recipes import recipe_names
 from tests.test_train import train_args
 from tools.chat_demo import CHAT_TEMPLATE, conversations, sentencepiece_to_hf
 from tools.prepare_data import main as prepare
 from tools.prepare_data import render_conversation
+from tools.shards import write_shards
 
 # Qwen-style ChatML: "<|im_start|>role\ncontent<|im_end|>\n" per message, generation prompt "<|im_start|>assistant\n"
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"

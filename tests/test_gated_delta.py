@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from core.context import document_starts, merge_from_cp, split_for_cp
 from core.kernels.gated_delta import chunk_gated_delta_flops_per_token as flops_per_token
 from core.kernels.gated_delta import chunk_gated_delta_rule, chunk_gated_delta_rule_reference
-from core.linear_attention import causal_conv1d, cp_linear_attention_bytes_received_per_layer, gated_delta_rule
+from core.linear_attention import causal_conv1d, gated_delta_rule
 from tests.multiproc import run_ranks
+from tools.cp_traffic import cp_linear_attention_bytes_received_per_layer
 
 
 def loop_gated_delta(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, scale, S0_BHKV):

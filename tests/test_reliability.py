@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from core.data import TokenLoader, write_shards
+from core.data import TokenLoader
 from core.reliability import StopRun
 from recipes.qwen3_30b_a3b import train
 from tests.conftest import TINY_TRAIN_CONFIG
@@ -26,6 +26,7 @@ from tests.multiproc import run_ranks
 from tests.test_launch import launch_env
 from tests.test_train import run_train, train_args
 from tools.hf_parity import folder_tensors
+from tools.shards import write_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 

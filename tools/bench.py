@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from core.data import TokenLoader, write_shards
+from core.data import TokenLoader
 from core.fsdp import FSDPAdamW, shard_model
 from core.mesh import build_mesh, destroy_mesh
 from core.metrics import measure_matmul_flops, peak_flops_and_source, timed
@@ -66,6 +66,7 @@ from core.training import parameter_rules
 from recipes import recipe_names
 from recipes.qwen3_30b_a3b import train
 from recipes.qwen3_30b_a3b.model import ModelConfig, flops_per_token, real_config_path, tiny_config_path
+from tools.shards import write_shards
 
 SIZES = {"tiny": (tiny_config_path(), None), "wide": (real_config_path(), 2), "real": (real_config_path(), None)}
 

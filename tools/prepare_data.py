@@ -71,7 +71,8 @@ from pathlib import Path
 
 import numpy as np
 
-from core.shards import ShardWriter, load_tokenizer, token_array, write_atomic, write_meta
+from core.shards import load_tokenizer
+from tools.shards import ShardWriter, token_array, write_atomic, write_meta
 
 # stdlib folders that are tests, demos, generated tables or third-party code rather than ordinary library source
 STDLIB_SKIP = {"test", "tests", "idlelib", "turtledemo", "encodings", "pydoc_data", "site-packages", "dist-packages",
