@@ -171,7 +171,6 @@ def check_layouts(tiny_train_setup, tmp_path, world: int, layouts: dict, more: d
     cfg = importlib.import_module("recipes.qwen3_30b_a3b.model").ModelConfig.from_hf(config)
     for job, (v, layout) in checked.items():
         flags = variants[v]
-        placement = [int(r) for r in layout["expert_placement"].split(",")] if "expert_placement" in layout else None
         results = [rank[job][0] for rank in runs]
         if v in FP8:
             errors = fp8_layout_errors(single[v], results, flags["fp8_recipe"])

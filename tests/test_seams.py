@@ -425,7 +425,7 @@ def test_extensions_through_the_seams(tiny_train_setup, tmp_path, monkeypatch, c
     jobs |= {"grads cp2": ("grads", (config, 2, 1, 32)), "whole": ("whole", None)}
     per_rank = run_ranks(2, extension_worker, jobs)
 
-    for name, layout in layouts.items():
+    for name in layouts:
         assert_matches_single(single, [rank[name] for rank in per_rank])
     for rank in per_rank:
         # model level, through the shared checks' path: each quantity within its own rounding noise
