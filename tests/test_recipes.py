@@ -81,8 +81,12 @@ def pytest_in(clone, *args):
                           capture_output=True, text=True, timeout=1200)
 
 
-# one copy's layouts in the default suite (the mechanism is the same for every base); the others with -m slow
-@pytest.mark.parametrize("base", [pytest.param(r, marks=() if r == "qwen3_30b_a3b" else pytest.mark.slow) for r in RECIPES])
+# -m slow: a copy of a recipe is the same code under another folder name, whose shared checks the default suite runs
+# under the original name; what the name changes is covered there: the collection of every shared check for the copy
+# (test_a_copy_needs_no_list_or_doc_edited), a copy's ranks importing it by its name (tests/test_skill_validate.py:
+# validate.py on a fresh copy) and its launch.sh (tests/test_launch.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("base", RECIPES)
 def test_a_copied_recipe_is_checked_with_no_test_file_added(base, tmp_path):
     """cp -r recipes/<base> recipes/my_arch in a scratch clone: the clone's suite collects every shared check for
     my_arch, and my_arch's numerics and layouts pass there (launch.sh: tests/test_launch.py runs a copy's)."""
@@ -139,6 +143,8 @@ def test_a_copy_needs_no_list_or_doc_edited(tmp_path):
     assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
     with_copy = {line.split("::")[0] for line in collected.stdout.splitlines() if "::" in line and "my_arch" in line}
     assert with_copy == set(files), sorted(set(files) - with_copy)
+    ids = collected.stdout.split()  # every shared check, for the copy too
+    assert all(f"tests/test_recipes.py::{test}[my_arch]" in ids for test in SHARED_TESTS), collected.stdout[-3000:]
     run = pytest_in(clone, "tests/test_agents_md.py", "tests/test_layers.py", "tests/test_training_flags.py",
                     "tests/test_skill_estimate_memory.py", "tests/test_plan.py", "tests/test_skill_profile.py",
                     "-k", "test_agents_md or test_layers or (my_arch and (help or one_process or script or "
