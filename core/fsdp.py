@@ -37,9 +37,14 @@ def shard_model(model: torch.nn.Module, mesh, bf16: bool, once: bool) -> list[FS
     expert_mesh = mesh.device_mesh["dp", "cp"]._flatten("dp_cp")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     shard = lambda module, mesh: fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=per_micro_batch)
-    experts = [shard(model.get_submodule(name), expert_mesh) for name in owners]
-    # the embedding is its own unit: FSDP2 keeps the root's gathered through the whole step
-    chain = [shard(model.get_submodule(name), dense_mesh) for name in chain]  # in forward order, the root last
+    if once and mesh.device.type == "cpu":  # gloo: each collective a loopback round trip of CPU time (1.15x the
+        # step at dp2 per layer), so one unit per mesh; a GPU keeps per-layer units: its transient reduce-scatter
+        # input is the largest unit (core/memory.py)
+        experts = shard([model.get_submodule(name) for name in owners], expert_mesh)[:1] if owners else []
+        chain = [shard(model, dense_mesh)]
+    else:  # the embedding is its own unit: FSDP2 keeps the root's gathered through the whole step
+        experts = [shard(model.get_submodule(name), expert_mesh) for name in owners]
+        chain = [shard(model.get_submodule(name), dense_mesh) for name in chain]  # in forward order, the root last
     register_fsdp_forward_method(model, "forward_train")  # train.py's pp = 1 loop calls it, not forward
     # Backward prefetch along the dense units only, each the one before: an experts unit's backward starts at
     # another point on ranks holding other (or no) experts, so the all-gather FSDP2's default would prefetch there
