@@ -29,11 +29,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def rowwise_fp8_scaling():
-    """Every test starts from row-wise FP8 scaling, the default: core/fp8.py:SCALING is one process-wide setting that
-    a train.py run sets (--fp8-recipe), so a blockwise run left it for later tests (tests/test_fp8.py's emulations
-    failed after tests/test_fsdp.py in one process)."""
+def process_wide_defaults():
+    """Every test starts from the process-wide settings a train.py run may change and leave: row-wise FP8 scaling
+    (core/fp8.py:SCALING, --fp8-recipe; a blockwise run made tests/test_fp8.py's emulations fail after
+    tests/test_fsdp.py in one process) and torch's nondeterministic algorithms (--deterministic)."""
     fp8.set_scaling("rowwise", "cpu")
+    torch.use_deterministic_algorithms(False)
 
 
 @pytest.fixture
