@@ -13,6 +13,7 @@ from core.mesh import resolve_layout
 from core.training import parameter_rules
 from recipes.qwen3_30b_a3b import train
 from tests.multiproc import run_ranks
+from tools.hf_parity import NOISE_FACTOR, NOISE_FLOOR, noise_bound
 
 # Layouts against one process, fp32: the same sums in another order (reduce-scatter, stage boundaries, cp chunks)
 # round differently, ~1e-7 relative, which 3 Adam steps (eps 1e-6) grow to ~1e-6 in the weights (measured worst
@@ -27,12 +28,10 @@ LAYOUT_TOLERANCE = 1e-5
 # and so a large bound, which the fixed 1e-5 did not give. Measured over every tensor of every fp32 layout of
 # the three recipes (weights after 3 steps, model-level gradients at cp2 and cp2xep2): noise 0 to 3.5e-6, error /
 # noise at most 3.0 for a whole tensor (GPT-OSS down_proj_bias at cp2xep2, 4.8e-6) and 4 for 3 grad norms (1 ulp
-# of noise, 4 ulps of error). NOISE_FACTOR = 16 leaves 4x above that. Tensors of few elements (losses, grad norms,
+# of noise, 4 ulps of error). NOISE_FACTOR = 16 (tools/hf_parity.py: one rule for every fp32 row) leaves 4x above that. Tensors of few elements (losses, grad norms,
 # the aux loss) err by whole fp32 ulps and their fp32 value may even land on the float64 one (noise ~0): measured
 # at most 2.6e-7 (4 ulps); NOISE_FLOOR = 2e-6 leaves 8x. A lost reduction or a wrong rank's chunk moves a tensor by
 # 0.1 to 1 (tests/recipe_checks.py:layout_results' docstring), 1e3 and more above any of these bounds.
-NOISE_FACTOR = 16.0
-NOISE_FLOOR = 2e-6
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -97,12 +96,6 @@ def one_process_part(run, what: str, name: str) -> torch.Tensor | None:
     """One process's losses, grad norms or state entry `name` (None: it has no such entry)."""
     losses, norms, weights = run
     return torch.tensor(losses if what == "losses" else norms) if what != "weights" else weights.get(name)
-
-
-def noise_bound(noise: float) -> float:
-    """The bound of one tensor whose fp32 one-process run is `noise` (relative) from the float64 run:
-    NOISE_FACTOR times that, at least NOISE_FLOOR."""
-    return max(NOISE_FLOOR, NOISE_FACTOR * noise)
 
 
 def layout_errors(reference, results, error=rel_err, reference64=None,

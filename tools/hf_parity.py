@@ -124,6 +124,8 @@ def float64_reference(hf_dir, ids, labels) -> tuple[torch.Tensor, dict[str, torc
 
 
 def noise_bound(noise: float) -> float:
+    """The bound of a quantity whose fp32 run is `noise` (relative) from its float64 run: NOISE_FACTOR times that,
+    at least NOISE_FLOOR (also the shared checks' layout rows: tests/test_train.py)."""
     return max(NOISE_FLOOR, NOISE_FACTOR * noise)
 
 
