@@ -7,6 +7,7 @@ step in one process, and every recipe rejects a bad --profile-steps in one line.
 import csv
 import importlib
 import json
+import math
 import re
 import sys
 from collections import defaultdict
@@ -42,13 +43,16 @@ def argv(recipe, data, out, steps, window, *extra):
 
 
 def expected_self_ms(trace: Path) -> dict:
-    """{name: [self ms, calls]} of the host events that start inside a ProfilerStep, from the raw JSON: an event's
-    duration minus the durations of the events directly nested in it on its thread."""
+    """{name: [self ms, calls, rounding ms]} of the host events that start inside a ProfilerStep, from the raw JSON:
+    an event's duration minus the durations of the events directly nested in it on its thread. analyze_profile.py
+    takes the same differences on absolute times (ts + dur, ~6e12 us: one double ulp ~1e-3 us), so each time it
+    adds rounds by up to half an ulp: 2 per event and 2 per direct child (AdamW.step has hundreds), the bound."""
     spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     is_step = lambda e: re.fullmatch(r"ProfilerStep#\d+", e["name"])  # noqa: E731
     steps = [(e["ts"], e["ts"] + e["dur"]) for e in spans if is_step(e)]
     host = [e for e in spans if e.get("cat") in ("cpu_op", "user_annotation") and not is_step(e)]
-    self_us = [e["dur"] for e in host]
+    self_us, edges = [e["dur"] for e in host], [2] * len(host)
+    half_ulp_ms = max((math.ulp(e["ts"] + e["dur"]) for e in spans), default=0.0) / 2 / 1e3
     threads = defaultdict(list)
     for i, e in enumerate(host):
         threads[(e["pid"], e["tid"])].append(i)
@@ -59,23 +63,24 @@ def expected_self_ms(trace: Path) -> dict:
                 open_.pop()
             if open_:
                 self_us[open_[-1]] -= host[i]["dur"]
+                edges[open_[-1]] += 2
             open_.append(i)
-    out = defaultdict(lambda: [0.0, 0])
-    for e, us in zip(host, self_us):
+    out = defaultdict(lambda: [0.0, 0, 0.0])
+    for e, us, n in zip(host, self_us, edges):
         if any(a <= e["ts"] < b for a, b in steps):
             out[e["name"]][0] += us / 1e3
             out[e["name"]][1] += 1
+            out[e["name"]][2] += n * half_ulp_ms
     return out
 
 
 def check_analysis(profile_dir: Path, ranks: int, capsys, tmp_path, comm_expected: bool):
     traces = sorted(profile_dir.glob("rank*.json"))
     assert [p.name for p in traces] == [f"rank{r}.json" for r in range(ranks)]
-    expected = defaultdict(lambda: [0.0, 0])
+    expected = defaultdict(lambda: [0.0, 0, 0.0])
     for trace in traces:
-        for name, (ms, calls) in expected_self_ms(trace).items():
-            expected[name][0] += ms
-            expected[name][1] += calls
+        for name, found in expected_self_ms(trace).items():
+            expected[name] = [a + b for a, b in zip(expected[name], found)]
     csv_path = tmp_path / "ops.csv"
     capsys.readouterr()
     assert analyze_profile.main([str(profile_dir), "--top", "100000", "--csv", str(csv_path)]) == 0
@@ -84,11 +89,11 @@ def check_analysis(profile_dir: Path, ranks: int, capsys, tmp_path, comm_expecte
     # every event counted once: the CSV holds every name, with the totals and calls recomputed from the JSON
     assert {r["name"] for r in rows} == set(expected)
     for r in rows:
-        ms, calls = expected[r["name"]]
+        ms, calls, rounding = expected[r["name"]]
         assert int(r["calls"]) == calls, r
-        # (timestamps ~1e12 us in doubles: each start/end is exact to ~1 ns)
-        assert float(r["total_ms"]) == pytest.approx(ms, rel=1e-6, abs=1e-5 + 2e-6 * calls), r
-        assert float(r["mean_ms"]) == pytest.approx(ms / calls, rel=1e-6, abs=1e-5), r
+        # the CSV's 6 decimals (5e-7 ms) and the times' own rounding (expected_self_ms)
+        assert float(r["total_ms"]) == pytest.approx(ms, rel=0, abs=5e-7 + rounding), r
+        assert float(r["mean_ms"]) == pytest.approx(ms / calls, rel=0, abs=5e-7 + rounding / calls), r
     assert [float(r["total_ms"]) for r in rows] == sorted((float(r["total_ms"]) for r in rows), reverse=True)
     # the printed table is the CSV, rounded
     table = printed.split("\n", 2)[2].split("csv:")[0].strip().splitlines()
