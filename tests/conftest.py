@@ -1,4 +1,7 @@
+import getpass
 import json
+import os
+import tempfile
 
 import pytest
 import torch
@@ -6,6 +9,13 @@ import torch
 from core import fp8
 from recipes.qwen3_30b_a3b.model import check_setup as qwen3_check_setup
 from tests.recipe_checks import write_counting_data
+
+# Inductor's on-disk cache does not tell kernels built under one ATen CPU capability from another's: read under
+# ATEN_CPU_CAPABILITY=avx2, kernels an earlier run built natively (AVX-512) gave wrong logits, and the other way round
+# crashed the process; with a cache of its own each passes. So one cache folder per capability, for the tests and
+# the processes they start (a folder the caller names is kept).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{torch.backends.cpu.get_cpu_capability().lower()}"))
 
 # the Qwen3 recipe's check config with 2 of its 6 layers (4 experts, vocab 256), which most single-feature tests train
 TINY_TRAIN_CONFIG = {**qwen3_check_setup()["config"], "num_hidden_layers": 2}
