@@ -351,8 +351,8 @@ def handoff_bytes(mod, cfg, layout: Layout) -> int:
             extras = model.prepare_batch(ids_BS, ids_BS, None, torch.arange(ids_BS.shape[1]).expand_as(ids_BS))
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=layout.bf16):
                 state = model.initial_state(ids_BS, extras)
-            _HANDOFF[key] = sum(t.numel() * t.element_size() for t in state)
-    return _HANDOFF[key]
+            _HANDOFF[key] = (sum(t.numel() * t.element_size() for t in state), cfg)  # cfg kept: its id stays its own
+    return _HANDOFF[key][0]
 
 
 def estimate(mod, cfg, layout: Layout, pp_rank: int | None = None) -> dict:
